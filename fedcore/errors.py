@@ -1,0 +1,95 @@
+"""The fedcore exception tree.
+
+::
+
+    FedcoreError                 root of everything fedcore raises on purpose
+    ├── SpecError                a manifest is invalid (carries every issue found)
+    ├── ProtocolError            a protocol's maths or preconditions failed
+    │   └── RecoveryError        a lossless protocol's recovery residual passed its bound
+    ├── TransportError           a message could not be sent, received or decoded
+    │   └── MessageRejected      a peer sent a malformed, truncated or oversized message
+    ├── CheckpointError          a checkpoint could not be written or read
+    ├── RoleFailed               a role process (kdc, server, client) exited with an error
+    └── RunAborted               a run stopped before its last round (quorum lost, budget, ...)
+
+Foreign errors (grpc, boto3, OS) are translated at the boundary with ``raise ... from exc``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+class FedcoreError(Exception):
+    """Root of every error fedcore raises on purpose."""
+
+
+@dataclass(frozen=True)
+class SpecIssue:
+    """One problem found in a manifest.
+
+    Attributes:
+        path: the dotted field path, e.g. ``spec.clients.count``.
+        message: a sentence saying what is wrong and what is allowed.
+    """
+
+    path: str
+    message: str
+
+    def __str__(self) -> str:
+        return f"{self.path}: {self.message}"
+
+
+class SpecError(FedcoreError):
+    """A manifest is invalid; ``issues`` lists every problem with its field path."""
+
+    def __init__(self, issues: list[SpecIssue], *, source: str | None = None) -> None:
+        self.issues = list(issues)
+        self.source = source
+        where = f" in {source}" if source else ""
+        lines = "\n".join(f"  - {issue}" for issue in self.issues)
+        super().__init__(f"The FederatedRun manifest{where} is invalid:\n{lines}")
+
+
+class ProtocolError(FedcoreError):
+    """A protocol's maths or preconditions failed."""
+
+
+class RecoveryError(ProtocolError):
+    """A lossless protocol's recovery residual passed its bound."""
+
+    def __init__(self, message: str, *, round: int, residual: float, bound: float) -> None:
+        self.round = round
+        self.residual = residual
+        self.bound = bound
+        super().__init__(message)
+
+
+class TransportError(FedcoreError):
+    """A message could not be sent, received or decoded."""
+
+
+class MessageRejected(TransportError):
+    """A peer sent a malformed, truncated or oversized message."""
+
+
+class CheckpointError(FedcoreError):
+    """A checkpoint could not be written or read."""
+
+
+class RoleFailed(FedcoreError):
+    """A role process exited with an error."""
+
+    def __init__(self, role: str, message: str, *, exit_code: int | None = None) -> None:
+        self.role = role
+        self.exit_code = exit_code
+        super().__init__(f"The {role} failed: {message}")
+
+
+class RunAborted(FedcoreError):
+    """A run stopped before its last round; ``reason`` is a PascalCase word."""
+
+    def __init__(self, message: str, *, reason: str, round: int | None = None) -> None:
+        self.reason = reason
+        self.round = round
+        super().__init__(message)

@@ -1,0 +1,71 @@
+"""Facts about each protocol that the runner, the operator and validation need without torch."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+DropoutPolicy = Literal["Skip", "Redo", "Fail"]
+"""What the server does when a sampled client does not upload in time.
+
+Skip: aggregate the uploads that arrived when the quorum is met (plain averaging is still right).
+Redo: run the round again without the missing clients (masks that must cancel would not).
+Fail: stop the run (no safe way to continue).
+"""
+
+
+@dataclass(frozen=True)
+class ProtocolFacts:
+    """What a protocol needs from the runtime.
+
+    Attributes:
+        name: the protocol's name in ``spec.protocol.name``.
+        needs_kdc: whether a KDC role must run (and be ready before the server).
+        decentralized: whether clients talk to each other over peer links.
+        claims_dp: whether the protocol claims differential privacy (may take a budget).
+        dropout_policy: what the server does when a sampled client does not upload.
+        summary: one line for docs and ``fedcore validate``.
+    """
+
+    name: str
+    needs_kdc: bool
+    decentralized: bool
+    claims_dp: bool
+    dropout_policy: DropoutPolicy
+    summary: str
+
+
+PROTOCOL_FACTS: dict[str, ProtocolFacts] = {
+    facts.name: facts
+    for facts in (
+        ProtocolFacts(
+            name="fedavg",
+            needs_kdc=False,
+            decentralized=False,
+            claims_dp=False,
+            dropout_policy="Skip",
+            summary="Federated averaging: local epochs, model mean weighted by shard size.",
+        ),
+        ProtocolFacts(
+            name="fedsgd",
+            needs_kdc=False,
+            decentralized=False,
+            claims_dp=False,
+            dropout_policy="Skip",
+            summary="Federated SGD: one full-shard gradient per client, one server step.",
+        ),
+    )
+}
+
+
+def protocol_facts(name: str) -> ProtocolFacts:
+    """Returns the facts of protocol ``name``.
+
+    Raises:
+        KeyError: if no protocol has that name.
+    """
+    try:
+        return PROTOCOL_FACTS[name]
+    except KeyError:
+        known = ", ".join(sorted(PROTOCOL_FACTS))
+        raise KeyError(f"Unknown protocol {name!r}; known protocols: {known}.") from None

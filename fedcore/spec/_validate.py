@@ -1,0 +1,200 @@
+"""Loading and validating FederatedRun manifests: one validator for the CLI, runner and operator.
+
+Every problem is collected (not only the first) as a ``SpecIssue`` naming the field path in
+the manifest's own camelCase spelling, the bad value, and what is allowed.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import yaml
+from pydantic import BaseModel, ValidationError
+
+from fedcore.errors import SpecError, SpecIssue
+from fedcore.spec._facts import protocol_facts
+from fedcore.spec._models import FederatedRun
+
+MAX_MANIFEST_BYTES = 1024 * 1024
+"""Manifests larger than this are refused before parsing."""
+
+CHILD_NAME_SUFFIX = "-client-"
+"""The longest generated child name is '<name>-client-<index>'; it must fit 63 characters."""
+
+
+def load_manifest(source: str | Path, *, text: str | None = None) -> FederatedRun:
+    """Loads and validates a FederatedRun manifest.
+
+    Args:
+        source: the file to read, or a label for ``text`` in error messages.
+        text: the manifest's YAML; read from ``source`` when None.
+
+    Returns:
+        The validated run.
+
+    Raises:
+        SpecError: listing every problem with its field path.
+    """
+    label = str(source)
+    if text is None:
+        path = Path(source)
+        try:
+            if path.stat().st_size > MAX_MANIFEST_BYTES:
+                raise SpecError(
+                    [SpecIssue("<file>", f"is larger than {MAX_MANIFEST_BYTES} bytes.")],
+                    source=label,
+                )
+            text = path.read_text(encoding="utf-8")
+        except OSError as exc:
+            raise SpecError([SpecIssue("<file>", f"cannot be read: {exc}.")], source=label) from exc
+    try:
+        document = yaml.safe_load(text)
+    except yaml.YAMLError as exc:
+        raise SpecError([SpecIssue("<file>", f"is not valid YAML: {exc}")], source=label) from exc
+    return parse_manifest(document, source=label)
+
+
+def parse_manifest(document: Any, *, source: str | None = None) -> FederatedRun:
+    """Validates an already-parsed manifest (a dict from YAML or from the API server).
+
+    Raises:
+        SpecError: listing every problem with its field path.
+    """
+    if not isinstance(document, dict):
+        kind = type(document).__name__
+        raise SpecError(
+            [SpecIssue("<root>", f"must be a mapping with apiVersion, kind, metadata and spec, "
+                                 f"got {kind}.")],
+            source=source,
+        )
+    try:
+        run = FederatedRun.model_validate(document)
+    except ValidationError as exc:
+        raise SpecError(issues_from_pydantic(exc, FederatedRun), source=source) from None
+    issues = semantic_issues(run)
+    if issues:
+        raise SpecError(issues, source=source)
+    return run
+
+
+def issues_from_pydantic(error: ValidationError, model: type[BaseModel]) -> list[SpecIssue]:
+    """Turns pydantic's errors into issues with camelCase paths and the allowed values."""
+    issues = []
+    for item in error.errors(include_url=False):
+        loc = [str(part) for part in item["loc"] if not _is_union_tag(part)]
+        path = _join_path(loc)
+        kind = item["type"]
+        value = item.get("input")
+        if kind == "extra_forbidden":
+            allowed = _allowed_fields(model, loc[:-1])
+            message = f"unknown field; allowed fields here: {', '.join(allowed)}."
+        elif kind == "missing":
+            message = "is required."
+        else:
+            message = f"{_short(value)} is not allowed: {item['msg'].removeprefix('Value error, ')}."
+        issues.append(SpecIssue(path, message))
+    return _dedupe(issues)
+
+
+def semantic_issues(run: FederatedRun) -> list[SpecIssue]:
+    """Cross-field rules that a schema cannot express; returns every issue found."""
+    spec = run.spec
+    issues: list[SpecIssue] = []
+    facts = protocol_facts(spec.protocol.name)
+    count = spec.clients.count
+    longest_child = f"{run.metadata.name}{CHILD_NAME_SUFFIX}{count - 1}"
+    if len(longest_child) > 63:
+        issues.append(SpecIssue(
+            "metadata.name",
+            f"{run.metadata.name!r} is too long for {count} clients: the child name "
+            f"{longest_child!r} would have {len(longest_child)} characters; at most 63 allowed.",
+        ))
+    per_round = spec.clients.per_round
+    if isinstance(per_round, int) and per_round > count:
+        issues.append(SpecIssue(
+            "spec.clients.perRound",
+            f"{per_round} is more than spec.clients.count ({count}); allowed: 1 to {count} "
+            f"or a percentage.",
+        ))
+    sampled = min(spec.clients.sampled_per_round(), count)
+    quorum = spec.clients.quorum
+    if isinstance(quorum, int) and quorum > sampled:
+        issues.append(SpecIssue(
+            "spec.clients.quorum",
+            f"{quorum} is more than the {sampled} clients sampled per round; allowed: 1 to "
+            f"{sampled} or a percentage.",
+        ))
+    model = spec.model
+    if model.kind == "Import" and model.import_path is None:
+        issues.append(SpecIssue("spec.model.importPath", "is required when kind is Import."))
+    source = spec.data.source
+    if source.kind == "NpzFolder" and source.path is None:
+        issues.append(SpecIssue("spec.data.source.path", "is required when kind is NpzFolder."))
+    if spec.data.partition.kind == "ByFile" and source.kind != "NpzFolder":
+        issues.append(SpecIssue(
+            "spec.data.partition.kind",
+            f"'ByFile' needs spec.data.source.kind NpzFolder, got {source.kind!r}; allowed "
+            f"here: 'IID' or 'Dirichlet'.",
+        ))
+    if spec.privacy is not None and spec.privacy.target_epsilon is not None and not facts.claims_dp:
+        issues.append(SpecIssue(
+            "spec.privacy.targetEpsilon",
+            f"protocol {facts.name!r} makes no differential-privacy claim, so it cannot keep a "
+            f"budget; remove spec.privacy or pick a protocol that claims DP.",
+        ))
+    return issues
+
+
+def _is_union_tag(part: Any) -> bool:
+    """pydantic adds the member type's name (e.g. 'int', 'str') to the path of union errors."""
+    return isinstance(part, str) and (part in {"int", "str", "float"} or part.startswith(
+        ("constrained-str", "function-")))
+
+
+def _join_path(loc: list[str]) -> str:
+    path = ""
+    for part in loc:
+        path += f"[{part}]" if part.isdigit() else (f".{part}" if path else part)
+    return path or "<root>"
+
+
+def _allowed_fields(model: type[BaseModel], loc: list[str]) -> list[str]:
+    current: Any = model
+    for part in loc:
+        if part.isdigit():
+            continue
+        fields = {(f.alias or n): f for n, f in current.model_fields.items()}
+        field = fields.get(part)
+        if field is None:
+            return []
+        current = _model_of(field.annotation)
+        if current is None:
+            return []
+    return sorted(f.alias or n for n, f in current.model_fields.items())
+
+
+def _model_of(annotation: Any) -> type[BaseModel] | None:
+    if isinstance(annotation, type) and issubclass(annotation, BaseModel):
+        return annotation
+    for arg in getattr(annotation, "__args__", ()):
+        found = _model_of(arg)
+        if found is not None:
+            return found
+    return None
+
+
+def _short(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= 80 else text[:77] + "..."
+
+
+def _dedupe(issues: list[SpecIssue]) -> list[SpecIssue]:
+    seen: set[tuple[str, str]] = set()
+    result = []
+    for issue in issues:
+        key = (issue.path, issue.message)
+        if key not in seen:
+            seen.add(key)
+            result.append(issue)
+    return result
