@@ -29,7 +29,9 @@ def _int_or_percent(value: Any) -> int | str:
     if isinstance(value, int) and value < 1:
         raise ValueError(f"a count must be at least 1, got {value}")
     if isinstance(value, str) and re.fullmatch(PERCENT_PATTERN, value) is None:
-        raise ValueError("must be a count (a whole number >= 1) or a percentage from '1%' to '100%'")
+        raise ValueError(
+            "must be a count (a whole number >= 1) or a percentage from '1%' to '100%'"
+        )
     return value
 
 

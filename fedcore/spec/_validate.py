@@ -15,6 +15,7 @@ from pydantic import BaseModel, ValidationError
 from fedcore.errors import SpecError, SpecIssue
 from fedcore.spec._facts import protocol_facts
 from fedcore.spec._models import FederatedRun
+from fedcore.spec._openapi import describe_bounds, schema_at
 
 MAX_MANIFEST_BYTES = 1024 * 1024
 """Manifests larger than this are refused before parsing."""
@@ -91,10 +92,63 @@ def issues_from_pydantic(error: ValidationError, model: type[BaseModel]) -> list
             message = f"unknown field; allowed fields here: {', '.join(allowed)}."
         elif kind == "missing":
             message = "is required."
+        elif kind in _EXPECTED_TYPES:
+            message = f"{_short(value)} is {_type_word(value)}; expected {_EXPECTED_TYPES[kind]}."
+        elif kind in _BOUND_ERRORS and (bounds := _bounds_at(model, loc)):
+            message = f"{_short(value)} is not allowed; allowed: {bounds}."
         else:
-            message = f"{_short(value)} is not allowed: {item['msg'].removeprefix('Value error, ')}."
+            reason = item["msg"].removeprefix("Value error, ")
+            message = f"{_short(value)} is not allowed: {reason}."
         issues.append(SpecIssue(path, message))
     return _dedupe(issues)
+
+
+_EXPECTED_TYPES = {
+    "int_type": "an integer",
+    "int_parsing": "an integer",
+    "int_from_float": "an integer",
+    "float_type": "a number",
+    "float_parsing": "a number",
+    "bool_type": "true or false",
+    "bool_parsing": "true or false",
+    "string_type": "a string",
+    "list_type": "a list",
+    "dict_type": "a mapping",
+    "model_type": "a mapping of fields",
+    "model_attributes_type": "a mapping of fields",
+}
+"""pydantic's type errors, and the type each one expected."""
+
+_BOUND_ERRORS = frozenset({
+    "literal_error", "enum",
+    "greater_than", "greater_than_equal", "less_than", "less_than_equal",
+    "string_too_short", "string_too_long", "string_pattern_mismatch", "too_short", "too_long",
+})
+"""pydantic's errors for a value outside what the field allows (answered from the schema)."""
+
+
+def _bounds_at(model: type[BaseModel], loc: list[str]) -> str:
+    """Says what the field at ``loc`` allows, e.g. "1 to 10000"; "" if unknown."""
+    node = schema_at(model, loc)
+    return describe_bounds(node, quote="'") if node is not None else ""
+
+
+def _type_word(value: Any) -> str:
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return "a boolean"
+    if isinstance(value, int):
+        return "an integer"
+    if isinstance(value, float):
+        return "a number with a fractional part" if not value.is_integer() else "a number"
+    if isinstance(value, str):
+        return "a string"
+    if isinstance(value, list | tuple):
+        return "a list"
+    if isinstance(value, dict):
+        return "a mapping"
+    return f"a {type(value).__name__}"
 
 
 def semantic_issues(run: FederatedRun) -> list[SpecIssue]:
@@ -143,6 +197,27 @@ def semantic_issues(run: FederatedRun) -> list[SpecIssue]:
             f"protocol {facts.name!r} makes no differential-privacy claim, so it cannot keep a "
             f"budget; remove spec.privacy or pick a protocol that claims DP.",
         ))
+    issues.extend(_precondition_issues(run))
+    return issues
+
+
+def _precondition_issues(run: FederatedRun) -> list[SpecIssue]:
+    """Each protocol's preconditions, checked before any process or pod starts."""
+    spec = run.spec
+    issues: list[SpecIssue] = []
+    if spec.protocol.name == "fedsgd":
+        optimizer = spec.training.optimizer
+        if optimizer.kind != "SGD":
+            issues.append(SpecIssue(
+                "spec.training.optimizer.kind",
+                f"fedsgd takes one plain SGD step on the server per round, so {optimizer.kind!r} "
+                f"is not allowed; allowed: 'SGD'.",
+            ))
+        if optimizer.momentum != 0 or optimizer.weight_decay != 0:
+            issues.append(SpecIssue(
+                "spec.training.optimizer",
+                "fedsgd takes one plain SGD step per round: momentum and weightDecay must be 0.",
+            ))
     return issues
 
 

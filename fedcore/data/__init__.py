@@ -1,0 +1,21 @@
+"""Examples of a run: data sources, the train/test split and the clients' partition."""
+
+from fedcore.data._partition import (
+    DIRICHLET_ATTEMPTS,
+    client_dataset,
+    dataset_info,
+    partition_indices,
+    test_dataset,
+)
+from fedcore.data._sources import ArrayDataset, load_client_file, load_split
+
+__all__ = [
+    "DIRICHLET_ATTEMPTS",
+    "ArrayDataset",
+    "client_dataset",
+    "dataset_info",
+    "load_client_file",
+    "load_split",
+    "partition_indices",
+    "test_dataset",
+]

@@ -1,0 +1,89 @@
+"""Prometheus metrics of every role: ``fedcore_*`` names, base units, bounded labels.
+
+Each role builds one ``RoleMetrics`` on its own registry and serves it on a local port; labels
+are only ``run`` and ``role`` (plus small closed sets such as ``reason``), never a client index.
+"""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, Info, start_http_server
+
+import fedcore
+
+ROUND_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 300, 1800)
+
+
+class RoleMetrics:
+    """The metrics one role exports.
+
+    Args:
+        run: the run's name (a label on every series).
+        role: ``server``, ``client`` or ``kdc`` (a label on every series).
+    """
+
+    def __init__(self, run: str, role: str) -> None:
+        self.registry = CollectorRegistry()
+        labels = ["run", "role"]
+        self._values = {"run": run, "role": role}
+        r = self.registry
+        self.build_info = Info("fedcore_build", "fedcore version of this process.", registry=r)
+        self.build_info.info({"version": fedcore.__version__, "role": role, "run": run})
+        self.rounds_completed = Counter(
+            "fedcore_rounds_completed", "Rounds this role completed.", labels, registry=r
+        ).labels(**self._values)
+        self.round_duration = Histogram(
+            "fedcore_round_duration_seconds", "Wall time of one round.", labels,
+            buckets=ROUND_BUCKETS, registry=r,
+        ).labels(**self._values)
+        self.round = Gauge(
+            "fedcore_round", "The last round this role completed.", labels, registry=r
+        ).labels(**self._values)
+        self.participants = Gauge(
+            "fedcore_round_participants", "Uploads combined in the last round.", labels, registry=r
+        ).labels(**self._values)
+        self.dropouts = Counter(
+            "fedcore_client_dropouts", "Planned uploads that did not arrive.", labels, registry=r
+        ).labels(**self._values)
+        self.redone_rounds = Counter(
+            "fedcore_rounds_redone", "Rounds run again after missing their quorum.", labels,
+            registry=r,
+        ).labels(**self._values)
+        self.bytes_sent = Counter(
+            "fedcore_bytes_sent", "Bytes this role sent over gRPC.", labels, registry=r
+        ).labels(**self._values)
+        self.bytes_received = Counter(
+            "fedcore_bytes_received", "Bytes this role received over gRPC.", labels, registry=r
+        ).labels(**self._values)
+        self._rejected = Counter(
+            "fedcore_rejected_messages",
+            "Inbound messages refused (reason: malformed, identity, upload, stale).",
+            [*labels, "reason"], registry=r,
+        )
+        self.accuracy = Gauge(
+            "fedcore_model_accuracy", "Held-out accuracy of the global model (0 to 1).", labels,
+            registry=r,
+        ).labels(**self._values)
+        self.loss = Gauge(
+            "fedcore_model_loss", "Held-out loss of the global model.", labels, registry=r
+        ).labels(**self._values)
+        self.checkpoint_duration = Histogram(
+            "fedcore_checkpoint_duration_seconds", "Time to write one checkpoint.", labels,
+            registry=r,
+        ).labels(**self._values)
+        self.checkpoint_failures = Counter(
+            "fedcore_checkpoint_failures", "Checkpoint writes that failed.", labels, registry=r
+        ).labels(**self._values)
+
+    def rejected(self, reason: str) -> None:
+        """Counts one refused inbound message under a closed set of reasons."""
+        self._rejected.labels(**self._values, reason=reason).inc()
+
+    def count_bytes(self, sent: int, received: int) -> None:
+        """Adds one call's traffic."""
+        self.bytes_sent.inc(sent)
+        self.bytes_received.inc(received)
+
+    def serve(self, port: int, address: str = "127.0.0.1") -> None:
+        """Serves ``/metrics`` on ``address:port`` from a daemon thread (port 0: no server)."""
+        if port:
+            start_http_server(port, addr=address, registry=self.registry)

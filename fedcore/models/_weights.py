@@ -1,0 +1,75 @@
+"""Model weights as named numpy arrays: read them out of a module and load them back."""
+
+from __future__ import annotations
+
+import functools
+
+import numpy as np
+import torch
+from torch import nn
+
+
+def get_weights(module: nn.Module) -> dict[str, np.ndarray]:
+    """Returns copies of a module's state (parameters and buffers) as numpy arrays.
+
+    Args:
+        module: the module to read.
+
+    Returns:
+        One detached CPU copy per ``state_dict`` entry, in ``state_dict`` order.
+    """
+    return {
+        name: tensor.detach().to("cpu", copy=True).numpy()
+        for name, tensor in module.state_dict().items()
+    }
+
+
+def set_weights(module: nn.Module, weights: dict[str, np.ndarray]) -> None:
+    """Copies ``weights`` into a module's state in place.
+
+    The names, shapes and dtypes must match ``module.state_dict()`` exactly; nothing is
+    copied unless all of them do. ``weights`` itself is not changed.
+
+    Args:
+        module: the module to load into.
+        weights: one array per ``state_dict`` entry, as :func:`get_weights` returns.
+
+    Raises:
+        ValueError: naming the tensor, if a name is missing or unexpected, or a shape or
+            dtype differs.
+    """
+    state = module.state_dict()
+    if weights.keys() != state.keys():
+        missing = [name for name in state if name not in weights]
+        unexpected = [name for name in weights if name not in state]
+        raise ValueError(
+            f"The weights do not match the model: missing {missing}, unexpected {unexpected}."
+        )
+    for name, tensor in state.items():
+        array = weights[name]
+        if not isinstance(array, np.ndarray):
+            raise ValueError(f"The weight {name!r} is a {type(array).__name__}, not a numpy array.")
+        expected = _numpy_dtype(tensor.dtype)
+        if array.shape != tuple(tensor.shape) or array.dtype != expected:
+            raise ValueError(
+                f"The weight {name!r} has shape {array.shape} and dtype {array.dtype}, but the "
+                f"model's has shape {tuple(tensor.shape)} and dtype {expected}."
+            )
+    with torch.no_grad():
+        for name, tensor in state.items():
+            tensor.copy_(_as_tensor(weights[name]))
+
+
+def _as_tensor(array: np.ndarray) -> torch.Tensor:
+    """Wraps an array without a copy where torch allows it (writable and positively strided)."""
+    if any(stride < 0 for stride in array.strides):
+        return torch.from_numpy(np.ascontiguousarray(array))
+    if array.flags.writeable:
+        return torch.from_numpy(array)
+    return torch.tensor(array)
+
+
+@functools.cache
+def _numpy_dtype(dtype: torch.dtype) -> np.dtype:
+    """The numpy dtype that a torch dtype turns into."""
+    return torch.empty((), dtype=dtype).numpy().dtype

@@ -1,0 +1,179 @@
+"""The protocol interface: one small ABC per side, only declarations with their contracts.
+
+A protocol never sees a clock, socket, thread or process: the roles do all the plumbing
+(fan-out, deadlines, dropouts, retries) and call these hooks. The same hooks run in one process
+for unit tests and the simulation mode (``fedcore.simulation``).
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from fedcore.spec import FederatedRunSpec, ProtocolFacts
+from fedcore.transport import Identity, Payload
+
+if TYPE_CHECKING:
+    from fedcore.training import LocalLearner
+
+Weights = dict[str, np.ndarray]
+"""A model's parameters by name, in the model's state_dict order."""
+
+
+@dataclass(frozen=True)
+class RoundResult:
+    """What ``ServerProtocol.combine`` reports about a round it applied.
+
+    Attributes:
+        participants: how many uploads went into the new state.
+        train_loss: the clients' mean local training loss (weighted as the protocol weighs).
+        metrics: further protocol-specific numbers (JSON-able), e.g. a recovery residual.
+    """
+
+    participants: int
+    train_loss: float | None = None
+    metrics: dict[str, float] = field(default_factory=dict)
+
+
+class ServerProtocol(ABC):
+    """The server side: plans each round and combines the uploads into the next state."""
+
+    @abstractmethod
+    def plan_round(self, round: int, clients: Sequence[int]) -> Mapping[int, Payload]:
+        """Says what each sampled client receives this round.
+
+        Args:
+            round: the round number, from 1.
+            clients: the indices of the clients sampled for this round, ascending.
+
+        Returns:
+            An instruction per client index; a client left out sits the round out.
+        """
+
+    @abstractmethod
+    def check_upload(self, round: int, client: int, upload: Payload) -> None:
+        """Checks one upload as it arrives, before it is accepted for the round.
+
+        Raises:
+            ProtocolError: the upload is malformed (wrong tensors, shapes, counts, values);
+                the role refuses it and counts the client as failed for the round.
+        """
+
+    @abstractmethod
+    def combine(
+        self, round: int, uploads: Mapping[int, Payload], failures: Sequence[int]
+    ) -> RoundResult | None:
+        """Combines a round's uploads into the next global state.
+
+        Args:
+            round: the round number, from 1.
+            uploads: each responding client's upload, by client index.
+            failures: the planned clients that did not upload (dropped, timed out, rejected).
+
+        Returns:
+            The round's result, or None to keep the previous state unchanged.
+
+        Raises:
+            ProtocolError: the uploads cannot be combined (e.g. a recovery check failed).
+        """
+
+    @abstractmethod
+    def global_weights(self) -> Weights:
+        """Returns the current global model, for evaluation and release (never mutated)."""
+
+    @abstractmethod
+    def state_dict(self) -> dict[str, Any]:
+        """Returns the state an exact resume needs: JSON-able values and numpy arrays only."""
+
+    @abstractmethod
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Restores ``state_dict()``'s output.
+
+        Raises:
+            ValueError: a key is missing or the ``kind`` tag names another protocol.
+        """
+
+
+class ClientProtocol(ABC):
+    """The client side: computes an upload from what the server (and KDC) sent."""
+
+    @abstractmethod
+    def compute_upload(
+        self, round: int, instruction: Payload, learner: LocalLearner, keys: Payload | None
+    ) -> Payload:
+        """Computes this client's upload for a round.
+
+        Args:
+            round: the round number, from 1.
+            instruction: what the server planned for this client.
+            learner: local training on this client's shard.
+            keys: this round's key material from the KDC, or None without a KDC.
+
+        Returns:
+            The upload; its ``meta`` carries ``num_examples`` and ``loss``.
+        """
+
+
+class KdcProtocol(ABC):
+    """The KDC side: generates key material and hands each party only its own."""
+
+    @abstractmethod
+    def issue_keys(self, round: int, party: Identity) -> Payload:
+        """Returns the key material ``party`` may hold for ``round``.
+
+        Raises:
+            PermissionError: the party may not receive keys for this round.
+        """
+
+    @abstractmethod
+    def state_dict(self) -> dict[str, Any]:
+        """Returns the KDC's state (checkpointed apart from the server's)."""
+
+    @abstractmethod
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Restores ``state_dict()``'s output."""
+
+
+class Protocol(ABC):
+    """A protocol: its facts and a factory for each side."""
+
+    name: str
+
+    @property
+    def facts(self) -> ProtocolFacts:
+        """The protocol's facts from the spec's table."""
+        from fedcore.spec import protocol_facts
+
+        return protocol_facts(self.name)
+
+    @abstractmethod
+    def create_server(self, spec: FederatedRunSpec, initial: Weights) -> ServerProtocol:
+        """Returns the server side, starting from the ``initial`` global model."""
+
+    @abstractmethod
+    def create_client(self, spec: FederatedRunSpec, index: int) -> ClientProtocol:
+        """Returns the client side of client ``index``."""
+
+    def create_kdc(self, spec: FederatedRunSpec) -> KdcProtocol | None:
+        """Returns the KDC side, or None for protocols without a KDC."""
+        return None
+
+
+def check_state_kind(state: Mapping[str, Any], kind: str, keys: Sequence[str]) -> None:
+    """Checks a protocol state's tag and keys.
+
+    Raises:
+        ValueError: naming the missing key or the mismatched kind.
+    """
+    if not state:
+        raise ValueError(f"The {kind} state is empty.")
+    found = state.get("kind")
+    if found != kind:
+        raise ValueError(f"The state is of kind {found!r}, not {kind!r}.")
+    for key in keys:
+        if key not in state:
+            raise ValueError(f"The {kind} state has no key {key!r}.")

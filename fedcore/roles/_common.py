@@ -1,0 +1,96 @@
+"""What every role process shares: its configuration and the spec-derived settings."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+from fedcore.spec import FederatedRun, FederatedRunSpec, RoleSpec, load_manifest
+from fedcore.transport import Limits, RetryPolicy, TlsBundle
+
+SERVER_SERVICE = "Server"
+KDC_SERVICE = "Kdc"
+
+RESUME_INSENSITIVE_FIELDS = ("rounds", "checkpoint", "roles", "failurePolicy", "evaluation",
+                             "transport")
+"""Spec fields a resumed run may change; every other field must match its checkpoint."""
+
+
+@dataclass(frozen=True)
+class RoleConfig:
+    """How one role process was started.
+
+    Attributes:
+        manifest: the FederatedRun manifest file.
+        tls_dir: the folder with this role's ca.crt, tls.crt and tls.key.
+        workdir: the run's folder (checkpoints, final model).
+        metrics_port: where /metrics is served (0: not served).
+        metrics_address: the address /metrics binds to.
+        events: the JSON-lines progress file (None: no events).
+        threads: torch's intra-op threads in this process.
+    """
+
+    manifest: Path
+    tls_dir: Path
+    workdir: Path
+    metrics_port: int = 0
+    metrics_address: str = "127.0.0.1"
+    events: Path | None = None
+    threads: int = 1
+
+    def load(self) -> tuple[FederatedRun, TlsBundle]:
+        """Loads the manifest and this role's TLS bundle."""
+        return load_manifest(self.manifest), TlsBundle.load(self.tls_dir)
+
+
+def limits_of(spec: FederatedRunSpec) -> Limits:
+    """Returns the transport limits a spec sets."""
+    return Limits(
+        chunk_bytes=spec.transport.chunk_bytes,
+        max_message_bytes=spec.transport.max_message_bytes,
+    )
+
+
+def retry_of(spec: FederatedRunSpec) -> RetryPolicy:
+    """Returns the retry policy a spec sets."""
+    return RetryPolicy(total_seconds=spec.failure_policy.connect_timeout_seconds)
+
+
+def choose_device(role: RoleSpec) -> str:
+    """Returns "cuda" when the role asks for GPUs and torch sees one, else "cpu"."""
+    if role.gpus > 0:
+        import torch
+
+        if torch.cuda.is_available():
+            return "cuda"
+        logging.getLogger(__name__).warning("The role asks for GPUs but none is visible; using the CPU.")
+    return "cpu"
+
+
+def limit_threads(threads: int) -> None:
+    """Caps torch's (and BLAS's) threads: many roles share a machine in local runs."""
+    import torch
+
+    os.environ.setdefault("OMP_NUM_THREADS", str(threads))
+    torch.set_num_threads(max(1, threads))
+
+
+def spec_fingerprint(run: FederatedRun) -> str:
+    """Returns a digest of the run's name and the spec fields a resume must not change."""
+    spec = run.spec.model_dump(by_alias=True, mode="json")
+    for field in RESUME_INSENSITIVE_FIELDS:
+        spec.pop(field, None)
+    text = json.dumps({"name": run.metadata.name, "spec": spec}, sort_keys=True)
+    return hashlib.sha256(text.encode("utf-8")).hexdigest()[:16]
+
+
+def configure_logging(role: str, level: str = "INFO") -> None:
+    """Logs to stderr as '<time> <role> <level> <message>'."""
+    logging.basicConfig(
+        level=getattr(logging, level.upper(), logging.INFO),
+        format=f"%(asctime)s {role} %(levelname)s %(name)s: %(message)s",
+    )

@@ -1,0 +1,318 @@
+"""The local runner: one FederatedRun as KDC, server and client processes on loopback.
+
+It does on one machine what the operator does on Kubernetes: issues the run's CA and a
+certificate per role, starts the KDC (only when the protocol needs one) and waits for it, then
+the server, then the clients; follows the server's progress events; and stops every child on
+Ctrl-C or when the server or KDC fails, showing that role's error.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import shutil
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import IO, Any
+
+from fedcore.errors import RoleFailed, RunAborted
+from fedcore.roles._events import read_events
+from fedcore.spec import FederatedRun, protocol_facts
+from fedcore.transport import issue_run_bundles
+
+LOOPBACK = "127.0.0.1"
+TLS_NAME = "localhost"
+READY_SECONDS = 120.0
+"""How long a role may take to start (imports included) before the run fails."""
+STOP_SECONDS = 10.0
+"""How long children get after SIGTERM before SIGKILL."""
+
+ProgressCallback = Callable[[dict[str, Any]], None]
+
+
+@dataclass
+class Child:
+    """One role process and where its output goes."""
+
+    name: str
+    process: subprocess.Popen[bytes]
+    log_path: Path
+    log_file: IO[bytes]
+    metrics_port: int
+
+    def tail(self, lines: int = 25) -> str:
+        """Returns the last lines of the child's log."""
+        self.log_file.flush()
+        try:
+            text = self.log_path.read_text(encoding="utf-8", errors="replace")
+        except OSError:
+            return ""
+        return "\n".join(text.splitlines()[-lines:])
+
+
+@dataclass
+class LocalRunResult:
+    """What a finished local run reports (``fedcore run --json`` prints ``as_json()``)."""
+
+    phase: str
+    rounds: int
+    accuracy: float | None
+    loss: float | None
+    wall_seconds: float
+    startup_seconds: float | None
+    round_seconds: list[float] = field(default_factory=list)
+    workdir: str = ""
+    model: str | None = None
+    reason: str | None = None
+    message: str | None = None
+
+    def as_json(self) -> dict[str, Any]:
+        """Returns the summary as one JSON-able object."""
+        median = statistics.median(self.round_seconds) if self.round_seconds else None
+        return {
+            "phase": self.phase,
+            "rounds": self.rounds,
+            "accuracy": self.accuracy,
+            "loss": self.loss,
+            "wall_seconds": round(self.wall_seconds, 4),
+            "startup_seconds": None if self.startup_seconds is None
+            else round(self.startup_seconds, 4),
+            "median_round_seconds": None if median is None else round(median, 6),
+            "workdir": self.workdir,
+            "model": self.model,
+            "reason": self.reason,
+            "message": self.message,
+        }
+
+
+def free_port() -> int:
+    """Returns a TCP port on loopback that was free a moment ago."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind((LOOPBACK, 0))
+        return int(sock.getsockname()[1])
+
+
+class LocalRun:
+    """Runs one FederatedRun as local processes.
+
+    Args:
+        run: the validated manifest.
+        manifest: the manifest file the roles read.
+        workdir: the run's folder (PKI, logs, events, checkpoints, final model).
+        resume: start the server from the latest checkpoint.
+        metrics: serve /metrics on a free port per role.
+        threads: torch threads per role process.
+        python: the interpreter for the role processes.
+    """
+
+    def __init__(self, run: FederatedRun, manifest: Path, *, workdir: Path, resume: bool = False,
+                 metrics: bool = True, threads: int = 1, python: str | None = None) -> None:
+        self.run = run
+        self.manifest = manifest
+        self.workdir = workdir
+        self.resume = resume
+        self.metrics = metrics
+        self.threads = threads
+        self.python = python or sys.executable
+        self.children: dict[str, Child] = {}
+        self.events_path = workdir / "events.jsonl"
+        self.metrics_ports: dict[str, int] = {}
+
+    # ------------------------------------------------------------------------- set-up
+
+    def _prepare(self) -> None:
+        self.workdir.mkdir(parents=True, exist_ok=True)
+        (self.workdir / "logs").mkdir(exist_ok=True)
+        pki = self.workdir / "pki"
+        if pki.exists():
+            shutil.rmtree(pki)  # a fresh CA for every start, resumed or not
+        _, bundles = issue_run_bundles(self.run.metadata.name,
+                                       num_clients=self.run.spec.clients.count)
+        for common_name, bundle in bundles.items():
+            bundle.write(pki / common_name)
+        shutil.copyfile(self.manifest, self.workdir / "manifest.yaml")
+        self.events_path.unlink(missing_ok=True)
+
+    def _role_args(self, role: str, tls_name: str, events: Path | None) -> tuple[list[str], int]:
+        port = free_port() if self.metrics else 0
+        args = [
+            self.python, "-m", "fedcore", role,
+            "--manifest", str(self.workdir / "manifest.yaml"),
+            "--tls-dir", str(self.workdir / "pki" / tls_name),
+            "--workdir", str(self.workdir),
+            "--metrics-port", str(port),
+            "--threads", str(self.threads),
+        ]
+        if events is not None:
+            args += ["--events", str(events)]
+        return args, port
+
+    def _spawn(self, name: str, args: list[str], port: int) -> Child:
+        log_path = self.workdir / "logs" / f"{name}.log"
+        log_file = log_path.open("wb")
+        env = dict(os.environ)
+        env.setdefault("OMP_NUM_THREADS", str(self.threads))
+        env["PYTHONUNBUFFERED"] = "1"
+        process = subprocess.Popen(
+            args, stdout=log_file, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env,
+            start_new_session=True,
+        )
+        child = Child(name, process, log_path, log_file, port)
+        self.children[name] = child
+        if port:
+            self.metrics_ports[name] = port
+        return child
+
+    def _wait_ready(self, child: Child, events: Path) -> int:
+        deadline = time.monotonic() + READY_SECONDS
+        offset = 0
+        while time.monotonic() < deadline:
+            found, offset = read_events(events, offset)
+            for event in found:
+                if event.get("event") == "ready":
+                    return int(event["port"])
+                if event.get("event") == "failed":
+                    raise RoleFailed(child.name, f"{event.get('message')}\n{child.tail()}")
+            if child.process.poll() is not None:
+                raise RoleFailed(child.name, f"exited with code {child.process.returncode} while "
+                                 f"starting:\n{child.tail()}", exit_code=child.process.returncode)
+            time.sleep(0.05)
+        raise RoleFailed(child.name, f"was not ready after {READY_SECONDS} s:\n{child.tail()}")
+
+    def start(self) -> None:
+        """Issues the PKI and starts the KDC (if needed), the server, then every client."""
+        self._prepare()
+        spec = self.run.spec
+        kdc_address = None
+        if protocol_facts(spec.protocol.name).needs_kdc:
+            events = self.workdir / "kdc-events.jsonl"
+            events.unlink(missing_ok=True)
+            args, port = self._role_args("kdc", "kdc", events)
+            child = self._spawn("kdc", [*args, "--listen", f"{LOOPBACK}:0"], port)
+            kdc_address = f"{LOOPBACK}:{self._wait_ready(child, events)}"
+        args, port = self._role_args("server", "server", self.events_path)
+        args += ["--listen", f"{LOOPBACK}:0"]
+        if self.resume:
+            args.append("--resume")
+        server = self._spawn("server", args, port)
+        server_address = f"{LOOPBACK}:{self._wait_ready(server, self.events_path)}"
+        for index in range(spec.clients.count):
+            args, port = self._role_args("client", f"client-{index}", None)
+            args += ["--index", str(index), "--server", server_address,
+                     "--server-name", TLS_NAME]
+            if kdc_address:
+                args += ["--kdc", kdc_address]
+            self._spawn(f"client-{index}", args, port)
+
+    # ------------------------------------------------------------------------ running
+
+    def follow(self, on_event: ProgressCallback | None = None) -> Iterator[dict[str, Any]]:
+        """Yields the server's events until it exits.
+
+        Raises:
+            RoleFailed: the server or KDC exited with an error.
+        """
+        server = self.children["server"]
+        offset = 0
+        while True:
+            found, offset = read_events(self.events_path, offset)
+            yield from found
+            exited = server.process.poll()
+            if exited is not None:
+                found, offset = read_events(self.events_path, offset)
+                yield from found
+                if exited != 0:
+                    raise RoleFailed("server", f"exited with code {exited}:\n{server.tail()}",
+                                     exit_code=exited)
+                return
+            kdc = self.children.get("kdc")
+            if kdc is not None and kdc.process.poll() is not None:
+                raise RoleFailed("kdc", f"exited with code {kdc.process.returncode}:\n"
+                                 f"{kdc.tail()}", exit_code=kdc.process.returncode)
+            time.sleep(0.02)
+
+    def stop(self, grace: float = STOP_SECONDS) -> None:
+        """Stops every child: SIGTERM, then SIGKILL after ``grace`` seconds."""
+        for child in self.children.values():
+            if child.process.poll() is None:
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(child.process.pid, signal.SIGTERM)
+        deadline = time.monotonic() + grace
+        for child in self.children.values():
+            try:
+                child.process.wait(max(0.0, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(child.process.pid, signal.SIGKILL)
+                child.process.wait()
+            child.log_file.close()
+
+    def wait_clients(self, timeout: float) -> None:
+        """Waits up to ``timeout`` seconds for the clients to exit on their own."""
+        deadline = time.monotonic() + timeout
+        for name, child in self.children.items():
+            if name.startswith("client-"):
+                with contextlib.suppress(subprocess.TimeoutExpired):
+                    child.process.wait(max(0.0, deadline - time.monotonic()))
+
+    def _events_until_exit(self) -> Iterator[dict[str, Any]]:
+        """Like ``follow``, but a server that reported its own failure ends the stream quietly."""
+        reported = False
+        try:
+            for event in self.follow():
+                reported = reported or event.get("event") == "failed"
+                yield event
+        except RoleFailed as exc:
+            if not (reported and exc.role == "server"):
+                raise
+
+    def execute(self, on_event: ProgressCallback | None = None) -> LocalRunResult:
+        """Starts the run, follows it to the end, stops every child; returns the summary.
+
+        Raises:
+            RoleFailed: a role failed (its log's tail is in the message).
+            RunAborted: the server stopped the run (e.g. quorum lost) or Ctrl-C.
+        """
+        started = time.monotonic()
+        started_wall = time.time()
+        result = LocalRunResult(phase="Failed", rounds=self.run.spec.rounds, accuracy=None,
+                                loss=None, wall_seconds=0.0, startup_seconds=None,
+                                workdir=str(self.workdir))
+        failed: dict[str, Any] | None = None
+        try:
+            self.start()
+            for event in self._events_until_exit():
+                kind = event.get("event")
+                if kind == "round":
+                    result.round_seconds.append(float(event["seconds"]))
+                    if result.startup_seconds is None:
+                        first_round_began = float(event["time"]) - float(event["seconds"])
+                        result.startup_seconds = first_round_began - started_wall
+                elif kind == "finished":
+                    result.phase = "Succeeded"
+                    result.accuracy = event.get("accuracy")
+                    result.loss = event.get("loss")
+                elif kind == "failed":
+                    failed = event
+                if on_event is not None:
+                    on_event(event)
+            self.wait_clients(STOP_SECONDS)
+        except KeyboardInterrupt:
+            raise RunAborted("The run was interrupted (Ctrl-C); every role was stopped.",
+                             reason="Interrupted") from None
+        finally:
+            self.stop()
+            result.wall_seconds = time.monotonic() - started
+        if failed is not None:
+            raise RunAborted(str(failed.get("message")), reason=str(failed.get("reason")),
+                             round=failed.get("round"))
+        model = self.workdir / "model.safetensors"
+        result.model = str(model) if model.exists() else None
+        return result

@@ -1,0 +1,348 @@
+"""gRPC over mutual TLS: every call carries one Payload each way as a stream of chunks.
+
+Why the cut sits here: roles only ever call ``RpcClient.call(method, payload, timeout=...)`` and
+register ``handler(peer, payload) -> payload`` functions; chunking, size limits, deadlines,
+retries with backoff, peer identities and the translation of grpc errors live in this module
+and nowhere else, so a role never sees a grpc type and a protocol never sees a role.
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+import threading
+import time
+from collections.abc import Callable, Iterator, Mapping
+from concurrent import futures
+from dataclasses import dataclass
+from typing import Any
+
+import grpc
+
+from fedcore.errors import MessageRejected, TransportError
+from fedcore.transport._codec import PayloadDecoder, encode_chunks
+from fedcore.transport._payload import Payload
+from fedcore.transport._tls import Identity, TlsBundle
+
+log = logging.getLogger(__name__)
+
+SERVICE_PREFIX = "/fedcore.v1."
+ENVELOPE_BYTES = 64 * 1024
+"""Room for gRPC framing on top of one chunk."""
+
+Handler = Callable[[Identity, Payload, "CallContext"], Payload]
+"""A method implementation: the caller's identity and request in, the response out."""
+
+
+@dataclass(frozen=True)
+class Limits:
+    """Message limits shared by both ends of a link.
+
+    Attributes:
+        chunk_bytes: the largest single gRPC message.
+        max_message_bytes: the largest logical (reassembled) message.
+    """
+
+    chunk_bytes: int = 4 * 1024 * 1024
+    max_message_bytes: int = 8 * 1024**3
+
+    def channel_options(self) -> list[tuple[str, Any]]:
+        """Returns the grpc options that enforce the per-chunk limit."""
+        size = self.chunk_bytes + ENVELOPE_BYTES
+        return [
+            ("grpc.max_send_message_length", size),
+            ("grpc.max_receive_message_length", size),
+            ("grpc.keepalive_time_ms", 20_000),
+            ("grpc.keepalive_timeout_ms", 10_000),
+            ("grpc.keepalive_permit_without_calls", 1),
+            ("grpc.http2.max_pings_without_data", 0),
+        ]
+
+
+@dataclass(frozen=True)
+class RetryPolicy:
+    """Exponential backoff with full jitter for calls that failed before reaching a handler.
+
+    Attributes:
+        initial_seconds: the first backoff's upper bound.
+        max_seconds: the cap of one backoff.
+        total_seconds: how long to keep trying before giving up.
+    """
+
+    initial_seconds: float = 0.05
+    max_seconds: float = 2.0
+    total_seconds: float = 300.0
+
+    def delays(self, rng: random.Random) -> Iterator[float]:
+        """Yields successive sleep times until the total budget is spent."""
+        deadline = time.monotonic() + self.total_seconds
+        bound = self.initial_seconds
+        while True:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                return
+            yield min(rng.uniform(0, bound), left)
+            bound = min(bound * 2, self.max_seconds)
+
+
+RETRYABLE = frozenset({grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.RESOURCE_EXHAUSTED})
+"""Codes a call is retried on: the peer is not (yet) reachable or is overloaded."""
+
+
+class RemoteError(TransportError):
+    """The peer answered a call with an error status."""
+
+    def __init__(self, message: str, *, method: str, code: str) -> None:
+        self.method = method
+        self.code = code
+        super().__init__(message)
+
+
+class CallContext:
+    """What a handler may ask about its call: liveness and a cancellation hook."""
+
+    def __init__(self, context: grpc.ServicerContext) -> None:
+        self._context = context
+
+    def is_active(self) -> bool:
+        """Returns whether the caller is still connected."""
+        return bool(self._context.is_active())
+
+    def on_done(self, callback: Callable[[], None]) -> None:
+        """Calls ``callback`` once the call ends, however it ends."""
+        self._context.add_callback(callback)
+
+    def time_remaining(self) -> float | None:
+        """Returns the seconds left before the caller's deadline, or None without one."""
+        remaining = self._context.time_remaining()
+        return None if remaining is None else float(remaining)
+
+
+class RejectionCounter:
+    """Counts rejected inbound messages; roles wire it to a metric."""
+
+    def __init__(self, callback: Callable[[str, str], None] | None = None) -> None:
+        self._callback = callback
+
+    def __call__(self, method: str, reason: str) -> None:
+        if self._callback is not None:
+            self._callback(method, reason)
+
+
+class RpcServer:
+    """A mutual-TLS gRPC server that dispatches chunked Payload calls to handlers.
+
+    Every client must present a certificate signed by the run's CA whose common name parses as
+    an ``Identity``; others are refused during the TLS handshake or with PERMISSION_DENIED.
+    A malformed, truncated or oversized request gets INVALID_ARGUMENT (or RESOURCE_EXHAUSTED
+    from grpc for an oversized chunk) and never reaches a handler; the server keeps serving.
+    """
+
+    def __init__(
+        self,
+        address: str,
+        tls: TlsBundle,
+        handlers: Mapping[str, Handler],
+        *,
+        service: str,
+        limits: Limits,
+        max_workers: int = 32,
+        on_rejected: Callable[[str, str], None] | None = None,
+        on_bytes: Callable[[int, int], None] | None = None,
+    ) -> None:
+        self._service = service
+        self._handlers = dict(handlers)
+        self._limits = limits
+        self._rejected = RejectionCounter(on_rejected)
+        self._on_bytes = on_bytes
+        self._server = grpc.server(
+            futures.ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="rpc"),
+            options=limits.channel_options(),
+            maximum_concurrent_rpcs=max_workers * 4,
+        )
+        method_handlers = {
+            name: grpc.stream_stream_rpc_method_handler(self._wrap(name))
+            for name in self._handlers
+        }
+        self._server.add_generic_rpc_handlers(
+            (grpc.method_handlers_generic_handler(f"fedcore.v1.{service}", method_handlers),)
+        )
+        credentials = grpc.ssl_server_credentials(
+            [(tls.key_pem, tls.cert_pem)], root_certificates=tls.ca_pem, require_client_auth=True
+        )
+        try:
+            self.port = self._server.add_secure_port(address, credentials)
+        except RuntimeError as exc:
+            raise TransportError(f"Cannot listen on {address}: {exc}.") from exc
+        if self.port == 0:
+            raise TransportError(f"Cannot listen on {address}: the address is not available.")
+
+    def start(self) -> None:
+        """Starts serving in background threads."""
+        self._server.start()
+
+    def stop(self, grace: float = 2.0) -> None:
+        """Stops serving; calls in flight get ``grace`` seconds to finish."""
+        self._server.stop(grace).wait(grace + 1)
+
+    def _wrap(self, name: str) -> Callable[[Iterator[bytes], grpc.ServicerContext], Iterator[bytes]]:
+        handler = self._handlers[name]
+        limits = self._limits
+
+        def serve(requests: Iterator[bytes], context: grpc.ServicerContext) -> Iterator[bytes]:
+            peer = _peer_identity(context)
+            if peer is None:
+                self._rejected(name, "identity")
+                context.abort(grpc.StatusCode.PERMISSION_DENIED,
+                              "The client certificate names no fedcore identity.")
+            decoder = PayloadDecoder(max_message_bytes=limits.max_message_bytes)
+            received = 0
+            try:
+                for chunk in requests:
+                    received += len(chunk)
+                    decoder.feed(chunk)
+                request = decoder.finish()
+            except MessageRejected as exc:
+                self._rejected(name, "malformed")
+                log.warning("Rejected a %s request from %s: %s", name, peer, exc)
+                context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+            assert peer is not None
+            try:
+                response = handler(peer, request, CallContext(context))
+            except MessageRejected as exc:
+                self._rejected(name, "refused")
+                context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+            except PermissionError as exc:
+                self._rejected(name, "identity")
+                context.abort(grpc.StatusCode.PERMISSION_DENIED, str(exc))
+            except Exception as exc:  # a handler bug must not take the server down
+                log.exception("The %s handler failed for %s.", name, peer)
+                context.abort(grpc.StatusCode.INTERNAL, f"{type(exc).__name__}: {exc}")
+            sent = 0
+            for chunk in encode_chunks(response, chunk_bytes=limits.chunk_bytes):
+                sent += len(chunk)
+                yield chunk
+            if self._on_bytes is not None:
+                self._on_bytes(sent, received)
+
+        return serve
+
+
+def _peer_identity(context: grpc.ServicerContext) -> Identity | None:
+    names = context.auth_context().get("x509_common_name") or []
+    if len(names) != 1:
+        return None
+    try:
+        return Identity.parse(names[0].decode("utf-8", "replace"))
+    except TransportError:
+        return None
+
+
+class RpcClient:
+    """A mutual-TLS gRPC client for one peer role.
+
+    Args:
+        target: ``host:port`` of the peer.
+        tls: this party's bundle (its CA verifies the peer; its certificate identifies us).
+        service: the peer's service name, e.g. ``Server`` or ``Kdc``.
+        limits: message limits.
+        retry: backoff for calls that fail before reaching the peer.
+        server_name: the name the peer's certificate must carry when it differs from the host.
+    """
+
+    def __init__(
+        self,
+        target: str,
+        tls: TlsBundle,
+        *,
+        service: str,
+        limits: Limits,
+        retry: RetryPolicy | None = None,
+        server_name: str | None = None,
+        on_bytes: Callable[[int, int], None] | None = None,
+    ) -> None:
+        options = limits.channel_options()
+        if server_name:
+            options.append(("grpc.ssl_target_name_override", server_name))
+        credentials = grpc.ssl_channel_credentials(
+            root_certificates=tls.ca_pem, private_key=tls.key_pem, certificate_chain=tls.cert_pem
+        )
+        self._target = target
+        self._channel = grpc.secure_channel(target, credentials, options=options)
+        self._service = service
+        self._limits = limits
+        self._retry = retry or RetryPolicy()
+        self._rng = random.Random()
+        self._stubs: dict[str, Any] = {}
+        self._lock = threading.Lock()
+        self._on_bytes = on_bytes
+
+    def call(self, method: str, payload: Payload, *, timeout: float, retry: bool = True) -> Payload:
+        """Sends ``payload`` to ``method`` and returns the peer's response.
+
+        Args:
+            method: the method name, e.g. ``Pull``.
+            payload: the request.
+            timeout: the deadline of one attempt in seconds.
+            retry: whether to retry (with backoff) while the peer is unreachable.
+
+        Raises:
+            RemoteError: the peer answered with an error status (or retries ran out).
+            MessageRejected: the peer's response was malformed or oversized.
+        """
+        delays = self._retry.delays(self._rng) if retry else iter(())
+        while True:
+            try:
+                return self._call_once(method, payload, timeout=timeout)
+            except grpc.RpcError as exc:
+                code = exc.code() if hasattr(exc, "code") else grpc.StatusCode.UNKNOWN
+                if code in RETRYABLE:
+                    delay = next(delays, None)
+                    if delay is not None:
+                        time.sleep(delay)
+                        continue
+                details = exc.details() if hasattr(exc, "details") else str(exc)
+                raise RemoteError(
+                    f"The call {self._service}.{method} to {self._target} failed with "
+                    f"{code.name}: {details}",
+                    method=method,
+                    code=code.name,
+                ) from exc
+
+    def _call_once(self, method: str, payload: Payload, *, timeout: float) -> Payload:
+        stub = self._stub(method)
+        sent = 0
+
+        def requests() -> Iterator[bytes]:
+            nonlocal sent
+            for chunk in encode_chunks(payload, chunk_bytes=self._limits.chunk_bytes):
+                sent += len(chunk)
+                yield chunk
+
+        decoder = PayloadDecoder(max_message_bytes=self._limits.max_message_bytes)
+        received = 0
+        for chunk in stub(requests(), timeout=timeout):
+            received += len(chunk)
+            decoder.feed(chunk)
+        result = decoder.finish()
+        if self._on_bytes is not None:
+            self._on_bytes(sent, received)
+        return result
+
+    def _stub(self, method: str) -> Any:
+        with self._lock:
+            stub = self._stubs.get(method)
+            if stub is None:
+                stub = self._channel.stream_stream(f"{SERVICE_PREFIX}{self._service}/{method}")
+                self._stubs[method] = stub
+            return stub
+
+    def close(self) -> None:
+        """Closes the channel."""
+        self._channel.close()
+
+    def __enter__(self) -> RpcClient:
+        return self
+
+    def __exit__(self, *_: object) -> None:
+        self.close()
