@@ -17,25 +17,63 @@ from fedcore.errors import FedcoreError, RunAborted, SpecError
 stderr = Console(stderr=True)
 
 ROLE_OPTIONS = [
-    click.option("--manifest", type=click.Path(exists=True, dir_okay=False, path_type=Path),
-                 required=True, envvar="FEDCORE_MANIFEST", help="The FederatedRun manifest file."),
-    click.option("--tls-dir", type=click.Path(file_okay=False, path_type=Path), required=True,
-                 envvar="FEDCORE_TLS_DIR",
-                 help="The folder holding this role's ca.crt, tls.crt and tls.key."),
-    click.option("--workdir", type=click.Path(file_okay=False, path_type=Path), default=Path("."),
-                 envvar="FEDCORE_WORKDIR", show_default=True,
-                 help="The run's folder for checkpoints and the final model."),
-    click.option("--metrics-port", type=click.IntRange(0, 65535), default=0,
-                 envvar="FEDCORE_METRICS_PORT", help="Serve Prometheus /metrics on this port "
-                 "(0: do not serve)."),
-    click.option("--metrics-address", default="127.0.0.1", envvar="FEDCORE_METRICS_ADDRESS",
-                 show_default=True, help="The address /metrics binds to."),
-    click.option("--events", type=click.Path(dir_okay=False, path_type=Path), default=None,
-                 help="Append progress events as JSON lines to this file."),
-    click.option("--threads", type=click.IntRange(1, 1024), default=1, envvar="FEDCORE_THREADS",
-                 show_default=True, help="Torch threads in this process."),
-    click.option("--log-level", type=click.Choice(["DEBUG", "INFO", "WARNING", "ERROR"]),
-                 default="INFO", show_default=True, help="How much the role logs."),
+    click.option(
+        "--manifest",
+        type=click.Path(exists=True, dir_okay=False, path_type=Path),
+        required=True,
+        envvar="FEDCORE_MANIFEST",
+        help="The FederatedRun manifest file.",
+    ),
+    click.option(
+        "--tls-dir",
+        type=click.Path(file_okay=False, path_type=Path),
+        required=True,
+        envvar="FEDCORE_TLS_DIR",
+        help="The folder holding this role's ca.crt, tls.crt and tls.key.",
+    ),
+    click.option(
+        "--workdir",
+        type=click.Path(file_okay=False, path_type=Path),
+        default=Path("."),
+        envvar="FEDCORE_WORKDIR",
+        show_default=True,
+        help="The run's folder for checkpoints and the final model.",
+    ),
+    click.option(
+        "--metrics-port",
+        type=click.IntRange(0, 65535),
+        default=0,
+        envvar="FEDCORE_METRICS_PORT",
+        help="Serve Prometheus /metrics on this port (0: do not serve).",
+    ),
+    click.option(
+        "--metrics-address",
+        default="127.0.0.1",
+        envvar="FEDCORE_METRICS_ADDRESS",
+        show_default=True,
+        help="The address /metrics binds to.",
+    ),
+    click.option(
+        "--events",
+        type=click.Path(dir_okay=False, path_type=Path),
+        default=None,
+        help="Append progress events as JSON lines to this file.",
+    ),
+    click.option(
+        "--threads",
+        type=click.IntRange(1, 1024),
+        default=1,
+        envvar="FEDCORE_THREADS",
+        show_default=True,
+        help="Torch threads in this process.",
+    ),
+    click.option(
+        "--log-level",
+        type=click.Choice(["DEBUG", "INFO", "WARNING", "ERROR"]),
+        default="INFO",
+        show_default=True,
+        help="How much the role logs.",
+    ),
 ]
 
 
@@ -50,16 +88,22 @@ def role_config(options: dict[str, Any]) -> Any:
     """Builds a RoleConfig from the shared options."""
     from fedcore.roles import RoleConfig
 
-    return RoleConfig(manifest=options["manifest"], tls_dir=options["tls_dir"],
-                      workdir=options["workdir"], metrics_port=options["metrics_port"],
-                      metrics_address=options["metrics_address"], events=options["events"],
-                      threads=options["threads"])
+    return RoleConfig(
+        manifest=options["manifest"],
+        tls_dir=options["tls_dir"],
+        workdir=options["workdir"],
+        metrics_port=options["metrics_port"],
+        metrics_address=options["metrics_address"],
+        events=options["events"],
+        threads=options["threads"],
+    )
 
 
 def fail(exc: BaseException, code: int = 1) -> None:
     """Prints ``TypeName: message`` in red on stderr and exits with ``code``."""
-    stderr.print(f"[bold red]{type(exc).__name__}[/]: {exc}", markup=True, highlight=False,
-                 soft_wrap=True)
+    stderr.print(
+        f"[bold red]{type(exc).__name__}[/]: {exc}", markup=True, highlight=False, soft_wrap=True
+    )
     sys.exit(code)
 
 
@@ -89,24 +133,43 @@ def validate(manifest: Path) -> None:
 
     run = load_manifest(manifest)
     facts = protocol_facts(run.spec.protocol.name)
-    click.echo(f"{manifest}: valid FederatedRun {run.metadata.name!r}: protocol "
-               f"{facts.name}, {run.spec.clients.count} clients, {run.spec.rounds} rounds"
-               f"{', with a KDC' if facts.needs_kdc else ''}.")
+    click.echo(
+        f"{manifest}: valid FederatedRun {run.metadata.name!r}: protocol "
+        f"{facts.name}, {run.spec.clients.count} clients, {run.spec.rounds} rounds"
+        f"{', with a KDC' if facts.needs_kdc else ''}."
+    )
 
 
 @main.command()
 @click.argument("manifest", type=click.Path(exists=True, dir_okay=False, path_type=Path))
-@click.option("--workdir", type=click.Path(file_okay=False, path_type=Path), default=None,
-              help="The run's folder (default: runs/<name>).")
+@click.option(
+    "--workdir",
+    type=click.Path(file_okay=False, path_type=Path),
+    default=None,
+    help="The run's folder (default: runs/<name>).",
+)
 @click.option("--resume", is_flag=True, help="Start from the latest good checkpoint.")
-@click.option("--json", "as_json", is_flag=True,
-              help="Print one JSON summary as the last line of stdout.")
+@click.option(
+    "--json", "as_json", is_flag=True, help="Print one JSON summary as the last line of stdout."
+)
 @click.option("--no-metrics", is_flag=True, help="Do not serve /metrics from the roles.")
-@click.option("--threads", type=click.IntRange(1, 1024), default=1, show_default=True,
-              help="Torch threads per role process.")
+@click.option(
+    "--threads",
+    type=click.IntRange(1, 1024),
+    default=1,
+    show_default=True,
+    help="Torch threads per role process.",
+)
 @click.option("--quiet", is_flag=True, help="No progress bar.")
-def run(manifest: Path, workdir: Path | None, resume: bool, as_json: bool, no_metrics: bool,
-        threads: int, quiet: bool) -> None:
+def run(
+    manifest: Path,
+    workdir: Path | None,
+    resume: bool,
+    as_json: bool,
+    no_metrics: bool,
+    threads: int,
+    quiet: bool,
+) -> None:
     """Runs MANIFEST on this machine: KDC, server and clients as processes over mutual TLS."""
     from fedcore.runner import LocalRun
     from fedcore.spec import load_manifest
@@ -114,8 +177,9 @@ def run(manifest: Path, workdir: Path | None, resume: bool, as_json: bool, no_me
 
     spec_run = load_manifest(manifest)
     folder = workdir or Path("runs") / spec_run.metadata.name
-    local = LocalRun(spec_run, manifest, workdir=folder, resume=resume, metrics=not no_metrics,
-                     threads=threads)
+    local = LocalRun(
+        spec_run, manifest, workdir=folder, resume=resume, metrics=not no_metrics, threads=threads
+    )
     signal.signal(signal.SIGTERM, _raise_interrupt)
     progress = RunProgress(stderr, spec_run, enabled=not quiet)
     try:
@@ -123,9 +187,18 @@ def run(manifest: Path, workdir: Path | None, resume: bool, as_json: bool, no_me
             result = local.execute(on_event=progress.update)
     except RunAborted as exc:
         if as_json:
-            click.echo(json.dumps({"phase": "Failed", "rounds": spec_run.spec.rounds,
-                                   "accuracy": None, "wall_seconds": None,
-                                   "reason": exc.reason, "message": str(exc)}))
+            click.echo(
+                json.dumps(
+                    {
+                        "phase": "Failed",
+                        "rounds": spec_run.spec.rounds,
+                        "accuracy": None,
+                        "wall_seconds": None,
+                        "reason": exc.reason,
+                        "message": str(exc),
+                    }
+                )
+            )
         raise
     summary = result.as_json()
     if not quiet:
@@ -140,10 +213,16 @@ def _raise_interrupt(*_: Any) -> None:
 
 @main.command()
 @role_options
-@click.option("--listen", default="0.0.0.0:7070", envvar="FEDCORE_LISTEN", show_default=True,
-              help="host:port to serve clients on (port 0: any free port).")
-@click.option("--resume", is_flag=True, envvar="FEDCORE_RESUME",
-              help="Start from the latest good checkpoint.")
+@click.option(
+    "--listen",
+    default="0.0.0.0:7070",
+    envvar="FEDCORE_LISTEN",
+    show_default=True,
+    help="host:port to serve clients on (port 0: any free port).",
+)
+@click.option(
+    "--resume", is_flag=True, envvar="FEDCORE_RESUME", help="Start from the latest good checkpoint."
+)
 def server(listen: str, resume: bool, **options: Any) -> None:
     """Runs the server role of one run."""
     from fedcore.roles import run_server
@@ -162,29 +241,63 @@ def server(listen: str, resume: bool, **options: Any) -> None:
 
 @main.command()
 @role_options
-@click.option("--index", type=click.IntRange(0), required=True, envvar="FEDCORE_CLIENT_INDEX",
-              help="This client's index, 0 to count-1 (its certificate must say the same).")
-@click.option("--server", "server_address", required=True, envvar="FEDCORE_SERVER",
-              help="host:port of the server.")
-@click.option("--kdc", "kdc_address", default=None, envvar="FEDCORE_KDC",
-              help="host:port of the KDC, for protocols that need one.")
-@click.option("--server-name", default=None, envvar="FEDCORE_SERVER_NAME",
-              help="The name on the server's certificate when it differs from the host.")
-def client(index: int, server_address: str, kdc_address: str | None, server_name: str | None,
-           **options: Any) -> None:
+@click.option(
+    "--index",
+    type=click.IntRange(0),
+    required=True,
+    envvar="FEDCORE_CLIENT_INDEX",
+    help="This client's index, 0 to count-1 (its certificate must say the same).",
+)
+@click.option(
+    "--server",
+    "server_address",
+    required=True,
+    envvar="FEDCORE_SERVER",
+    help="host:port of the server.",
+)
+@click.option(
+    "--kdc",
+    "kdc_address",
+    default=None,
+    envvar="FEDCORE_KDC",
+    help="host:port of the KDC, for protocols that need one.",
+)
+@click.option(
+    "--server-name",
+    default=None,
+    envvar="FEDCORE_SERVER_NAME",
+    help="The name on the server's certificate when it differs from the host.",
+)
+def client(
+    index: int,
+    server_address: str,
+    kdc_address: str | None,
+    server_name: str | None,
+    **options: Any,
+) -> None:
     """Runs one client role of one run."""
     from fedcore.roles import run_client
     from fedcore.roles._common import configure_logging
 
     configure_logging(f"client-{index}", options["log_level"])
-    run_client(role_config(options), index=index, server=server_address, kdc=kdc_address,
-               server_name=server_name)
+    run_client(
+        role_config(options),
+        index=index,
+        server=server_address,
+        kdc=kdc_address,
+        server_name=server_name,
+    )
 
 
 @main.command()
 @role_options
-@click.option("--listen", default="0.0.0.0:7071", envvar="FEDCORE_LISTEN", show_default=True,
-              help="host:port to serve key requests on (port 0: any free port).")
+@click.option(
+    "--listen",
+    default="0.0.0.0:7071",
+    envvar="FEDCORE_LISTEN",
+    show_default=True,
+    help="host:port to serve key requests on (port 0: any free port).",
+)
 def kdc(listen: str, **options: Any) -> None:
     """Runs the KDC role of one run (only for protocols that need one)."""
     from fedcore.roles import run_kdc

@@ -32,8 +32,11 @@ class RoleMetrics:
             "fedcore_rounds_completed", "Rounds this role completed.", labels, registry=r
         ).labels(**self._values)
         self.round_duration = Histogram(
-            "fedcore_round_duration_seconds", "Wall time of one round.", labels,
-            buckets=ROUND_BUCKETS, registry=r,
+            "fedcore_round_duration_seconds",
+            "Wall time of one round.",
+            labels,
+            buckets=ROUND_BUCKETS,
+            registry=r,
         ).labels(**self._values)
         self.round = Gauge(
             "fedcore_round", "The last round this role completed.", labels, registry=r
@@ -45,7 +48,9 @@ class RoleMetrics:
             "fedcore_client_dropouts", "Planned uploads that did not arrive.", labels, registry=r
         ).labels(**self._values)
         self.redone_rounds = Counter(
-            "fedcore_rounds_redone", "Rounds run again after missing their quorum.", labels,
+            "fedcore_rounds_redone",
+            "Rounds run again after missing their quorum.",
+            labels,
             registry=r,
         ).labels(**self._values)
         self.bytes_sent = Counter(
@@ -57,17 +62,22 @@ class RoleMetrics:
         self._rejected = Counter(
             "fedcore_rejected_messages",
             "Inbound messages refused (reason: malformed, identity, upload, stale).",
-            [*labels, "reason"], registry=r,
+            [*labels, "reason"],
+            registry=r,
         )
         self.accuracy = Gauge(
-            "fedcore_model_accuracy", "Held-out accuracy of the global model (0 to 1).", labels,
+            "fedcore_model_accuracy",
+            "Held-out accuracy of the global model (0 to 1).",
+            labels,
             registry=r,
         ).labels(**self._values)
         self.loss = Gauge(
             "fedcore_model_loss", "Held-out loss of the global model.", labels, registry=r
         ).labels(**self._values)
         self.checkpoint_duration = Histogram(
-            "fedcore_checkpoint_duration_seconds", "Time to write one checkpoint.", labels,
+            "fedcore_checkpoint_duration_seconds",
+            "Time to write one checkpoint.",
+            labels,
             registry=r,
         ).labels(**self._values)
         self.checkpoint_failures = Counter(

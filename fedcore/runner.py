@@ -82,7 +82,8 @@ class LocalRunResult:
             "accuracy": self.accuracy,
             "loss": self.loss,
             "wall_seconds": round(self.wall_seconds, 4),
-            "startup_seconds": None if self.startup_seconds is None
+            "startup_seconds": None
+            if self.startup_seconds is None
             else round(self.startup_seconds, 4),
             "median_round_seconds": None if median is None else round(median, 6),
             "workdir": self.workdir,
@@ -112,8 +113,17 @@ class LocalRun:
         python: the interpreter for the role processes.
     """
 
-    def __init__(self, run: FederatedRun, manifest: Path, *, workdir: Path, resume: bool = False,
-                 metrics: bool = True, threads: int = 1, python: str | None = None) -> None:
+    def __init__(
+        self,
+        run: FederatedRun,
+        manifest: Path,
+        *,
+        workdir: Path,
+        resume: bool = False,
+        metrics: bool = True,
+        threads: int = 1,
+        python: str | None = None,
+    ) -> None:
         self.run = run
         self.manifest = manifest
         self.workdir = workdir
@@ -133,8 +143,9 @@ class LocalRun:
         pki = self.workdir / "pki"
         if pki.exists():
             shutil.rmtree(pki)  # a fresh CA for every start, resumed or not
-        _, bundles = issue_run_bundles(self.run.metadata.name,
-                                       num_clients=self.run.spec.clients.count)
+        _, bundles = issue_run_bundles(
+            self.run.metadata.name, num_clients=self.run.spec.clients.count
+        )
         for common_name, bundle in bundles.items():
             bundle.write(pki / common_name)
         shutil.copyfile(self.manifest, self.workdir / "manifest.yaml")
@@ -143,12 +154,20 @@ class LocalRun:
     def _role_args(self, role: str, tls_name: str, events: Path | None) -> tuple[list[str], int]:
         port = free_port() if self.metrics else 0
         args = [
-            self.python, "-m", "fedcore", role,
-            "--manifest", str(self.workdir / "manifest.yaml"),
-            "--tls-dir", str(self.workdir / "pki" / tls_name),
-            "--workdir", str(self.workdir),
-            "--metrics-port", str(port),
-            "--threads", str(self.threads),
+            self.python,
+            "-m",
+            "fedcore",
+            role,
+            "--manifest",
+            str(self.workdir / "manifest.yaml"),
+            "--tls-dir",
+            str(self.workdir / "pki" / tls_name),
+            "--workdir",
+            str(self.workdir),
+            "--metrics-port",
+            str(port),
+            "--threads",
+            str(self.threads),
         ]
         if events is not None:
             args += ["--events", str(events)]
@@ -161,7 +180,11 @@ class LocalRun:
         env.setdefault("OMP_NUM_THREADS", str(self.threads))
         env["PYTHONUNBUFFERED"] = "1"
         process = subprocess.Popen(
-            args, stdout=log_file, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env,
+            args,
+            stdout=log_file,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+            env=env,
             start_new_session=True,
         )
         child = Child(name, process, log_path, log_file, port)
@@ -181,8 +204,11 @@ class LocalRun:
                 if event.get("event") == "failed":
                     raise RoleFailed(child.name, f"{event.get('message')}\n{child.tail()}")
             if child.process.poll() is not None:
-                raise RoleFailed(child.name, f"exited with code {child.process.returncode} while "
-                                 f"starting:\n{child.tail()}", exit_code=child.process.returncode)
+                raise RoleFailed(
+                    child.name,
+                    f"exited with code {child.process.returncode} while starting:\n{child.tail()}",
+                    exit_code=child.process.returncode,
+                )
             time.sleep(0.05)
         raise RoleFailed(child.name, f"was not ready after {READY_SECONDS} s:\n{child.tail()}")
 
@@ -205,8 +231,7 @@ class LocalRun:
         server_address = f"{LOOPBACK}:{self._wait_ready(server, self.events_path)}"
         for index in range(spec.clients.count):
             args, port = self._role_args("client", f"client-{index}", None)
-            args += ["--index", str(index), "--server", server_address,
-                     "--server-name", TLS_NAME]
+            args += ["--index", str(index), "--server", server_address, "--server-name", TLS_NAME]
             if kdc_address:
                 args += ["--kdc", kdc_address]
             self._spawn(f"client-{index}", args, port)
@@ -229,13 +254,17 @@ class LocalRun:
                 found, offset = read_events(self.events_path, offset)
                 yield from found
                 if exited != 0:
-                    raise RoleFailed("server", f"exited with code {exited}:\n{server.tail()}",
-                                     exit_code=exited)
+                    raise RoleFailed(
+                        "server", f"exited with code {exited}:\n{server.tail()}", exit_code=exited
+                    )
                 return
             kdc = self.children.get("kdc")
             if kdc is not None and kdc.process.poll() is not None:
-                raise RoleFailed("kdc", f"exited with code {kdc.process.returncode}:\n"
-                                 f"{kdc.tail()}", exit_code=kdc.process.returncode)
+                raise RoleFailed(
+                    "kdc",
+                    f"exited with code {kdc.process.returncode}:\n{kdc.tail()}",
+                    exit_code=kdc.process.returncode,
+                )
             time.sleep(0.02)
 
     def stop(self, grace: float = STOP_SECONDS) -> None:
@@ -282,9 +311,15 @@ class LocalRun:
         """
         started = time.monotonic()
         started_wall = time.time()
-        result = LocalRunResult(phase="Failed", rounds=self.run.spec.rounds, accuracy=None,
-                                loss=None, wall_seconds=0.0, startup_seconds=None,
-                                workdir=str(self.workdir))
+        result = LocalRunResult(
+            phase="Failed",
+            rounds=self.run.spec.rounds,
+            accuracy=None,
+            loss=None,
+            wall_seconds=0.0,
+            startup_seconds=None,
+            workdir=str(self.workdir),
+        )
         failed: dict[str, Any] | None = None
         try:
             self.start()
@@ -305,14 +340,18 @@ class LocalRun:
                     on_event(event)
             self.wait_clients(STOP_SECONDS)
         except KeyboardInterrupt:
-            raise RunAborted("The run was interrupted (Ctrl-C); every role was stopped.",
-                             reason="Interrupted") from None
+            raise RunAborted(
+                "The run was interrupted (Ctrl-C); every role was stopped.", reason="Interrupted"
+            ) from None
         finally:
             self.stop()
             result.wall_seconds = time.monotonic() - started
         if failed is not None:
-            raise RunAborted(str(failed.get("message")), reason=str(failed.get("reason")),
-                             round=failed.get("round"))
+            raise RunAborted(
+                str(failed.get("message")),
+                reason=str(failed.get("reason")),
+                round=failed.get("round"),
+            )
         model = self.workdir / "model.safetensors"
         result.model = str(model) if model.exists() else None
         return result

@@ -34,15 +34,15 @@ class RunProgress:
             disable=not enabled,
             transient=False,
         )
-        self.task = self.progress.add_task("rounds", total=run.spec.rounds, loss="-",
-                                           accuracy="-")
+        self.task = self.progress.add_task("rounds", total=run.spec.rounds, loss="-", accuracy="-")
 
     def __enter__(self) -> RunProgress:
         self.progress.__enter__()
         return self
 
-    def __exit__(self, kind: type[BaseException] | None, exc: BaseException | None,
-                 tb: TracebackType | None) -> None:
+    def __exit__(
+        self, kind: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
         self.progress.__exit__(kind, exc, tb)
 
     def update(self, event: dict[str, Any]) -> None:
@@ -63,8 +63,17 @@ class RunProgress:
         if not self.enabled:
             return
         table = Table(show_header=False, box=None)
-        for key in ("phase", "rounds", "accuracy", "loss", "wall_seconds", "startup_seconds",
-                    "median_round_seconds", "model", "workdir"):
+        for key in (
+            "phase",
+            "rounds",
+            "accuracy",
+            "loss",
+            "wall_seconds",
+            "startup_seconds",
+            "median_round_seconds",
+            "model",
+            "workdir",
+        ):
             value = summary.get(key)
             table.add_row(key, "-" if value is None else str(value))
         self.console.print(table)

@@ -1,8 +1,8 @@
 """Checkpoints: one format over pluggable object stores (a local folder; S3 to come)."""
 
 from fedcore.checkpoint._checkpointer import (
-    CheckpointInfo,
     Checkpointer,
+    CheckpointInfo,
     join_tensors,
     split_tensors,
 )

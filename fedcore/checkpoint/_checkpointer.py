@@ -145,7 +145,9 @@ class Checkpointer:
             tree = json.loads(parts["state.json"])
             tensors = load_tensors(parts["tensors.safetensors"])
         except Exception as exc:
-            raise CheckpointError(f"The checkpoint of round {round} cannot be decoded: {exc}.") from exc
+            raise CheckpointError(
+                f"The checkpoint of round {round} cannot be decoded: {exc}."
+            ) from exc
         return join_tensors(tree, tensors)
 
     def _check_manifest(self, manifest: Any, round: int) -> None:
@@ -193,8 +195,12 @@ def split_tensors(state: Mapping[str, Any]) -> tuple[Any, dict[str, np.ndarray]]
         if isinstance(value, Mapping):
             for key in value:
                 if not isinstance(key, str):
-                    raise CheckpointError(f"The state key {key!r} at {path or '<root>'} is not a string.")
-            return {key: walk(item, f"{path}/{key}" if path else key) for key, item in value.items()}
+                    raise CheckpointError(
+                        f"The state key {key!r} at {path or '<root>'} is not a string."
+                    )
+            return {
+                key: walk(item, f"{path}/{key}" if path else key) for key, item in value.items()
+            }
         if isinstance(value, list | tuple):
             return [walk(item, f"{path}/{i}") for i, item in enumerate(value)]
         if value is None or isinstance(value, bool | int | float | str):

@@ -50,7 +50,9 @@ class LocalObjectStore(ObjectStore):
 
     def _path(self, key: str) -> Path:
         if key.startswith("/") or ".." in key.split("/"):
-            raise CheckpointError(f"The object key {key!r} is not a relative path inside the store.")
+            raise CheckpointError(
+                f"The object key {key!r} is not a relative path inside the store."
+            )
         return self.root / key
 
     def put(self, key: str, data: bytes) -> None:

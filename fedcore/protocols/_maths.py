@@ -63,7 +63,9 @@ def example_count(upload: Payload, *, what: str) -> int:
     """
     count = upload.meta.get("num_examples")
     if isinstance(count, bool) or not isinstance(count, int) or count < 1:
-        raise ProtocolError(f"The {what} reports num_examples={count!r}; a positive integer is needed.")
+        raise ProtocolError(
+            f"The {what} reports num_examples={count!r}; a positive integer is needed."
+        )
     return count
 
 

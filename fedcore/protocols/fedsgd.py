@@ -7,7 +7,6 @@ weighting this is exactly full-batch gradient descent on the union of the shards
 
 from __future__ import annotations
 
-
 import numpy as np
 
 from fedcore.protocols._base import ClientProtocol, Protocol, ServerProtocol, Weights
@@ -61,5 +60,3 @@ class FedSgd(Protocol):
 
     def create_client(self, spec: FederatedRunSpec, index: int) -> ClientProtocol:
         return GradientClient()
-
-

@@ -15,8 +15,14 @@ from fedcore.transport import Limits, RetryPolicy, TlsBundle
 SERVER_SERVICE = "Server"
 KDC_SERVICE = "Kdc"
 
-RESUME_INSENSITIVE_FIELDS = ("rounds", "checkpoint", "roles", "failurePolicy", "evaluation",
-                             "transport")
+RESUME_INSENSITIVE_FIELDS = (
+    "rounds",
+    "checkpoint",
+    "roles",
+    "failurePolicy",
+    "evaluation",
+    "transport",
+)
 """Spec fields a resumed run may change; every other field must match its checkpoint."""
 
 
@@ -67,7 +73,9 @@ def choose_device(role: RoleSpec) -> str:
 
         if torch.cuda.is_available():
             return "cuda"
-        logging.getLogger(__name__).warning("The role asks for GPUs but none is visible; using the CPU.")
+        logging.getLogger(__name__).warning(
+            "The role asks for GPUs but none is visible; using the CPU."
+        )
     return "cpu"
 
 

@@ -25,8 +25,15 @@ class Kdc:
         FedcoreError: the run's protocol has no KDC side.
     """
 
-    def __init__(self, run: FederatedRun, config: RoleConfig, tls: TlsBundle, *, listen: str,
-                 protocol: KdcProtocol | None = None) -> None:
+    def __init__(
+        self,
+        run: FederatedRun,
+        config: RoleConfig,
+        tls: TlsBundle,
+        *,
+        listen: str,
+        protocol: KdcProtocol | None = None,
+    ) -> None:
         self.run = run
         self.config = config
         kdc = protocol or create_protocol(run.spec.protocol.name).create_kdc(run.spec)
@@ -41,8 +48,12 @@ class Kdc:
         self.stopped = threading.Event()
         self.lock = threading.Lock()
         self.rpc = RpcServer(
-            listen, tls, {"IssueKeys": self._issue_keys}, service=KDC_SERVICE,
-            limits=limits_of(run.spec), max_workers=2 * run.spec.clients.count + 8,
+            listen,
+            tls,
+            {"IssueKeys": self._issue_keys},
+            service=KDC_SERVICE,
+            limits=limits_of(run.spec),
+            max_workers=2 * run.spec.clients.count + 8,
             on_rejected=lambda method, reason: self.metrics.rejected(reason),
             on_bytes=self.metrics.count_bytes,
         )

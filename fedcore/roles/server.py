@@ -1,7 +1,9 @@
 """The server role: plan, fan out, sort, combine, evaluate, checkpoint, report; every round.
 
-The round loop runs in the main thread; gRPC handlers (Join, Pull, Push, Presence) run in the
-RPC server's threads and meet the loop on a ``RoundBoard``. The server knows nothing of any
+The round loop runs in the main thread; each client holds one long-lived two-way session
+(gRPC over mutual TLS) whose events meet the loop on a ``RoundBoard``: a task goes out when an
+attempt opens, the upload comes back on the same session, and a session that ends marks its
+client as dropped at once. The server knows nothing of any
 protocol's maths: it calls the protocol's hooks and applies its dropout policy.
 """
 
@@ -35,12 +37,10 @@ from fedcore.roles._events import EventLog
 from fedcore.sampling import sample_clients
 from fedcore.spec import FederatedRun, protocol_facts
 from fedcore.training import Evaluator
-from fedcore.transport import CallContext, Identity, Payload, RpcServer
+from fedcore.transport import Identity, Payload, RpcServer, ServerSession, SessionHandler
 
 log = logging.getLogger(__name__)
 
-PULL_WAIT_SECONDS = 20.0
-"""The longest a Pull waits for work before answering "wait" (the client then pulls again)."""
 GOODBYE_SECONDS = 10.0
 """How long the server waits at the end for every present client to hear "done"."""
 
@@ -59,26 +59,83 @@ class Attempt:
         """Whether every planned client has uploaded or failed."""
         return len(self.uploads) + len(self.failed) >= len(self.plans)
 
+    def pending(self, client: int) -> bool:
+        """Whether ``client`` was planned and has neither uploaded nor failed."""
+        return client in self.plans and client not in self.uploads and client not in self.failed
 
-class RoundBoard:
-    """The hand-off between the round loop and the RPC handlers (all access under one lock)."""
+    def task_for(self, client: int) -> Payload:
+        """Returns the message that carries ``client``'s instruction."""
+        plan = self.plans[client]
+        return Payload(
+            meta={
+                "kind": "task",
+                "round": self.round,
+                "attempt": self.attempt,
+                "instruction": plan.meta,
+            },
+            tensors=plan.tensors,
+        )
 
-    def __init__(self, client_count: int) -> None:
-        self.client_count = client_count
+
+class RoundBoard(SessionHandler):
+    """Where the round loop meets the client sessions (all state under one condition)."""
+
+    def __init__(self, server: Server) -> None:
+        self.server = server
         self.cond = threading.Condition()
-        self.joined: set[int] = set()
-        self.present: set[int] = set()
-        self.said_goodbye: set[int] = set()
+        self.sessions: dict[int, ServerSession] = {}
         self.current: Attempt | None = None
         self.done = False
 
-    def open_attempt(self, attempt: Attempt) -> None:
-        """Publishes a new attempt; clients absent now fail it at once."""
+    # -------------------------------------------------------------- session events
+
+    def opened(self, session: ServerSession) -> None:
+        index = self.server.client_index(session.peer)
         with self.cond:
-            for client in attempt.plans:
-                if client not in self.present:
-                    attempt.failed[client] = "absent"
+            old = self.sessions.get(index)
+            self.sessions[index] = session
+            self.cond.notify_all()
+        if old is not None and old is not session:
+            old.close()
+        if self.done:
+            session.send(Payload(meta={"kind": "done"}))
+        log.info("Client %d connected.", index)
+
+    def received(self, session: ServerSession, message: Payload) -> None:
+        index = self.server.client_index(session.peer)
+        kind = message.meta.get("kind")
+        if kind == "hello":
+            with self.cond:
+                attempt = self.current
+                if attempt is not None and attempt.pending(index):
+                    session.send(attempt.task_for(index))
+        elif kind == "upload":
+            status = self.server.accept_upload(index, message)
+            if status != "accepted":
+                session.send(Payload(meta={"kind": "ack", "status": status}))
+        else:
+            raise MessageRejected(f"A client sent a message of unknown kind {kind!r}.")
+
+    def closed(self, session: ServerSession) -> None:
+        index = self.server.client_index(session.peer)
+        with self.cond:
+            if self.sessions.get(index) is session:
+                del self.sessions[index]
+                attempt = self.current
+                if not self.done and attempt is not None and attempt.pending(index):
+                    attempt.failed[index] = "disconnected"
+            self.cond.notify_all()
+
+    # ---------------------------------------------------------------- round loop side
+
+    def open_attempt(self, attempt: Attempt) -> None:
+        """Publishes a new attempt: sends each planned client its task; absent ones fail."""
+        with self.cond:
             self.current = attempt
+            for client in attempt.plans:
+                session = self.sessions.get(client)
+                if session is None or not session.send(attempt.task_for(client)):
+                    attempt.failed[client] = "absent"
             self.cond.notify_all()
 
     def wait_settled(self, deadline: float) -> Attempt:
@@ -90,26 +147,27 @@ class RoundBoard:
                 left = deadline - time.monotonic()
                 if left <= 0:
                     for client in attempt.plans:
-                        if client not in attempt.uploads and client not in attempt.failed:
+                        if attempt.pending(client):
                             attempt.failed[client] = "timeout"
                     break
                 self.cond.wait(left)
             self.current = None
             return attempt
 
-    def wait_joined(self, count: int, deadline: float) -> int:
-        """Blocks until ``count`` clients are present or ``deadline``; returns how many are."""
+    def wait_connected(self, count: int, deadline: float) -> int:
+        """Blocks until ``count`` clients are connected or ``deadline``; returns how many are."""
         with self.cond:
-            while len(self.present) < count and time.monotonic() < deadline:
+            while len(self.sessions) < count and time.monotonic() < deadline:
                 self.cond.wait(max(0.0, deadline - time.monotonic()))
-            return len(self.present)
+            return len(self.sessions)
 
     def finish(self, deadline: float) -> None:
-        """Tells every client the run is over and waits (bounded) for them to hear it."""
+        """Tells every client the run is over and waits (bounded) for them to hang up."""
         with self.cond:
             self.done = True
-            self.cond.notify_all()
-            while (self.present - self.said_goodbye) and time.monotonic() < deadline:
+            for session in self.sessions.values():
+                session.send(Payload(meta={"kind": "done"}))
+            while self.sessions and time.monotonic() < deadline:
                 self.cond.wait(max(0.0, deadline - time.monotonic()))
 
 
@@ -123,8 +181,9 @@ class Server:
         resume: whether to start from the latest checkpoint.
     """
 
-    def __init__(self, run: FederatedRun, config: RoleConfig, tls: Any, *, listen: str,
-                 resume: bool) -> None:
+    def __init__(
+        self, run: FederatedRun, config: RoleConfig, tls: Any, *, listen: str, resume: bool
+    ) -> None:
         self.run = run
         self.spec = run.spec
         self.config = config
@@ -138,16 +197,17 @@ class Server:
         self.protocol: ServerProtocol = create_protocol(self.spec.protocol.name).create_server(
             self.spec, get_weights(model)
         )
-        self.evaluator = Evaluator(model.to(device), test_dataset(self.spec), self.spec.training,
-                                   device=device)
+        self.evaluator = Evaluator(
+            model.to(device), test_dataset(self.spec), self.spec.training, device=device
+        )
         self.checkpointer = self._checkpointer()
-        self.board = RoundBoard(self.spec.clients.count)
+        self.board = RoundBoard(self)
         self.history: list[dict[str, Any]] = []
         self.rpc = RpcServer(
             listen,
             tls,
-            {"Join": self._join, "Pull": self._pull, "Push": self._push,
-             "Presence": self._presence},
+            {},
+            sessions={"Session": self.board},
             service=SERVER_SERVICE,
             limits=limits_of(self.spec),
             max_workers=2 * self.spec.clients.count + 8,
@@ -155,107 +215,52 @@ class Server:
             on_bytes=self.metrics.count_bytes,
         )
 
-    # ------------------------------------------------------------------------- handlers
+    # ------------------------------------------------------------------------ clients
 
-    def _client_index(self, peer: Identity) -> int:
+    def client_index(self, peer: Identity) -> int:
+        """Returns the client index a peer's certificate names.
+
+        Raises:
+            PermissionError: the peer is not a client of this run.
+        """
         if peer.role != "client" or peer.index is None or peer.index >= self.spec.clients.count:
             raise PermissionError(f"{peer.common_name!r} is not a client of this run.")
         return peer.index
 
-    def _join(self, peer: Identity, request: Payload, ctx: CallContext) -> Payload:
-        index = self._client_index(peer)
-        with self.board.cond:
-            self.board.joined.add(index)
-        log.info("Client %d joined.", index)
-        return Payload(meta={"run": self.run.metadata.name, "rounds": self.spec.rounds,
-                             "clients": self.spec.clients.count})
-
-    def _presence(self, peer: Identity, request: Payload, ctx: CallContext) -> Payload:
-        """Held open by each client for the whole run; its end means the client is gone."""
-        index = self._client_index(peer)
+    def accept_upload(self, index: int, message: Payload) -> str:
+        """Checks and records one upload; returns accepted, duplicate, stale or rejected."""
         board = self.board
-        with board.cond:
-            board.present.add(index)
-            board.cond.notify_all()
-        try:
-            with board.cond:
-                while not board.done and ctx.is_active():
-                    board.cond.wait(1.0)
-        finally:
-            with board.cond:
-                board.present.discard(index)
-                attempt = board.current
-                if (not board.done and attempt is not None and index in attempt.plans
-                        and index not in attempt.uploads):
-                    attempt.failed.setdefault(index, "disconnected")
-                board.cond.notify_all()
-        return Payload(meta={"kind": "done"})
-
-    def _pull(self, peer: Identity, request: Payload, ctx: CallContext) -> Payload:
-        """Long-polls for this client's next task after (round, attempt) it last handled."""
-        index = self._client_index(peer)
-        after = (int(request.meta.get("round", 0)), int(request.meta.get("attempt", 0)))
-        remaining = ctx.time_remaining()
-        wait = PULL_WAIT_SECONDS if remaining is None else max(0.0, min(PULL_WAIT_SECONDS,
-                                                                          remaining - 1.0))
-        deadline = time.monotonic() + wait
-        board = self.board
-        with board.cond:
-            while True:
-                if board.done:
-                    board.said_goodbye.add(index)
-                    board.cond.notify_all()
-                    return Payload(meta={"kind": "done"})
-                attempt = board.current
-                if (attempt is not None and index in attempt.plans
-                        and (attempt.round, attempt.attempt) > after
-                        and index not in attempt.failed and index not in attempt.uploads):
-                    plan = attempt.plans[index]
-                    return Payload(
-                        meta={"kind": "task", "round": attempt.round, "attempt": attempt.attempt,
-                              "instruction": plan.meta},
-                        tensors=plan.tensors,
-                    )
-                left = deadline - time.monotonic()
-                if left <= 0 or not ctx.is_active():
-                    return Payload(meta={"kind": "wait"})
-                board.cond.wait(left)
-
-    def _push(self, peer: Identity, request: Payload, ctx: CallContext) -> Payload:
-        """Accepts one upload for the current attempt (duplicates are acknowledged, not redone)."""
-        index = self._client_index(peer)
-        round_, attempt_no = request.meta.get("round"), request.meta.get("attempt")
-        upload = Payload(meta=dict(request.meta.get("upload") or {}), tensors=request.tensors)
-        board = self.board
+        upload = Payload(meta=dict(message.meta.get("upload") or {}), tensors=message.tensors)
+        key = (message.meta.get("round"), message.meta.get("attempt"))
         with board.cond:
             attempt = board.current
-            if attempt is None or (attempt.round, attempt.attempt) != (round_, attempt_no) \
-                    or index not in attempt.plans:
+            if attempt is None or (attempt.round, attempt.attempt) != key:
                 self.metrics.rejected("stale")
-                return Payload(meta={"status": "stale"})
+                return "stale"
             if index in attempt.uploads:
-                return Payload(meta={"status": "duplicate"})
-            if index in attempt.failed:
+                return "duplicate"
+            if not attempt.pending(index):
                 self.metrics.rejected("stale")
-                return Payload(meta={"status": "stale"})
+                return "stale"
         try:
             self.protocol.check_upload(attempt.round, index, upload)
         except ProtocolError as exc:
-            with board.cond:
-                if board.current is attempt:
-                    attempt.failed[index] = "rejected"
-                    board.cond.notify_all()
             self.metrics.rejected("upload")
-            log.warning("Refused the upload of client %d in round %d: %s", index, attempt.round,
-                        exc)
-            raise MessageRejected(str(exc)) from exc
+            log.warning(
+                "Refused the upload of client %d in round %d: %s", index, attempt.round, exc
+            )
+            status = "rejected"
+        else:
+            status = "accepted"
         with board.cond:
-            if board.current is attempt and index not in attempt.failed:
+            if board.current is not attempt or not attempt.pending(index):
+                return "stale"
+            if status == "accepted":
                 attempt.uploads[index] = upload
-                board.cond.notify_all()
-                return Payload(meta={"status": "accepted"})
-        self.metrics.rejected("stale")
-        return Payload(meta={"status": "stale"})
+            else:
+                attempt.failed[index] = "rejected"
+            board.cond.notify_all()
+        return status
 
     # ----------------------------------------------------------------------- round loop
 
@@ -283,12 +288,13 @@ class Server:
         spec = self.spec
         policy = spec.failure_policy
         count = spec.clients.count
-        joined = self.board.wait_joined(count, time.monotonic() + policy.connect_timeout_seconds)
+        joined = self.board.wait_connected(count, time.monotonic() + policy.connect_timeout_seconds)
         if joined == 0:
             raise RunAborted(
                 f"No client connected within {policy.connect_timeout_seconds} s "
                 f"(spec.failurePolicy.connectTimeoutSeconds).",
-                reason="NoClients", round=start_round,
+                reason="NoClients",
+                round=start_round,
             )
         last_eval: dict[str, float] = {}
         for round_ in range(start_round, spec.rounds + 1):
@@ -324,20 +330,32 @@ class Server:
             plans = self.protocol.plan_round(round_, clients)
             attempt = Attempt(round_, attempt_no + 1, plans)
             self.board.open_attempt(attempt)
-            attempt = self.board.wait_settled(
-                time.monotonic() + spec.failure_policy.round_timeout_seconds)
+            opened = time.monotonic()
+            attempt = self.board.wait_settled(opened + spec.failure_policy.round_timeout_seconds)
+            settled = time.monotonic()
             failures = sorted(attempt.failed)
             if failures:
                 self.metrics.dropouts.inc(len(failures))
-                log.warning("Round %d attempt %d: clients %s failed (%s).", round_, attempt_no + 1,
-                            failures, ", ".join(sorted(set(attempt.failed.values()))))
+                log.warning(
+                    "Round %d attempt %d: clients %s failed (%s).",
+                    round_,
+                    attempt_no + 1,
+                    failures,
+                    ", ".join(sorted(set(attempt.failed.values()))),
+                )
             if len(attempt.uploads) >= quorum:
                 if not failures or self.facts.dropout_policy == "Skip":
                     result = self.protocol.combine(round_, attempt.uploads, failures)
-                    return {"participants": len(attempt.uploads), "failures": failures,
-                            "train_loss": None if result is None else result.train_loss,
-                            "metrics": {} if result is None else result.metrics,
-                            "attempts": attempt_no + 1}
+                    timings = {"wait_seconds": settled - opened,
+                               "combine_seconds": time.monotonic() - settled}
+                    return {
+                        "participants": len(attempt.uploads),
+                        "failures": failures,
+                        "train_loss": None if result is None else result.train_loss,
+                        "metrics": {} if result is None else result.metrics,
+                        "attempts": attempt_no + 1,
+                        **timings,
+                    }
                 if self.facts.dropout_policy == "Fail":
                     break
                 clients = sorted(attempt.uploads)  # Redo: again, without the failed clients
@@ -347,7 +365,8 @@ class Server:
             f"Round {round_} got fewer than its quorum of {quorum} uploads after "
             f"{spec.failure_policy.max_round_retries + 1} attempts (spec.clients.quorum, "
             f"spec.failurePolicy.maxRoundRetries).",
-            reason="QuorumLost", round=round_,
+            reason="QuorumLost",
+            round=round_,
         )
 
     def _maybe_evaluate(self, round_: int) -> dict[str, float]:
@@ -362,8 +381,9 @@ class Server:
         self.metrics.loss.set(result.loss)
         return {"accuracy": result.accuracy, "loss": result.loss}
 
-    def _record_round(self, round_: int, result: dict[str, Any], evaluation: dict[str, float],
-                      seconds: float) -> None:
+    def _record_round(
+        self, round_: int, result: dict[str, Any], evaluation: dict[str, float], seconds: float
+    ) -> None:
         self.metrics.rounds_completed.inc()
         self.metrics.round.set(round_)
         self.metrics.round_duration.observe(seconds)
@@ -380,9 +400,13 @@ class Server:
             return None
         path = Path(spec.local.path.replace("{name}", self.run.metadata.name))
         if not path.is_absolute():
-            path = self.config.workdir / path if self.config.workdir else path
-        return Checkpointer(LocalObjectStore(path), run=self.run.metadata.name,
-                            fingerprint=spec_fingerprint(self.run), keep_last=spec.keep_last)
+            path = self.config.workdir / path
+        return Checkpointer(
+            LocalObjectStore(path),
+            run=self.run.metadata.name,
+            fingerprint=spec_fingerprint(self.run),
+            keep_last=spec.keep_last,
+        )
 
     def _maybe_checkpoint(self, round_: int) -> None:
         every = self.spec.checkpoint.every_rounds
@@ -390,15 +414,17 @@ class Server:
             return
         if round_ % every and round_ != self.spec.rounds:
             return
-        state = {"round": round_, "protocol": self.protocol.state_dict(),
-                 "history": self.history}
+        state = {"round": round_, "protocol": self.protocol.state_dict(), "history": self.history}
         started = time.monotonic()
         try:
             info = self.checkpointer.save(round_, state)
         except CheckpointError as exc:
             self.metrics.checkpoint_failures.inc()
-            raise RunAborted(f"The checkpoint of round {round_} failed: {exc}",
-                             reason="CheckpointFailed", round=round_) from exc
+            raise RunAborted(
+                f"The checkpoint of round {round_} failed: {exc}",
+                reason="CheckpointFailed",
+                round=round_,
+            ) from exc
         self.metrics.checkpoint_duration.observe(time.monotonic() - started)
         self.events.emit("checkpoint", round=round_, location=info.location, bytes=info.bytes)
 
@@ -408,15 +434,20 @@ class Server:
             return 0
         found = self.checkpointer.load_latest()
         if found is None:
-            log.warning("No usable checkpoint in %s; starting from round 1.",
-                        self.checkpointer.store.describe())
+            log.warning(
+                "No usable checkpoint in %s; starting from round 1.",
+                self.checkpointer.store.describe(),
+            )
             return 0
         round_, state = found
         try:
             self.protocol.load_state_dict(state["protocol"])
         except (KeyError, ValueError) as exc:
-            raise RunAborted(f"The checkpoint of round {round_} cannot be restored: {exc}",
-                             reason="CheckpointInvalid", round=round_) from exc
+            raise RunAborted(
+                f"The checkpoint of round {round_} cannot be restored: {exc}",
+                reason="CheckpointInvalid",
+                round=round_,
+            ) from exc
         self.history = list(state.get("history", []))
         self.events.emit("resumed", round=round_)
         log.info("Resumed from the checkpoint of round %d.", round_)

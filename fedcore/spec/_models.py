@@ -338,10 +338,11 @@ class LocalStoreSpec(SpecModel):
     """A checkpoint folder on a local or mounted file system."""
 
     path: str = Field(
-        "runs/{name}/checkpoints",
+        "checkpoints",
         min_length=1,
-        description="path of the folder; '{name}' becomes the run's name. Relative paths are "
-        "taken from the working directory. Default 'runs/{name}/checkpoints'.",
+        description="path of the folder; '{name}' becomes the run's name. A relative path is "
+        "taken from the run's folder (fedcore run: runs/<name>; a pod: its work volume). "
+        "Default 'checkpoints'.",
     )
 
 

@@ -24,11 +24,27 @@ from pydantic_core import to_jsonable_python
 from fedcore.spec._models import FederatedRun
 
 _OPENAPI_KEYS = (
-    "type", "description", "nullable", "default", "enum",
-    "minimum", "exclusiveMinimum", "maximum", "exclusiveMaximum",
-    "minLength", "maxLength", "pattern", "minItems", "maxItems",
-    "x-kubernetes-int-or-string", "anyOf", "x-kubernetes-preserve-unknown-fields",
-    "required", "items", "additionalProperties", "properties",
+    "type",
+    "description",
+    "nullable",
+    "default",
+    "enum",
+    "minimum",
+    "exclusiveMinimum",
+    "maximum",
+    "exclusiveMaximum",
+    "minLength",
+    "maxLength",
+    "pattern",
+    "minItems",
+    "maxItems",
+    "x-kubernetes-int-or-string",
+    "anyOf",
+    "x-kubernetes-preserve-unknown-fields",
+    "required",
+    "items",
+    "additionalProperties",
+    "properties",
 )
 """The keys a generated node may carry, in the order they are written; others are refused."""
 
@@ -111,8 +127,10 @@ def describe_bounds(node: dict[str, Any], *, quote: str = "`") -> str:
         values = [f"{quote}{value}{quote}" for value in node["enum"]]
         parts.append(values[0] if len(values) == 1 else "one of " + ", ".join(values))
     numeric = _describe_range(
-        node.get("minimum"), node.get("exclusiveMinimum", False),
-        node.get("maximum"), node.get("exclusiveMaximum", False),
+        node.get("minimum"),
+        node.get("exclusiveMinimum", False),
+        node.get("maximum"),
+        node.get("exclusiveMaximum", False),
     )
     length = _describe_range(node.get("minLength"), False, node.get("maxLength"), False)
     items = _describe_range(node.get("minItems"), False, node.get("maxItems"), False)
@@ -246,6 +264,8 @@ def _hoist_int_or_string(node: dict[str, Any], path: str) -> None:
             raise ValueError(f"{path}: an int-or-string branch may not be {branch!r}.")
         seen.add(kind)
         node.update(branch)
+    if seen != set(_INT_OR_STRING_TYPES):
+        raise ValueError(f"{path}: an int-or-string node needs an integer and a string branch.")
     node["anyOf"] = [{"type": "integer"}, {"type": "string"}]
 
 

@@ -201,6 +201,11 @@ class PayloadDecoder:
         self._received = 0
         self._closed = False
 
+    @property
+    def complete(self) -> bool:
+        """Whether the header and every announced body byte have arrived."""
+        return self._header is not None and self._received == len(self._body)
+
     def feed(self, chunk: bytes) -> None:
         """Add the next chunk of the message.
 

@@ -9,9 +9,11 @@ and nowhere else, so a role never sees a grpc type and a protocol never sees a r
 from __future__ import annotations
 
 import logging
+import queue
 import random
 import threading
 import time
+from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterator, Mapping
 from concurrent import futures
 from dataclasses import dataclass
@@ -146,12 +148,14 @@ class RpcServer:
         *,
         service: str,
         limits: Limits,
+        sessions: Mapping[str, SessionHandler] | None = None,
         max_workers: int = 32,
         on_rejected: Callable[[str, str], None] | None = None,
         on_bytes: Callable[[int, int], None] | None = None,
     ) -> None:
         self._service = service
         self._handlers = dict(handlers)
+        self._sessions = dict(sessions or {})
         self._limits = limits
         self._rejected = RejectionCounter(on_rejected)
         self._on_bytes = on_bytes
@@ -161,9 +165,10 @@ class RpcServer:
             maximum_concurrent_rpcs=max_workers * 4,
         )
         method_handlers = {
-            name: grpc.stream_stream_rpc_method_handler(self._wrap(name))
-            for name in self._handlers
+            name: grpc.stream_stream_rpc_method_handler(self._wrap(name)) for name in self._handlers
         }
+        for name in self._sessions:
+            method_handlers[name] = grpc.stream_stream_rpc_method_handler(self._wrap_session(name))
         self._server.add_generic_rpc_handlers(
             (grpc.method_handlers_generic_handler(f"fedcore.v1.{service}", method_handlers),)
         )
@@ -185,7 +190,9 @@ class RpcServer:
         """Stops serving; calls in flight get ``grace`` seconds to finish."""
         self._server.stop(grace).wait(grace + 1)
 
-    def _wrap(self, name: str) -> Callable[[Iterator[bytes], grpc.ServicerContext], Iterator[bytes]]:
+    def _wrap(
+        self, name: str
+    ) -> Callable[[Iterator[bytes], grpc.ServicerContext], Iterator[bytes]]:
         handler = self._handlers[name]
         limits = self._limits
 
@@ -193,8 +200,10 @@ class RpcServer:
             peer = _peer_identity(context)
             if peer is None:
                 self._rejected(name, "identity")
-                context.abort(grpc.StatusCode.PERMISSION_DENIED,
-                              "The client certificate names no fedcore identity.")
+                context.abort(
+                    grpc.StatusCode.PERMISSION_DENIED,
+                    "The client certificate names no fedcore identity.",
+                )
             decoder = PayloadDecoder(max_message_bytes=limits.max_message_bytes)
             received = 0
             try:
@@ -226,6 +235,145 @@ class RpcServer:
                 self._on_bytes(sent, received)
 
         return serve
+
+    def _wrap_session(
+        self, name: str
+    ) -> Callable[[Iterator[bytes], grpc.ServicerContext], Iterator[bytes]]:
+        handler = self._sessions[name]
+        limits = self._limits
+
+        def serve(requests: Iterator[bytes], context: grpc.ServicerContext) -> Iterator[bytes]:
+            peer = _peer_identity(context)
+            if peer is None:
+                self._rejected(name, "identity")
+                context.abort(
+                    grpc.StatusCode.PERMISSION_DENIED,
+                    "The client certificate names no fedcore identity.",
+                )
+            assert peer is not None
+            session = ServerSession(peer, limits, on_bytes=self._on_bytes)
+            try:
+                handler.opened(session)
+            except PermissionError as exc:
+                self._rejected(name, "identity")
+                context.abort(grpc.StatusCode.PERMISSION_DENIED, str(exc))
+            reader = threading.Thread(
+                target=self._read_session,
+                name=f"{name}-{peer}",
+                args=(name, handler, session, requests),
+                daemon=True,
+            )
+            reader.start()
+            try:
+                yield from session.outbound()
+            finally:
+                session.close()
+                handler.closed(session)
+            if session.abort_reason is not None:
+                context.abort(grpc.StatusCode.INVALID_ARGUMENT, session.abort_reason)
+
+        return serve
+
+    def _read_session(
+        self, name: str, handler: SessionHandler, session: ServerSession, requests: Iterator[bytes]
+    ) -> None:
+        decoder = PayloadDecoder(max_message_bytes=self._limits.max_message_bytes)
+        received = 0
+        try:
+            for chunk in requests:
+                received += len(chunk)
+                decoder.feed(chunk)
+                if decoder.complete:
+                    message = decoder.finish()
+                    decoder = PayloadDecoder(max_message_bytes=self._limits.max_message_bytes)
+                    if self._on_bytes is not None:
+                        self._on_bytes(0, received)
+                    received = 0
+                    handler.received(session, message)
+        except MessageRejected as exc:
+            self._rejected(name, "malformed")
+            log.warning("Closing the %s session of %s: %s", name, session.peer, exc)
+            session.abort(str(exc))
+        except grpc.RpcError:
+            pass  # the peer went away; closed() tells the handler
+        except Exception as exc:  # a handler bug must not take the server down
+            log.exception("The %s session handler failed for %s.", name, session.peer)
+            session.abort(f"{type(exc).__name__}: {exc}")
+        finally:
+            session.close()
+
+
+class SessionHandler(ABC):
+    """Serves long-lived two-way sessions: one per connected peer, messages both ways.
+
+    ``opened`` and ``closed`` bracket a session; ``received`` is called once per inbound
+    message, in order, from that session's reader thread. Sending is ``session.send``.
+    """
+
+    @abstractmethod
+    def opened(self, session: ServerSession) -> None:
+        """A peer connected. Raises PermissionError to refuse it."""
+
+    @abstractmethod
+    def received(self, session: ServerSession, message: Payload) -> None:
+        """A whole message arrived. Raises MessageRejected to close the session as malformed."""
+
+    @abstractmethod
+    def closed(self, session: ServerSession) -> None:
+        """The session ended, however it ended (called once)."""
+
+
+_END = object()
+
+
+class ServerSession:
+    """The server's end of one session; ``send`` may be called from any thread."""
+
+    def __init__(
+        self, peer: Identity, limits: Limits, on_bytes: Callable[[int, int], None] | None = None
+    ) -> None:
+        self.peer = peer
+        self._limits = limits
+        self._queue: queue.SimpleQueue[Any] = queue.SimpleQueue()
+        self._closed = threading.Event()
+        self._on_bytes = on_bytes
+        self.abort_reason: str | None = None
+
+    @property
+    def is_open(self) -> bool:
+        """Whether the session can still carry messages."""
+        return not self._closed.is_set()
+
+    def send(self, payload: Payload) -> bool:
+        """Queues ``payload`` for the peer (encoded lazily); returns False if already closed."""
+        if self._closed.is_set():
+            return False
+        self._queue.put(payload)
+        return True
+
+    def abort(self, reason: str) -> None:
+        """Ends the session with INVALID_ARGUMENT and ``reason``."""
+        self.abort_reason = reason
+        self.close()
+
+    def close(self) -> None:
+        """Ends the session (idempotent)."""
+        if not self._closed.is_set():
+            self._closed.set()
+            self._queue.put(_END)
+
+    def outbound(self) -> Iterator[bytes]:
+        """Yields the chunks of every queued message until the session closes."""
+        while True:
+            item = self._queue.get()
+            if item is _END:
+                return
+            sent = 0
+            for chunk in encode_chunks(item, chunk_bytes=self._limits.chunk_bytes):
+                sent += len(chunk)
+                yield chunk
+            if self._on_bytes is not None:
+                self._on_bytes(sent, 0)
 
 
 def _peer_identity(context: grpc.ServicerContext) -> Identity | None:
@@ -329,6 +477,20 @@ class RpcClient:
             self._on_bytes(sent, received)
         return result
 
+    def open_session(self, method: str) -> ClientSession:
+        """Opens a long-lived two-way session on ``method`` (no deadline).
+
+        Raises:
+            RemoteError: when the first receive finds the session failed.
+        """
+        return ClientSession(
+            self._stub(method),
+            self._limits,
+            method=method,
+            target=self._target,
+            on_bytes=self._on_bytes,
+        )
+
     def _stub(self, method: str) -> Any:
         with self._lock:
             stub = self._stubs.get(method)
@@ -346,3 +508,75 @@ class RpcClient:
 
     def __exit__(self, *_: object) -> None:
         self.close()
+
+
+class ClientSession:
+    """The client's end of one session: ``send`` queues a message, ``receive`` waits for one."""
+
+    def __init__(
+        self,
+        stub: Any,
+        limits: Limits,
+        *,
+        method: str,
+        target: str,
+        on_bytes: Callable[[int, int], None] | None = None,
+    ) -> None:
+        self._limits = limits
+        self._method = method
+        self._target = target
+        self._queue: queue.SimpleQueue[Any] = queue.SimpleQueue()
+        self._on_bytes = on_bytes
+        self._call = stub(self._outbound())
+        self._responses = iter(self._call)
+
+    def _outbound(self) -> Iterator[bytes]:
+        while True:
+            item = self._queue.get()
+            if item is _END:
+                return
+            sent = 0
+            for chunk in encode_chunks(item, chunk_bytes=self._limits.chunk_bytes):
+                sent += len(chunk)
+                yield chunk
+            if self._on_bytes is not None:
+                self._on_bytes(sent, 0)
+
+    def send(self, payload: Payload) -> None:
+        """Queues ``payload`` for the peer."""
+        self._queue.put(payload)
+
+    def receive(self) -> Payload | None:
+        """Blocks for the next whole message; returns None when the peer ended the session.
+
+        Raises:
+            RemoteError: the session failed (peer gone, refused, or it rejected our message).
+            MessageRejected: the peer's message was malformed or oversized.
+        """
+        decoder = PayloadDecoder(max_message_bytes=self._limits.max_message_bytes)
+        received = 0
+        try:
+            for chunk in self._responses:
+                received += len(chunk)
+                decoder.feed(chunk)
+                if decoder.complete:
+                    if self._on_bytes is not None:
+                        self._on_bytes(0, received)
+                    return decoder.finish()
+        except grpc.RpcError as exc:
+            code = exc.code() if hasattr(exc, "code") else grpc.StatusCode.UNKNOWN
+            details = exc.details() if hasattr(exc, "details") else str(exc)
+            raise RemoteError(
+                f"The session {self._method} with {self._target} failed with {code.name}: "
+                f"{details}",
+                method=self._method,
+                code=code.name,
+            ) from exc
+        if received:
+            decoder.finish()  # raises: the stream ended inside a message
+        return None
+
+    def close(self) -> None:
+        """Ends our side of the session and cancels the call."""
+        self._queue.put(_END)
+        self._call.cancel()

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Literal
 
 import numpy as np
 import pytest
@@ -58,12 +59,16 @@ def _write(path: Path, x: np.ndarray, y: np.ndarray) -> None:
     np.savez(path, x=x, y=y)
 
 
-def _folder_spec(folder: Path, kind: str = "IID", test_fraction: float = 0.2) -> DataSpec:
+def _folder_spec(
+    folder: Path,
+    kind: Literal["IID", "Dirichlet", "ByFile"] = "IID",
+    test_fraction: float = 0.2,
+) -> DataSpec:
     """A DataSpec reading ``folder``."""
     return DataSpec(
         source=DataSourceSpec(kind="NpzFolder", path=str(folder)),
         test_fraction=test_fraction,
-        partition=PartitionSpec(kind=kind),  # type: ignore[arg-type]
+        partition=PartitionSpec(kind=kind),
     )
 
 
@@ -166,7 +171,8 @@ def test_load_split_mnist_subset_shapes_and_scaling() -> None:
     assert (len(train), len(test)) == (4000, 1000)
     assert train.input_shape == (1, 28, 28)
     assert train.x.dtype == np.float32
-    assert 0.0 <= float(train.x.min()) and float(train.x.max()) == 1.0
+    assert float(train.x.min()) >= 0.0
+    assert float(train.x.max()) == 1.0
     assert train.num_classes == 10
     assert set(np.unique(test.y)) == set(range(10))
 
@@ -293,7 +299,7 @@ def test_load_split_npz_folder_refuses_empty_folder(tmp_path: Path) -> None:
     (tmp_path / "notes.txt").write_text("no data here")
 
     # Execute / Assert
-    with pytest.raises(ValueError, match="holds no .npz files"):
+    with pytest.raises(ValueError, match=r"holds no \.npz files"):
         fd.load_split(_folder_spec(tmp_path))
 
 
@@ -311,7 +317,7 @@ def test_load_split_npz_folder_refuses_no_test_split(tmp_path: Path) -> None:
     _write(tmp_path / "client-0.npz", np.zeros((4, 2)), np.zeros(4, dtype=np.int64))
 
     # Execute / Assert
-    with pytest.raises(ValueError, match="neither test.npz nor pooled"):
+    with pytest.raises(ValueError, match=r"neither test\.npz nor pooled"):
         fd.load_split(_folder_spec(tmp_path, kind="ByFile"))
 
 
@@ -433,7 +439,7 @@ def test_partition_indices_iid_refuses_small_shards() -> None:
     labels = np.zeros(10, dtype=np.int64)
 
     # Execute / Assert
-    with pytest.raises(ValueError, match="fewer than spec.data.partition.minExamples 4"):
+    with pytest.raises(ValueError, match=r"fewer than spec\.data\.partition\.minExamples 4"):
         fd.partition_indices(labels, 3, PartitionSpec(min_examples=4), seed=0)
 
 

@@ -1,0 +1,397 @@
+"""Tests of fedcore.training: local training, full-shard gradients and evaluation."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from fedcore.data import ArrayDataset, load_split
+from fedcore.models import build_model, get_weights, set_weights
+from fedcore.spec import DataSpec, ModelSpec, OptimizerSpec, TrainingSpec
+from fedcore.training import EvalResult, Evaluator, LocalLearner, LocalStats
+
+SEED = 5
+CLIENT = 2
+
+
+def _shard(n: int = 50) -> ArrayDataset:
+    """The first ``n`` digits training examples."""
+    train, _ = load_split(DataSpec())
+    return train.subset(np.arange(n))
+
+
+def _model(seed: int = 0, dtype: Literal["float32", "float64"] = "float32") -> nn.Module:
+    """A small digits MLP."""
+    return build_model(ModelSpec(hidden=[16], dtype=dtype), (1, 8, 8), 10, seed=seed)
+
+
+def _training(
+    *,
+    batch_size: int = 16,
+    local_epochs: int = 1,
+    loss: Literal["CrossEntropy", "MSE"] = "CrossEntropy",
+    optimizer: OptimizerSpec | None = None,
+) -> TrainingSpec:
+    """A TrainingSpec with small batches and, unless given, SGD with momentum."""
+    return TrainingSpec(
+        batch_size=batch_size,
+        local_epochs=local_epochs,
+        loss=loss,
+        optimizer=optimizer or OptimizerSpec(learning_rate=0.05, momentum=0.9),
+    )
+
+
+def _learner(training: TrainingSpec, data: ArrayDataset | None = None) -> LocalLearner:
+    """A LocalLearner for client CLIENT of a run seeded SEED."""
+    shard = _shard() if data is None else data
+    return LocalLearner(_model(seed=9), shard, training, seed=SEED, client_index=CLIENT)
+
+
+def _assert_close(a: dict[str, np.ndarray], b: dict[str, np.ndarray], tol: float = 1e-6) -> None:
+    """Asserts two weight dicts have the same names and values within ``tol``."""
+    assert list(a) == list(b)
+    for name in a:
+        np.testing.assert_allclose(a[name], b[name], rtol=0, atol=tol, err_msg=name)
+
+
+def _plain_loop(
+    weights: dict[str, np.ndarray],
+    data: ArrayDataset,
+    training: TrainingSpec,
+    *,
+    round: int,
+    epochs: int,
+) -> tuple[dict[str, np.ndarray], float]:
+    """The reference: a hand-written torch loop with the documented shuffle."""
+    model = _model()
+    set_weights(model, weights)
+    spec = training.optimizer
+    optimizer: torch.optim.Optimizer
+    if spec.kind == "Adam":
+        optimizer = torch.optim.Adam(
+            model.parameters(), lr=spec.learning_rate, weight_decay=spec.weight_decay
+        )
+    else:
+        optimizer = torch.optim.SGD(
+            model.parameters(),
+            lr=spec.learning_rate,
+            momentum=spec.momentum,
+            weight_decay=spec.weight_decay,
+        )
+    x = torch.from_numpy(data.x.copy())
+    y = torch.from_numpy(data.y.copy())
+    rng = np.random.default_rng([SEED, round, CLIENT])
+    losses = []
+    for _ in range(epochs):
+        order = rng.permutation(len(data))
+        for start in range(0, len(data), training.batch_size):
+            rows = torch.from_numpy(order[start : start + training.batch_size])
+            optimizer.zero_grad()
+            logits = model(x[rows])
+            if training.loss == "MSE":
+                loss = F.mse_loss(logits, F.one_hot(y[rows], 10).float())
+            else:
+                loss = F.cross_entropy(logits, y[rows])
+            loss.backward()
+            optimizer.step()
+            losses.append(loss.item() * len(rows))
+    return get_weights(model), sum(losses) / (epochs * len(data))
+
+
+# ------------------------------------------------------------------------------------ train
+
+
+@pytest.mark.parametrize(
+    "optimizer",
+    [
+        OptimizerSpec(learning_rate=0.05, momentum=0.9, weight_decay=0.01),
+        OptimizerSpec(kind="Adam", learning_rate=0.01, weight_decay=0.001),
+    ],
+)
+def test_local_learner_train_equals_plain_torch_loop(optimizer: OptimizerSpec) -> None:
+    # Prepare
+    training = _training(optimizer=optimizer)
+    learner = _learner(training)
+    start = get_weights(_model(seed=1))
+
+    # Execute
+    weights, stats = learner.train(start, round=3)
+
+    # Assert
+    expected, expected_loss = _plain_loop(start, _shard(), training, round=3, epochs=1)
+    _assert_close(weights, expected)
+    assert (stats.num_examples, stats.steps) == (50, 4)
+    assert stats.loss == pytest.approx(expected_loss, abs=1e-6)
+
+
+def test_local_learner_train_mse_equals_plain_torch_loop() -> None:
+    # Prepare
+    training = _training(loss="MSE")
+    learner = _learner(training)
+    start = get_weights(_model(seed=1))
+
+    # Execute
+    weights, stats = learner.train(start, round=0, epochs=2)
+
+    # Assert
+    expected, expected_loss = _plain_loop(start, _shard(), training, round=0, epochs=2)
+    _assert_close(weights, expected)
+    assert stats.loss == pytest.approx(expected_loss, abs=1e-6)
+    assert stats.steps == 8
+
+
+def test_local_learner_train_deterministic_per_round() -> None:
+    # Prepare
+    training = _training()
+    start = get_weights(_model(seed=1))
+
+    # Execute
+    first, _ = _learner(training).train(start, round=1)
+    again, _ = _learner(training).train(start, round=1)
+    other, _ = _learner(training).train(start, round=2)
+
+    # Assert
+    _assert_close(first, again, tol=0.0)
+    assert not np.array_equal(first["1.weight"], other["1.weight"])
+
+
+def test_local_learner_train_fresh_optimizer_every_call() -> None:
+    # Prepare
+    learner = _learner(_training())
+    start = get_weights(_model(seed=1))
+
+    # Execute
+    first, _ = learner.train(start, round=4)
+    learner.train(first, round=5)
+    again, _ = learner.train(start, round=4)
+
+    # Assert
+    _assert_close(first, again, tol=0.0)
+
+
+def test_local_learner_train_keeps_callers_weights() -> None:
+    # Prepare
+    learner = _learner(_training())
+    start = get_weights(_model(seed=1))
+    kept = {k: v.copy() for k, v in start.items()}
+
+    # Execute
+    learner.train(start, round=0)
+    learner.gradient(start, round=0)
+
+    # Assert
+    _assert_close(start, kept, tol=0.0)
+
+
+def test_local_learner_train_epochs_override_counts_steps() -> None:
+    # Prepare
+    learner = _learner(_training(local_epochs=2, batch_size=20))
+    start = get_weights(_model(seed=1))
+
+    # Execute
+    _, default_stats = learner.train(start, round=0)
+    _, override_stats = learner.train(start, round=0, epochs=3)
+
+    # Assert
+    assert default_stats.steps == 6
+    assert override_stats.steps == 9
+
+
+def test_local_learner_train_float64_model() -> None:
+    # Prepare
+    model = _model(seed=1, dtype="float64")
+    learner = LocalLearner(model, _shard(), _training(), seed=SEED, client_index=CLIENT)
+
+    # Execute
+    weights, stats = learner.train(get_weights(model), round=0)
+
+    # Assert
+    assert all(w.dtype == np.float64 for w in weights.values())
+    assert np.isfinite(stats.loss)
+
+
+def test_local_learner_train_dropout_deterministic_and_global_rng_untouched() -> None:
+    # Prepare
+    def make() -> nn.Module:
+        torch.manual_seed(0)
+        return nn.Sequential(nn.Flatten(), nn.Dropout(0.5), nn.Linear(64, 10))
+
+    start = get_weights(make())
+    learners = [
+        LocalLearner(make(), _shard(), _training(), seed=SEED, client_index=CLIENT)
+        for _ in range(2)
+    ]
+    torch.manual_seed(77)
+    expected = torch.rand(3)
+    torch.manual_seed(77)
+
+    # Execute
+    first, _ = learners[0].train(start, round=0)
+    again, _ = learners[1].train(start, round=0)
+    drawn = torch.rand(3)
+
+    # Assert
+    _assert_close(first, again, tol=0.0)
+    assert torch.equal(drawn, expected)
+
+
+@pytest.mark.parametrize(("round", "epochs"), [(-1, None), (0, 0)])
+def test_local_learner_train_refuses_bad_arguments(round: int, epochs: int | None) -> None:
+    # Prepare
+    learner = _learner(_training())
+    start = get_weights(_model())
+
+    # Execute / Assert
+    with pytest.raises(ValueError, match="must be"):
+        learner.train(start, round=round, epochs=epochs)
+
+
+def test_local_learner_init_refuses_empty_shard() -> None:
+    # Prepare
+    empty = _shard().subset(np.array([], dtype=np.int64))
+
+    # Execute / Assert
+    with pytest.raises(ValueError, match="Client 2 has no training examples"):
+        _learner(_training(), data=empty)
+
+
+def test_local_learner_train_refuses_mismatched_weights() -> None:
+    # Prepare
+    learner = _learner(_training())
+    wrong = get_weights(build_model(ModelSpec(hidden=[8]), (1, 8, 8), 10, seed=0))
+
+    # Execute / Assert
+    with pytest.raises(ValueError, match=r"'1\.weight' has shape"):
+        learner.train(wrong, round=0)
+
+
+# --------------------------------------------------------------------------------- gradient
+
+
+@pytest.mark.parametrize("loss", ["CrossEntropy", "MSE"])
+def test_local_learner_gradient_equals_autograd(loss: Literal["CrossEntropy", "MSE"]) -> None:
+    # Prepare
+    training = _training(loss=loss)
+    learner = _learner(training)
+    start = get_weights(_model(seed=1))
+    model = _model(seed=1)
+    data = _shard()
+    logits = model(torch.from_numpy(data.x.copy()))
+    labels = torch.from_numpy(data.y.copy())
+    if loss == "MSE":
+        reference = F.mse_loss(logits, F.one_hot(labels, 10).float())
+    else:
+        reference = F.cross_entropy(logits, labels)
+    reference.backward()
+    expected = {}
+    for name, parameter in model.named_parameters():
+        assert parameter.grad is not None
+        expected[name] = parameter.grad.numpy()
+
+    # Execute
+    gradient, stats = learner.gradient(start, round=0)
+
+    # Assert
+    _assert_close(gradient, expected)
+    assert isinstance(stats, LocalStats)
+    assert (stats.num_examples, stats.steps) == (50, 1)
+    assert stats.loss == pytest.approx(reference.item(), abs=1e-6)
+
+
+def test_local_learner_gradient_step_equals_full_batch_train() -> None:
+    # Prepare
+    optimizer = OptimizerSpec(learning_rate=0.3)
+    training = _training(batch_size=64, optimizer=optimizer)
+    learner = _learner(training)
+    start = get_weights(_model(seed=1))
+
+    # Execute
+    gradient, _ = learner.gradient(start, round=6)
+    trained, stats = learner.train(start, round=6, epochs=1)
+
+    # Assert
+    stepped = {name: start[name] - 0.3 * gradient[name] for name in start}
+    _assert_close(trained, stepped)
+    assert stats.steps == 1
+
+
+def test_local_learner_gradient_gives_zeros_for_buffers() -> None:
+    # Prepare
+    def make() -> nn.Module:
+        torch.manual_seed(0)
+        return nn.Sequential(nn.Flatten(), nn.Linear(64, 8), nn.BatchNorm1d(8), nn.Linear(8, 10))
+
+    model = make()
+    learner = LocalLearner(model, _shard(), _training(), seed=SEED, client_index=CLIENT)
+
+    # Execute
+    gradient, _ = learner.gradient(get_weights(make()), round=0)
+
+    # Assert
+    assert list(gradient) == list(get_weights(model))
+    assert not gradient["2.running_mean"].any()
+    assert gradient["2.num_batches_tracked"].dtype == np.int64
+    assert gradient["1.weight"].any()
+
+
+# -------------------------------------------------------------------------------- evaluator
+
+
+@pytest.mark.parametrize("loss", ["CrossEntropy", "MSE"])
+def test_evaluator_evaluate_equals_manual_computation(
+    loss: Literal["CrossEntropy", "MSE"],
+) -> None:
+    # Prepare
+    _, test = load_split(DataSpec())
+    weights = get_weights(_model(seed=3))
+    reference = _model(seed=3)
+    with torch.no_grad():
+        logits = reference(torch.from_numpy(test.x.copy()))
+    labels = torch.from_numpy(test.y.copy())
+    if loss == "MSE":
+        expected_loss = F.mse_loss(logits, F.one_hot(labels, 10).float()).item()
+    else:
+        expected_loss = F.cross_entropy(logits, labels).item()
+    expected_accuracy = int((logits.argmax(1) == labels).sum()) / len(test)
+    evaluator = Evaluator(_model(), test, _training(loss=loss), batch_size=7)
+
+    # Execute
+    result = evaluator.evaluate(weights)
+
+    # Assert
+    assert result.num_examples == 360
+    assert result.accuracy == expected_accuracy
+    assert result.loss == pytest.approx(expected_loss, abs=1e-5)
+
+
+def test_evaluator_evaluate_improves_after_training() -> None:
+    # Prepare
+    train, test = load_split(DataSpec())
+    start = get_weights(_model(seed=0))
+    training = TrainingSpec(batch_size=32, optimizer=OptimizerSpec(learning_rate=0.3))
+    learner = LocalLearner(_model(), train, training, seed=0, client_index=0)
+    evaluator = Evaluator(_model(), test, TrainingSpec())
+
+    # Execute
+    before = evaluator.evaluate(start)
+    trained, _ = learner.train(start, round=0, epochs=3)
+    after = evaluator.evaluate(trained)
+
+    # Assert
+    assert isinstance(after, EvalResult)
+    assert after.loss < before.loss
+    assert after.accuracy > 0.85
+
+
+def test_evaluator_init_refuses_empty_data() -> None:
+    # Prepare
+    empty = _shard().subset(np.array([], dtype=np.int64))
+
+    # Execute / Assert
+    with pytest.raises(ValueError, match="no examples"):
+        Evaluator(_model(), empty, TrainingSpec())
