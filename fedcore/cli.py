@@ -2,17 +2,19 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import signal
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import click
 from rich.console import Console
 
-from fedcore.errors import FedcoreError, RunAborted, SpecError
+from fedcore.errors import FedcoreError, RunAborted
 
 stderr = Console(stderr=True)
 
@@ -97,6 +99,20 @@ def role_config(options: dict[str, Any]) -> Any:
         events=options["events"],
         threads=options["threads"],
     )
+
+
+@contextlib.contextmanager
+def role_errors(role: str) -> Iterator[None]:
+    """Turns any error of a role process into one logged line (traceback at DEBUG) and exit 1."""
+    try:
+        yield
+    except (SystemExit, KeyboardInterrupt):
+        raise
+    except BaseException as exc:
+        logger = logging.getLogger(f"fedcore.{role}")
+        logger.debug("Traceback of the failure:", exc_info=True)
+        logger.error("%s: %s", type(exc).__name__, exc)
+        sys.exit(1)
 
 
 def fail(exc: BaseException, code: int = 1) -> None:
@@ -185,20 +201,18 @@ def run(
     try:
         with progress:
             result = local.execute(on_event=progress.update)
-    except RunAborted as exc:
+    except FedcoreError as exc:
         if as_json:
-            click.echo(
-                json.dumps(
-                    {
-                        "phase": "Failed",
-                        "rounds": spec_run.spec.rounds,
-                        "accuracy": None,
-                        "wall_seconds": None,
-                        "reason": exc.reason,
-                        "message": str(exc),
-                    }
-                )
-            )
+            reason = exc.reason if isinstance(exc, RunAborted) else type(exc).__name__
+            failed = {
+                "phase": "Failed",
+                "rounds": spec_run.spec.rounds,
+                "accuracy": None,
+                "wall_seconds": None,
+                "reason": reason,
+                "message": str(exc),
+            }
+            click.echo(json.dumps(failed))
         raise
     summary = result.as_json()
     if not quiet:
@@ -229,14 +243,8 @@ def server(listen: str, resume: bool, **options: Any) -> None:
     from fedcore.roles._common import configure_logging
 
     configure_logging("server", options["log_level"])
-    config = role_config(options)
-    try:
-        run_server(config, listen=listen, resume=resume)
-    except SpecError:
-        raise
-    except FedcoreError as exc:
-        logging.getLogger("fedcore.server").error("%s: %s", type(exc).__name__, exc)
-        raise
+    with role_errors("server"):
+        run_server(role_config(options), listen=listen, resume=resume)
 
 
 @main.command()
@@ -280,13 +288,14 @@ def client(
     from fedcore.roles._common import configure_logging
 
     configure_logging(f"client-{index}", options["log_level"])
-    run_client(
-        role_config(options),
-        index=index,
-        server=server_address,
-        kdc=kdc_address,
-        server_name=server_name,
-    )
+    with role_errors(f"client-{index}"):
+        run_client(
+            role_config(options),
+            index=index,
+            server=server_address,
+            kdc=kdc_address,
+            server_name=server_name,
+        )
 
 
 @main.command()
@@ -304,4 +313,5 @@ def kdc(listen: str, **options: Any) -> None:
     from fedcore.roles._common import configure_logging
 
     configure_logging("kdc", options["log_level"])
-    run_kdc(role_config(options), listen=listen)
+    with role_errors("kdc"):
+        run_kdc(role_config(options), listen=listen)

@@ -134,6 +134,8 @@ class LocalRun:
         self.children: dict[str, Child] = {}
         self.events_path = workdir / "events.jsonl"
         self.metrics_ports: dict[str, int] = {}
+        self._started = time.monotonic()
+        self._started_wall = time.time()
 
     # ------------------------------------------------------------------------- set-up
 
@@ -214,6 +216,8 @@ class LocalRun:
 
     def start(self) -> None:
         """Issues the PKI and starts the KDC (if needed), the server, then every client."""
+        self._started = time.monotonic()
+        self._started_wall = time.time()
         self._prepare()
         spec = self.run.spec
         kdc_address = None
@@ -281,7 +285,8 @@ class LocalRun:
                 with contextlib.suppress(ProcessLookupError):
                     os.killpg(child.process.pid, signal.SIGKILL)
                 child.process.wait()
-            child.log_file.close()
+            if not child.log_file.closed:
+                child.log_file.close()
 
     def wait_clients(self, timeout: float) -> None:
         """Waits up to ``timeout`` seconds for the clients to exit on their own."""
@@ -309,8 +314,22 @@ class LocalRun:
             RoleFailed: a role failed (its log's tail is in the message).
             RunAborted: the server stopped the run (e.g. quorum lost) or Ctrl-C.
         """
-        started = time.monotonic()
-        started_wall = time.time()
+        self._started = time.monotonic()
+        self._started_wall = time.time()
+        try:
+            self.start()
+        except BaseException:
+            self.stop()
+            raise
+        return self.wait(on_event)
+
+    def wait(self, on_event: ProgressCallback | None = None) -> LocalRunResult:
+        """Follows a started run to its end, then stops every child; returns the summary.
+
+        Raises:
+            RoleFailed: a role failed (its log's tail is in the message).
+            RunAborted: the server stopped the run (e.g. quorum lost) or Ctrl-C.
+        """
         result = LocalRunResult(
             phase="Failed",
             rounds=self.run.spec.rounds,
@@ -322,14 +341,13 @@ class LocalRun:
         )
         failed: dict[str, Any] | None = None
         try:
-            self.start()
             for event in self._events_until_exit():
                 kind = event.get("event")
                 if kind == "round":
                     result.round_seconds.append(float(event["seconds"]))
                     if result.startup_seconds is None:
                         first_round_began = float(event["time"]) - float(event["seconds"])
-                        result.startup_seconds = first_round_began - started_wall
+                        result.startup_seconds = first_round_began - self._started_wall
                 elif kind == "finished":
                     result.phase = "Succeeded"
                     result.accuracy = event.get("accuracy")
@@ -345,7 +363,7 @@ class LocalRun:
             ) from None
         finally:
             self.stop()
-            result.wall_seconds = time.monotonic() - started
+            result.wall_seconds = time.monotonic() - self._started
         if failed is not None:
             raise RunAborted(
                 str(failed.get("message")),

@@ -74,7 +74,7 @@ class Checkpointer:
         """
         tree, tensors = split_tensors(state)
         parts = {
-            "state.json": json.dumps(tree, sort_keys=True, allow_nan=False).encode("utf-8"),
+            "state.json": json.dumps(tree, allow_nan=False).encode("utf-8"),
             "tensors.safetensors": save_tensors(tensors) if tensors else save_tensors({}),
         }
         prefix = f"round-{round:08d}/"
@@ -188,7 +188,8 @@ def split_tensors(state: Mapping[str, Any]) -> tuple[Any, dict[str, np.ndarray]]
 
     def walk(value: Any, path: str) -> Any:
         if isinstance(value, np.ndarray):
-            tensors[path] = np.ascontiguousarray(value)
+            # asarray, not ascontiguousarray: the latter turns a 0-d array into shape (1,).
+            tensors[path] = np.asarray(value, order="C")
             return {TENSOR_REF: path}
         if isinstance(value, np.generic):
             return value.item()

@@ -83,11 +83,12 @@ class ModelAveragingServer(ServerProtocol):
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         check_state_kind(state, self.kind, ["weights"])
         loaded = dict(state["weights"])
-        if list(loaded) != list(self._weights):
+        if set(loaded) != set(self._weights):
             raise ValueError(
-                f"The {self.kind} state's weights are named {list(loaded)}; the model's are "
-                f"{list(self._weights)}."
+                f"The {self.kind} state's weights are named {sorted(loaded)}; the model's are "
+                f"{sorted(self._weights)}."
             )
+        loaded = {name: loaded[name] for name in self._weights}
         self._weights = copy_weights(loaded)
 
 

@@ -128,13 +128,18 @@ class RoundBoard(SessionHandler):
 
     # ---------------------------------------------------------------- round loop side
 
-    def open_attempt(self, attempt: Attempt) -> None:
-        """Publishes a new attempt: sends each planned client its task; absent ones fail."""
+    def open_attempt(self, attempt: Attempt, *, wait_for_absent: bool) -> None:
+        """Publishes a new attempt and sends each connected planned client its task.
+
+        A planned client that is not connected fails the attempt at once, unless
+        ``wait_for_absent``: then its task goes out when it reconnects (until the deadline).
+        """
         with self.cond:
             self.current = attempt
             for client in attempt.plans:
                 session = self.sessions.get(client)
-                if session is None or not session.send(attempt.task_for(client)):
+                delivered = session is not None and session.send(attempt.task_for(client))
+                if not delivered and not wait_for_absent:
                     attempt.failed[client] = "absent"
             self.cond.notify_all()
 
@@ -329,7 +334,8 @@ class Server:
                 self.metrics.redone_rounds.inc()
             plans = self.protocol.plan_round(round_, clients)
             attempt = Attempt(round_, attempt_no + 1, plans)
-            self.board.open_attempt(attempt)
+            # A redo exists to reach the quorum: it waits for dropped clients to reconnect.
+            self.board.open_attempt(attempt, wait_for_absent=attempt_no > 0)
             opened = time.monotonic()
             attempt = self.board.wait_settled(opened + spec.failure_policy.round_timeout_seconds)
             settled = time.monotonic()

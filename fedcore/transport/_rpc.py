@@ -290,6 +290,8 @@ class RpcServer:
                         self._on_bytes(0, received)
                     received = 0
                     handler.received(session, message)
+            if received:
+                decoder.finish()  # raises: the peer half-closed inside a message
         except MessageRejected as exc:
             self._rejected(name, "malformed")
             log.warning("Closing the %s session of %s: %s", name, session.peer, exc)

@@ -1,0 +1,541 @@
+"""Tests for fedcore.transport._rpc: real gRPC servers on 127.0.0.1 with real mutual TLS."""
+
+from __future__ import annotations
+
+import random
+import socket
+import threading
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+
+import grpc
+import numpy as np
+import pytest
+
+from fedcore.errors import MessageRejected
+from fedcore.transport import (
+    CallContext,
+    Identity,
+    Limits,
+    Payload,
+    RemoteError,
+    RetryPolicy,
+    RpcClient,
+    RpcServer,
+    RunCa,
+    ServerSession,
+    SessionHandler,
+    TlsBundle,
+    encode_chunks,
+    issue_run_bundles,
+)
+
+pytestmark = pytest.mark.integration
+
+SERVICE = "Test"
+CHUNK_BYTES = 1 << 20
+SERVER_LIMITS = Limits(chunk_bytes=CHUNK_BYTES, max_message_bytes=32 << 20)
+CLIENT_LIMITS = Limits(chunk_bytes=CHUNK_BYTES, max_message_bytes=64 << 20)
+TIMEOUT = 30.0
+"""Generous per-call deadline: the machine is shared and may be slow."""
+ECHO = f"/fedcore.v1.{SERVICE}/Echo"
+SESSION = f"/fedcore.v1.{SERVICE}/Session"
+
+
+class EchoSessions(SessionHandler):
+    """Echoes every message back on its session and records who opened and closed one."""
+
+    def __init__(self) -> None:
+        self.opened_peers: list[Identity] = []
+        self.closed_peers: list[Identity] = []
+        self._lock = threading.Lock()
+        self._changed = threading.Condition(self._lock)
+
+    def opened(self, session: ServerSession) -> None:
+        with self._changed:
+            self.opened_peers.append(session.peer)
+            self._changed.notify_all()
+
+    def received(self, session: ServerSession, message: Payload) -> None:
+        session.send(message)
+
+    def closed(self, session: ServerSession) -> None:
+        with self._changed:
+            self.closed_peers.append(session.peer)
+            self._changed.notify_all()
+
+    def wait_closed(self, count: int) -> list[Identity]:
+        """Waits (bounded) until ``count`` sessions have closed; returns the closed peers."""
+        with self._changed:
+            self._changed.wait_for(lambda: len(self.closed_peers) >= count, timeout=TIMEOUT)
+            return list(self.closed_peers)
+
+
+@dataclass
+class Service:
+    """The call handlers of the test service plus everything the server reported."""
+
+    callers: list[Identity] = field(default_factory=list)
+    rejected: list[tuple[str, str]] = field(default_factory=list)
+    transferred: list[tuple[int, int]] = field(default_factory=list)
+
+    def echo(self, peer: Identity, request: Payload, context: CallContext) -> Payload:
+        self.callers.append(peer)
+        return Payload(
+            meta={**request.meta, "caller": peer.common_name}, tensors=dict(request.tensors)
+        )
+
+    def boom(self, peer: Identity, request: Payload, context: CallContext) -> Payload:
+        raise RuntimeError("the handler broke on purpose")
+
+    def refuse(self, peer: Identity, request: Payload, context: CallContext) -> Payload:
+        raise MessageRejected("The request names no round.")
+
+    def deny(self, peer: Identity, request: Payload, context: CallContext) -> Payload:
+        raise PermissionError(f"The peer {peer.common_name} may not call Deny.")
+
+    def handlers(self) -> dict[str, Callable[[Identity, Payload, CallContext], Payload]]:
+        return {"Echo": self.echo, "Boom": self.boom, "Reject": self.refuse, "Deny": self.deny}
+
+
+@dataclass
+class Running:
+    """A started server and what it reports."""
+
+    server: RpcServer
+    port: int
+    service: Service
+    sessions: EchoSessions
+
+    @property
+    def target(self) -> str:
+        return f"127.0.0.1:{self.port}"
+
+
+@dataclass(frozen=True)
+class Pki:
+    ca: RunCa
+    bundles: dict[str, TlsBundle]
+
+
+def _start_server(bundle: TlsBundle, address: str = "127.0.0.1:0") -> Running:
+    service = Service()
+    sessions = EchoSessions()
+    server = RpcServer(
+        address,
+        bundle,
+        service.handlers(),
+        service=SERVICE,
+        limits=SERVER_LIMITS,
+        sessions={"Session": sessions},
+        max_workers=8,
+        on_rejected=lambda method, reason: service.rejected.append((method, reason)),
+        on_bytes=lambda sent, received: service.transferred.append((sent, received)),
+    )
+    server.start()
+    return Running(server=server, port=server.port, service=service, sessions=sessions)
+
+
+def _client(
+    target: str,
+    bundle: TlsBundle,
+    *,
+    retry: RetryPolicy | None = None,
+    on_bytes: Callable[[int, int], None] | None = None,
+) -> RpcClient:
+    return RpcClient(
+        target,
+        bundle,
+        service=SERVICE,
+        limits=CLIENT_LIMITS,
+        retry=retry,
+        server_name="localhost",
+        on_bytes=on_bytes,
+    )
+
+
+def _raw_channel(target: str, bundle: TlsBundle) -> grpc.Channel:
+    credentials = grpc.ssl_channel_credentials(
+        root_certificates=bundle.ca_pem,
+        private_key=bundle.key_pem,
+        certificate_chain=bundle.cert_pem,
+    )
+    return grpc.secure_channel(
+        target, credentials, options=[("grpc.ssl_target_name_override", "localhost")]
+    )
+
+
+def _raw_call(channel: grpc.Channel, method: str, chunks: list[bytes]) -> grpc.RpcError:
+    """Sends raw chunks to ``method`` and returns the error status it must end with."""
+    stub = channel.stream_stream(method)
+    with pytest.raises(grpc.RpcError) as excinfo:
+        list(stub(iter(chunks), timeout=TIMEOUT))
+    return excinfo.value
+
+
+def _malformed(kind: str) -> list[bytes]:
+    """Raw chunks that are not one valid message: garbage, or the first half of a valid one."""
+    if kind == "garbage":
+        return [b"nonsense"]
+    valid = b"".join(
+        encode_chunks(
+            Payload(meta={"a": 1}, tensors={"w": np.arange(100, dtype=np.float64)}),
+            chunk_bytes=CHUNK_BYTES,
+        )
+    )
+    return [valid[: len(valid) // 2]]
+
+
+def _ping(client: RpcClient) -> Payload:
+    return client.call("Echo", Payload(meta={"ping": True}), timeout=TIMEOUT)
+
+
+def _assert_same_payload(actual: Payload, expected: Payload) -> None:
+    assert set(actual.tensors) == set(expected.tensors)
+    for name, array in expected.tensors.items():
+        assert actual.tensors[name].dtype == array.dtype, name
+        assert actual.tensors[name].shape == array.shape, name
+        np.testing.assert_array_equal(actual.tensors[name], array, err_msg=name)
+
+
+@pytest.fixture(scope="module")
+def pki() -> Pki:
+    ca, bundles = issue_run_bundles("t", num_clients=2)
+    return Pki(ca=ca, bundles=bundles)
+
+
+@pytest.fixture
+def running(pki: Pki) -> Iterator[Running]:
+    running = _start_server(pki.bundles["server"])
+    yield running
+    running.server.stop(grace=1.0)
+
+
+@pytest.fixture
+def client(running: Running, pki: Pki) -> Iterator[RpcClient]:
+    client = _client(running.target, pki.bundles["client-1"])
+    yield client
+    client.close()
+
+
+@pytest.fixture
+def raw_channel(running: Running, pki: Pki) -> Iterator[grpc.Channel]:
+    channel = _raw_channel(running.target, pki.bundles["client-0"])
+    yield channel
+    channel.close()
+
+
+def test_rpc_call_round_trips_meta_and_tensors_exactly(running: Running, client: RpcClient) -> None:
+    # Prepare
+    rng = np.random.default_rng(7)
+    meta = {
+        "round": 3,
+        "lr": 0.125,
+        "name": "grüße",
+        "flags": [True, False, None],
+        "nested": {"a": [1, 2, {"b": "c"}]},
+    }
+    tensors: dict[str, np.ndarray] = {
+        "f32": rng.standard_normal((4, 5)).astype(np.float32),
+        "f64": rng.standard_normal(7),
+        "f16": rng.standard_normal(3).astype(np.float16),
+        "i64": np.arange(-5, 5, dtype=np.int64).reshape(2, 5),
+        "i32": np.array([np.iinfo(np.int32).min, 0, np.iinfo(np.int32).max], dtype=np.int32),
+        "u8": np.arange(256, dtype=np.uint8),
+        "bool": np.array([True, False, True]),
+        "scalar": np.array(2.5, dtype=np.float64),
+        "empty": np.zeros((0, 3), dtype=np.float32),
+    }
+    request = Payload(meta=meta, tensors=tensors)
+
+    # Execute
+    response = client.call("Echo", request, timeout=TIMEOUT)
+
+    # Assert
+    assert response.meta == {**meta, "caller": "client-1"}
+    _assert_same_payload(response, request)
+    assert running.service.callers == [Identity("client", 1)]
+
+
+def test_rpc_call_round_trips_large_tensor_in_chunks(running: Running, client: RpcClient) -> None:
+    # Prepare
+    values = np.random.default_rng(1).standard_normal(6_000_000).astype(np.float32)
+    request = Payload(meta={"kind": "large"}, tensors={"w": values})
+
+    # Execute
+    response = client.call("Echo", request, timeout=TIMEOUT)
+
+    # Assert
+    assert values.nbytes == 24_000_000
+    _assert_same_payload(response, request)
+    sent, received = running.service.transferred[-1]
+    assert received > 20 * CHUNK_BYTES
+    assert sent > 20 * CHUNK_BYTES
+
+
+def test_rpc_call_refuses_request_over_max_message_bytes(client: RpcClient) -> None:
+    # Prepare
+    too_big = np.zeros((SERVER_LIMITS.max_message_bytes // 4) + 1024, dtype=np.float32)
+
+    # Execute
+    with pytest.raises(RemoteError) as excinfo:
+        client.call("Echo", Payload(tensors={"w": too_big}), timeout=TIMEOUT)
+    after = _ping(client)
+
+    # Assert
+    assert excinfo.value.code == "INVALID_ARGUMENT"
+    assert "over the limit" in str(excinfo.value)
+    assert after.meta == {"ping": True, "caller": "client-1"}
+
+
+@pytest.mark.parametrize("kind", ["garbage", "truncated"])
+def test_rpc_server_refuses_malformed_raw_message(
+    running: Running, client: RpcClient, raw_channel: grpc.Channel, kind: str
+) -> None:
+    # Prepare
+    chunks = _malformed(kind)
+
+    # Execute
+    error = _raw_call(raw_channel, ECHO, chunks)
+    after = _ping(client)
+
+    # Assert
+    assert error.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert running.service.rejected == [("Echo", "malformed")]
+    assert running.service.callers == [Identity("client", 1)]
+    assert after.meta["caller"] == "client-1"
+
+
+def test_rpc_server_refuses_oversized_raw_chunk(
+    running: Running, client: RpcClient, raw_channel: grpc.Channel
+) -> None:
+    # Prepare
+    chunk = b"\0" * (CHUNK_BYTES + 64 * 1024 + 1)
+
+    # Execute
+    error = _raw_call(raw_channel, ECHO, [chunk])
+    after = _ping(client)
+
+    # Assert
+    assert error.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+    assert running.service.callers == [Identity("client", 1)]
+    assert after.meta["caller"] == "client-1"
+
+
+def test_rpc_client_with_foreign_ca_is_refused_unavailable(
+    running: Running, client: RpcClient
+) -> None:
+    # Prepare
+    _, foreign = issue_run_bundles("other", num_clients=1)
+    stranger = _client(running.target, foreign["client-0"], retry=RetryPolicy(total_seconds=1))
+
+    # Execute
+    try:
+        with pytest.raises(RemoteError) as excinfo:
+            stranger.call("Echo", Payload(meta={"x": 1}), timeout=TIMEOUT)
+    finally:
+        stranger.close()
+    after = _ping(client)
+
+    # Assert
+    assert excinfo.value.code == "UNAVAILABLE"
+    assert running.service.callers == [Identity("client", 1)]
+    assert after.meta["caller"] == "client-1"
+
+
+def test_rpc_server_refuses_run_certificate_without_identity(
+    running: Running, pki: Pki, client: RpcClient
+) -> None:
+    # Prepare
+    admin = _client(running.target, pki.ca.issue("admin"))
+
+    # Execute
+    try:
+        with pytest.raises(RemoteError) as call_error:
+            admin.call("Echo", Payload(meta={"x": 1}), timeout=TIMEOUT)
+        session = admin.open_session("Session")
+        try:
+            with pytest.raises(RemoteError) as session_error:
+                session.receive()
+        finally:
+            session.close()
+    finally:
+        admin.close()
+    after = _ping(client)
+
+    # Assert
+    assert call_error.value.code == "PERMISSION_DENIED"
+    assert session_error.value.code == "PERMISSION_DENIED"
+    assert running.service.rejected == [("Echo", "identity"), ("Session", "identity")]
+    assert running.sessions.opened_peers == []
+    assert after.meta["caller"] == "client-1"
+
+
+def test_rpc_client_call_retries_until_server_starts(pki: Pki) -> None:
+    # Prepare
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    first_retry = threading.Event()
+
+    class SignallingRetry(RetryPolicy):
+        def delays(self, rng: random.Random) -> Iterator[float]:
+            for delay in super().delays(rng):
+                first_retry.set()
+                yield delay
+
+    started: list[Running] = []
+
+    def start_late() -> None:
+        # Start only once the client has failed at least once, and no sooner than 0.5 s.
+        if first_retry.wait(TIMEOUT):
+            time.sleep(0.5)
+            started.append(_start_server(pki.bundles["server"], f"127.0.0.1:{port}"))
+
+    client = _client(
+        f"127.0.0.1:{port}", pki.bundles["client-1"], retry=SignallingRetry(total_seconds=60)
+    )
+    starter = threading.Thread(target=start_late, daemon=True)
+
+    # Execute
+    try:
+        starter.start()
+        response = client.call("Echo", Payload(meta={"late": True}), timeout=TIMEOUT)
+    finally:
+        client.close()
+        starter.join(TIMEOUT)
+        for running in started:
+            running.server.stop(grace=1.0)
+
+    # Assert
+    assert first_retry.is_set()
+    assert response.meta == {"late": True, "caller": "client-1"}
+    assert len(started) == 1
+
+
+@pytest.mark.parametrize(
+    ("method", "code"),
+    [("Boom", "INTERNAL"), ("Reject", "INVALID_ARGUMENT"), ("Deny", "PERMISSION_DENIED")],
+)
+def test_rpc_server_translates_handler_exception_to_status(
+    running: Running, client: RpcClient, method: str, code: str
+) -> None:
+    # Prepare
+    request = Payload(meta={"method": method})
+
+    # Execute
+    with pytest.raises(RemoteError) as excinfo:
+        client.call(method, request, timeout=TIMEOUT)
+    after = _ping(client)
+
+    # Assert
+    assert excinfo.value.code == code
+    assert excinfo.value.method == method
+    assert after.meta["caller"] == "client-1"
+
+
+def test_rpc_server_internal_error_names_exception(client: RpcClient) -> None:
+    # Prepare
+    request = Payload(meta={})
+
+    # Execute
+    with pytest.raises(RemoteError) as excinfo:
+        client.call("Boom", request, timeout=TIMEOUT)
+
+    # Assert
+    assert "RuntimeError: the handler broke on purpose" in str(excinfo.value)
+
+
+def test_rpc_session_echoes_messages_in_order_and_closes(
+    running: Running, client: RpcClient
+) -> None:
+    # Prepare
+    messages = [
+        Payload(meta={"index": index}, tensors={"x": np.full(index + 1, index, np.int64)})
+        for index in range(3)
+    ]
+    session = client.open_session("Session")
+
+    # Execute
+    try:
+        for message in messages:
+            session.send(message)
+        replies = [session.receive() for _ in messages]
+    finally:
+        session.close()
+    closed = running.sessions.wait_closed(1)
+
+    # Assert
+    assert [reply.meta if reply else None for reply in replies] == [m.meta for m in messages]
+    for reply, message in zip(replies, messages, strict=True):
+        assert reply is not None
+        _assert_same_payload(reply, message)
+    assert running.sessions.opened_peers == [Identity("client", 1)]
+    assert closed == [Identity("client", 1)]
+
+
+@pytest.mark.parametrize("kind", ["garbage", "truncated"])
+def test_rpc_session_malformed_raw_message_aborts_only_that_session(
+    running: Running, client: RpcClient, raw_channel: grpc.Channel, kind: str
+) -> None:
+    # Prepare
+    session = client.open_session("Session")
+    try:
+        session.send(Payload(meta={"step": "before"}))
+        before = session.receive()
+
+        # Execute
+        error = _raw_call(raw_channel, SESSION, _malformed(kind))
+        session.send(Payload(meta={"step": "after"}))
+        after = session.receive()
+    finally:
+        session.close()
+    closed = running.sessions.wait_closed(2)
+
+    # Assert
+    assert error.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert before is not None
+    assert before.meta == {"step": "before"}
+    assert after is not None
+    assert after.meta == {"step": "after"}
+    assert running.service.rejected == [("Session", "malformed")]
+    assert sorted(closed, key=str) == sorted(
+        [Identity("client", 0), Identity("client", 1)], key=str
+    )
+
+
+def test_rpc_callbacks_count_bytes_and_rejections(
+    running: Running, pki: Pki, raw_channel: grpc.Channel
+) -> None:
+    # Prepare
+    client_bytes: list[tuple[int, int]] = []
+    client = _client(
+        running.target,
+        pki.bundles["client-1"],
+        on_bytes=lambda sent, received: client_bytes.append((sent, received)),
+    )
+    request = Payload(meta={"n": 1}, tensors={"w": np.ones(1000, dtype=np.float32)})
+
+    # Execute
+    try:
+        client.call("Echo", request, timeout=TIMEOUT)
+        session = client.open_session("Session")
+        try:
+            session.send(request)
+            reply = session.receive()
+        finally:
+            session.close()
+    finally:
+        client.close()
+    _raw_call(raw_channel, ECHO, [b"nonsense"])
+
+    # Assert
+    size = request.tensor_bytes
+    assert reply is not None
+    assert any(sent > size and received > size for sent, received in client_bytes)
+    assert any(sent == 0 and received > size for sent, received in client_bytes)
+    server_bytes = running.service.transferred
+    assert any(sent > size and received > size for sent, received in server_bytes)
+    assert any(sent == 0 and received > size for sent, received in server_bytes)
+    assert running.service.rejected == [("Echo", "malformed")]
