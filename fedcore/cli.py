@@ -177,6 +177,14 @@ def validate(manifest: Path) -> None:
     help="Torch threads per role process.",
 )
 @click.option("--quiet", is_flag=True, help="No progress bar.")
+@click.option(
+    "--spawn",
+    type=click.Choice(["fork", "exec"]),
+    default="fork",
+    show_default=True,
+    help="fork: roles fork from a warm forkserver (fast start); exec: each role is a fresh "
+    "`python -m fedcore <role>` command, as in a pod.",
+)
 def run(
     manifest: Path,
     workdir: Path | None,
@@ -185,6 +193,7 @@ def run(
     no_metrics: bool,
     threads: int,
     quiet: bool,
+    spawn: str,
 ) -> None:
     """Runs MANIFEST on this machine: KDC, server and clients as processes over mutual TLS."""
     from fedcore.runner import LocalRun
@@ -194,7 +203,13 @@ def run(
     spec_run = load_manifest(manifest)
     folder = workdir or Path("runs") / spec_run.metadata.name
     local = LocalRun(
-        spec_run, manifest, workdir=folder, resume=resume, metrics=not no_metrics, threads=threads
+        spec_run,
+        manifest,
+        workdir=folder,
+        resume=resume,
+        metrics=not no_metrics,
+        threads=threads,
+        spawn="exec" if spawn == "exec" else "fork",
     )
     signal.signal(signal.SIGTERM, _raise_interrupt)
     progress = RunProgress(stderr, spec_run, enabled=not quiet)

@@ -15,15 +15,15 @@ import signal
 import socket
 import statistics
 import subprocess
-import sys
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import IO, Any
+from typing import Any
 
+from fedcore._launch import RoleProcess, SpawnMode, start_role
 from fedcore.errors import RoleFailed, RunAborted
-from fedcore.roles._events import read_events
+from fedcore.events import read_events
 from fedcore.spec import FederatedRun, protocol_facts
 from fedcore.transport import issue_run_bundles
 
@@ -42,14 +42,12 @@ class Child:
     """One role process and where its output goes."""
 
     name: str
-    process: subprocess.Popen[bytes]
+    process: RoleProcess
     log_path: Path
-    log_file: IO[bytes]
     metrics_port: int
 
     def tail(self, lines: int = 25) -> str:
         """Returns the last lines of the child's log."""
-        self.log_file.flush()
         try:
             text = self.log_path.read_text(encoding="utf-8", errors="replace")
         except OSError:
@@ -110,7 +108,7 @@ class LocalRun:
         resume: start the server from the latest checkpoint.
         metrics: serve /metrics on a free port per role.
         threads: torch threads per role process.
-        python: the interpreter for the role processes.
+        spawn: ``fork`` roles from a warm forkserver (fast) or ``exec`` each as a command.
     """
 
     def __init__(
@@ -122,7 +120,7 @@ class LocalRun:
         resume: bool = False,
         metrics: bool = True,
         threads: int = 1,
-        python: str | None = None,
+        spawn: SpawnMode = "fork",
     ) -> None:
         self.run = run
         self.manifest = manifest
@@ -130,7 +128,7 @@ class LocalRun:
         self.resume = resume
         self.metrics = metrics
         self.threads = threads
-        self.python = python or sys.executable
+        self.spawn: SpawnMode = spawn
         self.children: dict[str, Child] = {}
         self.events_path = workdir / "events.jsonl"
         self.metrics_ports: dict[str, int] = {}
@@ -156,9 +154,6 @@ class LocalRun:
     def _role_args(self, role: str, tls_name: str, events: Path | None) -> tuple[list[str], int]:
         port = free_port() if self.metrics else 0
         args = [
-            self.python,
-            "-m",
-            "fedcore",
             role,
             "--manifest",
             str(self.workdir / "manifest.yaml"),
@@ -177,19 +172,11 @@ class LocalRun:
 
     def _spawn(self, name: str, args: list[str], port: int) -> Child:
         log_path = self.workdir / "logs" / f"{name}.log"
-        log_file = log_path.open("wb")
         env = dict(os.environ)
         env.setdefault("OMP_NUM_THREADS", str(self.threads))
         env["PYTHONUNBUFFERED"] = "1"
-        process = subprocess.Popen(
-            args,
-            stdout=log_file,
-            stderr=subprocess.STDOUT,
-            stdin=subprocess.DEVNULL,
-            env=env,
-            start_new_session=True,
-        )
-        child = Child(name, process, log_path, log_file, port)
+        process = start_role(self.spawn, args, log_path, env)
+        child = Child(name, process, log_path, port)
         self.children[name] = child
         if port:
             self.metrics_ports[name] = port
@@ -285,8 +272,6 @@ class LocalRun:
                 with contextlib.suppress(ProcessLookupError):
                     os.killpg(child.process.pid, signal.SIGKILL)
                 child.process.wait()
-            if not child.log_file.closed:
-                child.log_file.close()
 
     def wait_clients(self, timeout: float) -> None:
         """Waits up to ``timeout`` seconds for the clients to exit on their own."""

@@ -101,4 +101,5 @@ def configure_logging(role: str, level: str = "INFO") -> None:
     logging.basicConfig(
         level=getattr(logging, level.upper(), logging.INFO),
         format=f"%(asctime)s {role} %(levelname)s %(name)s: %(message)s",
+        force=True,
     )

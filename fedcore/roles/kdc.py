@@ -11,7 +11,7 @@ from fedcore.errors import FedcoreError, MessageRejected
 from fedcore.metrics import RoleMetrics
 from fedcore.protocols import KdcProtocol, create_protocol
 from fedcore.roles._common import KDC_SERVICE, RoleConfig, limits_of
-from fedcore.roles._events import EventLog
+from fedcore.events import EventLog
 from fedcore.spec import FederatedRun
 from fedcore.transport import CallContext, Identity, Payload, RpcServer, TlsBundle
 

@@ -33,7 +33,7 @@ from fedcore.roles._common import (
     limits_of,
     spec_fingerprint,
 )
-from fedcore.roles._events import EventLog
+from fedcore.events import EventLog
 from fedcore.sampling import sample_clients
 from fedcore.spec import FederatedRun, protocol_facts
 from fedcore.training import Evaluator
@@ -54,6 +54,16 @@ class Attempt:
     plans: Mapping[int, Payload]
     uploads: dict[int, Payload] = field(default_factory=dict)
     failed: dict[int, str] = field(default_factory=dict)
+    delivered: dict[int, ServerSession] = field(default_factory=dict)
+
+    def deliver(self, client: int, session: ServerSession) -> bool:
+        """Sends ``client`` its task on ``session`` unless it already went there."""
+        if self.delivered.get(client) is session:
+            return True
+        if session.send(self.task_for(client)):
+            self.delivered[client] = session
+            return True
+        return False
 
     def settled(self) -> bool:
         """Whether every planned client has uploaded or failed."""
@@ -108,7 +118,7 @@ class RoundBoard(SessionHandler):
             with self.cond:
                 attempt = self.current
                 if attempt is not None and attempt.pending(index):
-                    session.send(attempt.task_for(index))
+                    attempt.deliver(index, session)
         elif kind == "upload":
             status = self.server.accept_upload(index, message)
             if status != "accepted":
@@ -138,7 +148,7 @@ class RoundBoard(SessionHandler):
             self.current = attempt
             for client in attempt.plans:
                 session = self.sessions.get(client)
-                delivered = session is not None and session.send(attempt.task_for(client))
+                delivered = session is not None and attempt.deliver(client, session)
                 if not delivered and not wait_for_absent:
                     attempt.failed[client] = "absent"
             self.cond.notify_all()
@@ -352,8 +362,10 @@ class Server:
             if len(attempt.uploads) >= quorum:
                 if not failures or self.facts.dropout_policy == "Skip":
                     result = self.protocol.combine(round_, attempt.uploads, failures)
-                    timings = {"wait_seconds": settled - opened,
-                               "combine_seconds": time.monotonic() - settled}
+                    timings = {
+                        "wait_seconds": settled - opened,
+                        "combine_seconds": time.monotonic() - settled,
+                    }
                     return {
                         "participants": len(attempt.uploads),
                         "failures": failures,

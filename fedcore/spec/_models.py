@@ -21,7 +21,6 @@ PERCENT_PATTERN = r"^(100|[1-9][0-9]?)%$"
 """A share written as a whole percentage from 1% to 100%."""
 
 
-
 def _int_or_percent(value: Any) -> int | str:
     """Accepts a count >= 1 or a whole percentage from '1%' to '100%'."""
     if isinstance(value, bool) or not isinstance(value, int | str):
@@ -38,9 +37,15 @@ def _int_or_percent(value: Any) -> int | str:
 IntOrPercent = Annotated[
     int | str,
     PlainValidator(_int_or_percent),
-    WithJsonSchema({"x-kubernetes-int-or-string": True,
-                    "anyOf": [{"type": "integer", "minimum": 1},
-                              {"type": "string", "pattern": PERCENT_PATTERN}]}),
+    WithJsonSchema(
+        {
+            "x-kubernetes-int-or-string": True,
+            "anyOf": [
+                {"type": "integer", "minimum": 1},
+                {"type": "string", "pattern": PERCENT_PATTERN},
+            ],
+        }
+    ),
 ]
 
 
@@ -200,9 +205,7 @@ class DataSpec(SpecModel):
         description="testFraction is the share of examples held out for evaluation on the "
         "server. Default 0.2. Ignored when the source has its own test.npz.",
     )
-    split_seed: int = Field(
-        0, ge=0, description="splitSeed seeds the train/test split. Default 0."
-    )
+    split_seed: int = Field(0, ge=0, description="splitSeed seeds the train/test split. Default 0.")
     partition: PartitionSpec = Field(
         default_factory=PartitionSpec, description="partition deals the training split."
     )
@@ -464,9 +467,7 @@ class RolesSpec(SpecModel):
 
     kdc: RoleSpec = Field(default_factory=RoleSpec, description="kdc: the key server's pod.")
     server: RoleSpec = Field(default_factory=RoleSpec, description="server: the server's pod.")
-    clients: RoleSpec = Field(
-        default_factory=RoleSpec, description="clients: every client's pod."
-    )
+    clients: RoleSpec = Field(default_factory=RoleSpec, description="clients: every client's pod.")
 
 
 # ------------------------------------------------------------------------------------- root
@@ -520,8 +521,7 @@ class ObjectMeta(SpecModel):
     model_config = ConfigDict(alias_generator=to_camel, populate_by_name=True, extra="allow")
 
     name: str = Field(
-        description="name of the run: a DNS-1123 label (lowercase letters, digits, '-'). "
-        "Required.",
+        description="name of the run: a DNS-1123 label (lowercase letters, digits, '-'). Required.",
         min_length=1,
         max_length=63,
         pattern=r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$",

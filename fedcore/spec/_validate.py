@@ -65,8 +65,12 @@ def parse_manifest(document: Any, *, source: str | None = None) -> FederatedRun:
     if not isinstance(document, dict):
         kind = type(document).__name__
         raise SpecError(
-            [SpecIssue("<root>", f"must be a mapping with apiVersion, kind, metadata and spec, "
-                                 f"got {kind}.")],
+            [
+                SpecIssue(
+                    "<root>",
+                    f"must be a mapping with apiVersion, kind, metadata and spec, got {kind}.",
+                )
+            ],
             source=source,
         )
     try:
@@ -119,11 +123,21 @@ _EXPECTED_TYPES = {
 }
 """pydantic's type errors, and the type each one expected."""
 
-_BOUND_ERRORS = frozenset({
-    "literal_error", "enum",
-    "greater_than", "greater_than_equal", "less_than", "less_than_equal",
-    "string_too_short", "string_too_long", "string_pattern_mismatch", "too_short", "too_long",
-})
+_BOUND_ERRORS = frozenset(
+    {
+        "literal_error",
+        "enum",
+        "greater_than",
+        "greater_than_equal",
+        "less_than",
+        "less_than_equal",
+        "string_too_short",
+        "string_too_long",
+        "string_pattern_mismatch",
+        "too_short",
+        "too_long",
+    }
+)
 """pydantic's errors for a value outside what the field allows (answered from the schema)."""
 
 
@@ -159,26 +173,32 @@ def semantic_issues(run: FederatedRun) -> list[SpecIssue]:
     count = spec.clients.count
     longest_child = f"{run.metadata.name}{CHILD_NAME_SUFFIX}{count - 1}"
     if len(longest_child) > 63:
-        issues.append(SpecIssue(
-            "metadata.name",
-            f"{run.metadata.name!r} is too long for {count} clients: the child name "
-            f"{longest_child!r} would have {len(longest_child)} characters; at most 63 allowed.",
-        ))
+        issues.append(
+            SpecIssue(
+                "metadata.name",
+                f"{run.metadata.name!r} is too long for {count} clients: the child name "
+                f"{longest_child!r} would have {len(longest_child)} characters; at most 63 allowed.",
+            )
+        )
     per_round = spec.clients.per_round
     if isinstance(per_round, int) and per_round > count:
-        issues.append(SpecIssue(
-            "spec.clients.perRound",
-            f"{per_round} is more than spec.clients.count ({count}); allowed: 1 to {count} "
-            f"or a percentage.",
-        ))
+        issues.append(
+            SpecIssue(
+                "spec.clients.perRound",
+                f"{per_round} is more than spec.clients.count ({count}); allowed: 1 to {count} "
+                f"or a percentage.",
+            )
+        )
     sampled = min(spec.clients.sampled_per_round(), count)
     quorum = spec.clients.quorum
     if isinstance(quorum, int) and quorum > sampled:
-        issues.append(SpecIssue(
-            "spec.clients.quorum",
-            f"{quorum} is more than the {sampled} clients sampled per round; allowed: 1 to "
-            f"{sampled} or a percentage.",
-        ))
+        issues.append(
+            SpecIssue(
+                "spec.clients.quorum",
+                f"{quorum} is more than the {sampled} clients sampled per round; allowed: 1 to "
+                f"{sampled} or a percentage.",
+            )
+        )
     model = spec.model
     if model.kind == "Import" and model.import_path is None:
         issues.append(SpecIssue("spec.model.importPath", "is required when kind is Import."))
@@ -186,17 +206,21 @@ def semantic_issues(run: FederatedRun) -> list[SpecIssue]:
     if source.kind == "NpzFolder" and source.path is None:
         issues.append(SpecIssue("spec.data.source.path", "is required when kind is NpzFolder."))
     if spec.data.partition.kind == "ByFile" and source.kind != "NpzFolder":
-        issues.append(SpecIssue(
-            "spec.data.partition.kind",
-            f"'ByFile' needs spec.data.source.kind NpzFolder, got {source.kind!r}; allowed "
-            f"here: 'IID' or 'Dirichlet'.",
-        ))
+        issues.append(
+            SpecIssue(
+                "spec.data.partition.kind",
+                f"'ByFile' needs spec.data.source.kind NpzFolder, got {source.kind!r}; allowed "
+                f"here: 'IID' or 'Dirichlet'.",
+            )
+        )
     if spec.privacy is not None and spec.privacy.target_epsilon is not None and not facts.claims_dp:
-        issues.append(SpecIssue(
-            "spec.privacy.targetEpsilon",
-            f"protocol {facts.name!r} makes no differential-privacy claim, so it cannot keep a "
-            f"budget; remove spec.privacy or pick a protocol that claims DP.",
-        ))
+        issues.append(
+            SpecIssue(
+                "spec.privacy.targetEpsilon",
+                f"protocol {facts.name!r} makes no differential-privacy claim, so it cannot keep a "
+                f"budget; remove spec.privacy or pick a protocol that claims DP.",
+            )
+        )
     issues.extend(_precondition_issues(run))
     return issues
 
@@ -208,23 +232,28 @@ def _precondition_issues(run: FederatedRun) -> list[SpecIssue]:
     if spec.protocol.name == "fedsgd":
         optimizer = spec.training.optimizer
         if optimizer.kind != "SGD":
-            issues.append(SpecIssue(
-                "spec.training.optimizer.kind",
-                f"fedsgd takes one plain SGD step on the server per round, so {optimizer.kind!r} "
-                f"is not allowed; allowed: 'SGD'.",
-            ))
+            issues.append(
+                SpecIssue(
+                    "spec.training.optimizer.kind",
+                    f"fedsgd takes one plain SGD step on the server per round, so {optimizer.kind!r} "
+                    f"is not allowed; allowed: 'SGD'.",
+                )
+            )
         if optimizer.momentum != 0 or optimizer.weight_decay != 0:
-            issues.append(SpecIssue(
-                "spec.training.optimizer",
-                "fedsgd takes one plain SGD step per round: momentum and weightDecay must be 0.",
-            ))
+            issues.append(
+                SpecIssue(
+                    "spec.training.optimizer",
+                    "fedsgd takes one plain SGD step per round: momentum and weightDecay must be 0.",
+                )
+            )
     return issues
 
 
 def _is_union_tag(part: Any) -> bool:
     """pydantic adds the member type's name (e.g. 'int', 'str') to the path of union errors."""
-    return isinstance(part, str) and (part in {"int", "str", "float"} or part.startswith(
-        ("constrained-str", "function-")))
+    return isinstance(part, str) and (
+        part in {"int", "str", "float"} or part.startswith(("constrained-str", "function-"))
+    )
 
 
 def _join_path(loc: list[str]) -> str:

@@ -131,7 +131,7 @@ def test_resume_from_round_2_checkpoint_ends_with_the_uninterrupted_model(
 def wait_for_event(run: LocalRun, kind: str, timeout: float = 180, **match: object) -> dict:
     deadline = time.monotonic() + timeout
     offset = 0
-    from fedcore.roles._events import read_events
+    from fedcore.events import read_events
 
     while time.monotonic() < deadline:
         events, offset = read_events(run.events_path, offset)
