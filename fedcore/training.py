@@ -130,7 +130,8 @@ class LocalLearner:
         order = np.random.default_rng([self._seed, round, self._client_index])
         n = self.num_examples
         batch_size = self._training.batch_size
-        total = torch.zeros((), dtype=torch.float64, device=self._device)
+        losses: list[torch.Tensor] = []
+        sizes: list[int] = []
         steps = 0
         with self._forked_rng(round):
             for _ in range(epochs):
@@ -141,9 +142,11 @@ class LocalLearner:
                     loss = self._loss(self._model(self._x[rows]), rows)
                     loss.backward()
                     optimizer.step()
-                    total += loss.detach().to(torch.float64) * len(rows)
+                    losses.append(loss.detach())
+                    sizes.append(len(rows))
                     steps += 1
-        mean_loss = float(total.item()) / (epochs * n)
+        per_step = torch.stack(losses).to("cpu", torch.float64).numpy()
+        mean_loss = float(np.dot(per_step, np.asarray(sizes, dtype=np.float64))) / (epochs * n)
         return get_weights(self._model), LocalStats(n, mean_loss, steps)
 
     def gradient(
@@ -203,7 +206,11 @@ class LocalLearner:
         ).generate_state(1, np.uint64)
         devices = [self._device] if self._device.type == "cuda" else []
         with torch.random.fork_rng(devices=devices, device_type=self._device.type):
-            torch.manual_seed(int(words[0]))
+            # Seed only the generators in use: torch.manual_seed also queues lazy seeding of
+            # every accelerator backend, which costs a stack capture each (0.4 ms per call).
+            torch.default_generator.manual_seed(int(words[0]))
+            if self._device.type == "cuda":
+                torch.cuda.manual_seed(int(words[0]))
             yield
 
 

@@ -1,0 +1,8 @@
+#!/usr/bin/env bash
+# Sets everything up, then runs the whole test suite (unit and integration) and the linters.
+# Exits non-zero when any test fails.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+bash hack/setup.sh
+.venv/bin/ruff check fedcore operator tests benchmarks
+exec .venv/bin/python -m pytest "$@"
