@@ -55,7 +55,7 @@ def run_floor(
             sizes.append(len(shard))
         total = float(sum(sizes))
         global_state = {
-            n: sum(s[n].double() * (w / total) for s, w in zip(states, sizes)).float()
+            n: sum(s[n].double() * (w / total) for s, w in zip(states, sizes, strict=False)).float()
             for n in global_state
         }
         model.load_state_dict(global_state)

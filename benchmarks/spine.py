@@ -161,15 +161,16 @@ def render(
             "",
             f"Measured {dt.date.today().isoformat()} by `python benchmarks/spine.py --write` on "
             f"{platform.machine()}, {os.cpu_count()} cores, Python {platform.python_version()}, "
-            f"torch {torch.__version__}, fedcore {fedcore.__version__}; {repeats} repeats per side, "
-            "alternating; medians shown.",
+            f"torch {torch.__version__}, fedcore {fedcore.__version__}; {repeats} repeats per "
+            "side, alternating; medians shown.",
             "",
-            "The job is examples/digits-fedavg.yaml: digits (features /16, 80/20 split, seed 0), "
-            "MLP 64-128-ReLU-10, 10 IID clients, 20 rounds, SGD lr 0.1, one local epoch of batch 32, "
-            "FedAvg weighted by shard size, evaluation on the held-out split every round. The floor "
-            "is the same maths as one plain loop in one process (benchmarks/floor.py); fedcore runs "
-            "a server and 10 client processes over mutual-TLS gRPC on loopback, with checkpoints "
-            "every 5 rounds and Prometheus endpoints on.",
+            "The job is examples/digits-fedavg.yaml: digits (features /16, 80/20 split, seed "
+            "0), MLP 64-128-ReLU-10, 10 IID clients, 20 rounds, SGD lr 0.1, one local epoch of "
+            "batch 32, FedAvg weighted by shard size, evaluation on the held-out split every "
+            "round. The floor is the same maths as one plain loop in one process "
+            "(benchmarks/floor.py); fedcore runs a server and 10 client processes over "
+            "mutual-TLS gRPC on loopback, with checkpoints every 5 rounds and Prometheus "
+            "endpoints on.",
             "",
             "| side | start-up (s) | median round (ms) | total (s) | accuracy | peak memory, all "
             "processes, PSS (MiB) |",
@@ -180,9 +181,10 @@ def render(
             f"**Median round, fedcore / floor: {ratio:.2f}x** (target: at most 1.3x). "
             f"Per-repeat median rounds in ms: fedcore {rounds}; floor {floors}.",
             "",
-            "Start-up is, for the floor, loading data and building the model; for fedcore, from the "
-            "command's start to the first round (CA and certificates, forking the roles from a warm "
-            "forkserver, data, model, every client connected). Total is the command's wall time.",
+            "Start-up is, for the floor, loading data and building the model; for fedcore, from "
+            "the command's start to the first round (CA and certificates, forking the roles from "
+            "a warm forkserver, data, model, every client connected). Total is the command's "
+            "wall time.",
             END,
         ]
     )

@@ -6,12 +6,12 @@ no thread pool exists yet when the forkserver forks.
 """
 
 import torch
-import torch._dynamo  # noqa: F401
+import torch._dynamo
 
-import fedcore.cli  # noqa: F401
-import fedcore.data  # noqa: F401
-import fedcore.protocols  # noqa: F401
-import fedcore.roles  # noqa: F401
+import fedcore.cli
+import fedcore.data
+import fedcore.protocols
+import fedcore.roles
 import fedcore.training  # noqa: F401
 
 torch.set_num_threads(1)

@@ -192,11 +192,12 @@ class LocalRun:
                     return int(event["port"])
                 if event.get("event") == "failed":
                     raise RoleFailed(child.name, f"{event.get('message')}\n{child.tail()}")
-            if child.process.poll() is not None:
+            code = child.process.poll()
+            if code is not None:
                 raise RoleFailed(
                     child.name,
-                    f"exited with code {child.process.returncode} while starting:\n{child.tail()}",
-                    exit_code=child.process.returncode,
+                    f"exited with code {code} while starting:\n{child.tail()}",
+                    exit_code=code,
                 )
             time.sleep(0.05)
         raise RoleFailed(child.name, f"was not ready after {READY_SECONDS} s:\n{child.tail()}")
@@ -250,12 +251,9 @@ class LocalRun:
                     )
                 return
             kdc = self.children.get("kdc")
-            if kdc is not None and kdc.process.poll() is not None:
-                raise RoleFailed(
-                    "kdc",
-                    f"exited with code {kdc.process.returncode}:\n{kdc.tail()}",
-                    exit_code=kdc.process.returncode,
-                )
+            code = None if kdc is None else kdc.process.poll()
+            if kdc is not None and code is not None:
+                raise RoleFailed("kdc", f"exited with code {code}:\n{kdc.tail()}", exit_code=code)
             time.sleep(0.02)
 
     def stop(self, grace: float = STOP_SECONDS) -> None:

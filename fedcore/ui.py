@@ -51,7 +51,7 @@ class RunProgress:
         if kind == "resumed":
             self.progress.update(self.task, completed=int(event["round"]))
         elif kind == "round":
-            fields = {}
+            fields: dict[str, Any] = {}
             if event.get("loss") is not None:
                 fields["loss"] = f"{event['loss']:.4f}"
             if event.get("accuracy") is not None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import builtins
 import os
 import tempfile
 from abc import ABC, abstractmethod
@@ -30,11 +31,11 @@ class ObjectStore(ABC):
         """
 
     @abstractmethod
-    def list(self, prefix: str) -> list[str]:
+    def list(self, prefix: str) -> builtins.list[str]:
         """Returns every key that starts with ``prefix``, sorted."""
 
     @abstractmethod
-    def delete(self, keys: list[str]) -> None:
+    def delete(self, keys: builtins.list[str]) -> None:
         """Deletes ``keys``; missing keys are ignored."""
 
     @abstractmethod
@@ -79,7 +80,7 @@ class LocalObjectStore(ObjectStore):
         except OSError as exc:
             raise CheckpointError(f"Cannot read {path}: {exc}.") from exc
 
-    def list(self, prefix: str) -> list[str]:
+    def list(self, prefix: str) -> builtins.list[str]:
         if not self.root.exists():
             return []
         keys = [
@@ -89,7 +90,7 @@ class LocalObjectStore(ObjectStore):
         ]
         return sorted(key for key in keys if key.startswith(prefix))
 
-    def delete(self, keys: list[str]) -> None:
+    def delete(self, keys: builtins.list[str]) -> None:
         for key in keys:
             path = self._path(key)
             path.unlink(missing_ok=True)

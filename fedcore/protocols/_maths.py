@@ -71,11 +71,16 @@ def example_count(upload: Payload, *, what: str) -> int:
 
 def mean_loss(uploads: Mapping[int, Payload], weights: Mapping[int, float]) -> float | None:
     """Returns the weighted mean of the uploads' reported ``loss``, or None if any lacks one."""
-    losses = {k: u.meta.get("loss") for k, u in uploads.items()}
-    if not losses or any(not isinstance(v, int | float) for v in losses.values()):
+    losses: dict[int, float] = {}
+    for client, upload in uploads.items():
+        loss = upload.meta.get("loss")
+        if isinstance(loss, bool) or not isinstance(loss, int | float):
+            return None
+        losses[client] = float(loss)
+    if not losses:
         return None
     total = sum(weights[k] for k in losses)
-    return float(sum(weights[k] * float(v) for k, v in losses.items()) / total)  # type: ignore[arg-type]
+    return sum(weights[k] * loss for k, loss in losses.items()) / total
 
 
 def copy_weights(weights: Weights) -> Weights:

@@ -8,10 +8,10 @@ import threading
 from typing import Any
 
 from fedcore.errors import FedcoreError, MessageRejected
+from fedcore.events import EventLog
 from fedcore.metrics import RoleMetrics
 from fedcore.protocols import KdcProtocol, create_protocol
 from fedcore.roles._common import KDC_SERVICE, RoleConfig, limits_of
-from fedcore.events import EventLog
 from fedcore.spec import FederatedRun
 from fedcore.transport import CallContext, Identity, Payload, RpcServer, TlsBundle
 

@@ -22,6 +22,7 @@ from safetensors.numpy import save_file
 from fedcore.checkpoint import Checkpointer, LocalObjectStore
 from fedcore.data import dataset_info, test_dataset
 from fedcore.errors import CheckpointError, MessageRejected, ProtocolError, RunAborted
+from fedcore.events import EventLog
 from fedcore.metrics import RoleMetrics
 from fedcore.models import build_model, get_weights
 from fedcore.protocols import ServerProtocol, create_protocol
@@ -33,7 +34,6 @@ from fedcore.roles._common import (
     limits_of,
     spec_fingerprint,
 )
-from fedcore.events import EventLog
 from fedcore.sampling import sample_clients
 from fedcore.spec import FederatedRun, protocol_facts
 from fedcore.training import Evaluator

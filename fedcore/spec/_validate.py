@@ -177,7 +177,8 @@ def semantic_issues(run: FederatedRun) -> list[SpecIssue]:
             SpecIssue(
                 "metadata.name",
                 f"{run.metadata.name!r} is too long for {count} clients: the child name "
-                f"{longest_child!r} would have {len(longest_child)} characters; at most 63 allowed.",
+                f"{longest_child!r} would have {len(longest_child)} characters; at most 63 "
+                f"allowed.",
             )
         )
     per_round = spec.clients.per_round
@@ -235,15 +236,16 @@ def _precondition_issues(run: FederatedRun) -> list[SpecIssue]:
             issues.append(
                 SpecIssue(
                     "spec.training.optimizer.kind",
-                    f"fedsgd takes one plain SGD step on the server per round, so {optimizer.kind!r} "
-                    f"is not allowed; allowed: 'SGD'.",
+                    f"fedsgd takes one plain SGD step on the server per round, so "
+                    f"{optimizer.kind!r} is not allowed; allowed: 'SGD'.",
                 )
             )
         if optimizer.momentum != 0 or optimizer.weight_decay != 0:
             issues.append(
                 SpecIssue(
                     "spec.training.optimizer",
-                    "fedsgd takes one plain SGD step per round: momentum and weightDecay must be 0.",
+                    "fedsgd takes one plain SGD step per round: momentum and weightDecay must "
+                    "be 0.",
                 )
             )
     return issues

@@ -188,17 +188,19 @@ def test_hostile_peers_are_refused_and_the_run_goes_on(tmp_path: Path) -> None:
         )
         valid = list(encode_chunks(Payload(meta={"kind": "hello"}), chunk_bytes=65536))
         # Execute
-        with RpcClient(
-            target,
-            foreign["client-1"],
-            service="Server",
-            limits=Limits(),
-            retry=RetryPolicy(total_seconds=1),
-            server_name="localhost",
-        ) as intruder:
-            with pytest.raises(RemoteError) as refused:
-                session = intruder.open_session("Session")
-                session.receive()
+        with (
+            RpcClient(
+                target,
+                foreign["client-1"],
+                service="Server",
+                limits=Limits(),
+                retry=RetryPolicy(total_seconds=1),
+                server_name="localhost",
+            ) as intruder,
+            pytest.raises(RemoteError) as refused,
+        ):
+            session = intruder.open_session("Session")
+            session.receive()
         garbage = raw_session_call(target, client_1, [b"definitely not a fedcore message"])
         truncated = raw_session_call(target, client_1, [valid[0][: len(valid[0]) // 2]])
         too_big = raw_session_call(target, client_1, oversized[:1])

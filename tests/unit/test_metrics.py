@@ -25,8 +25,10 @@ def test_role_metrics_every_exported_name_is_documented() -> None:
     metrics = RoleMetrics("run-a", "server")
     metrics.rejected("malformed")
     # Execute
-    names = exported_names(metrics) | {"fedcore_round_duration_seconds",
-                                       "fedcore_checkpoint_duration_seconds"}
+    names = exported_names(metrics) | {
+        "fedcore_round_duration_seconds",
+        "fedcore_checkpoint_duration_seconds",
+    }
     text = DOC.read_text(encoding="utf-8")
     # Assert
     assert all(name.startswith("fedcore_") for name in names)

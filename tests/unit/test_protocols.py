@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import itertools
+
 import numpy as np
 import pytest
 import torch
@@ -218,7 +220,7 @@ def test_fedsgd_shard_size_weighting_equals_centralized_on_unequal_shards() -> N
     spec = spec_for("fedsgd")
     x_shards = digits_shards(1, 400)[0]
     cuts = [0, 50, 150, 400]
-    shards = [x_shards.subset(np.arange(a, b)) for a, b in zip(cuts, cuts[1:], strict=False)]
+    shards = [x_shards.subset(np.arange(a, b)) for a, b in itertools.pairwise(cuts)]
     # Execute
     federated = run_protocol(spec, shards, rounds=3)
     central = centralized_gradient_descent(spec, shards, rounds=3)
