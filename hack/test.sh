@@ -4,5 +4,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash hack/setup.sh
+bash hack/testenv.sh
 .venv/bin/ruff check fedcore operator tests benchmarks
+.venv/bin/mypy fedcore operator benchmarks
 exec .venv/bin/python -m pytest "$@"
