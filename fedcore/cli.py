@@ -14,7 +14,7 @@ from typing import Any
 import click
 from rich.console import Console
 
-from fedcore.errors import FedcoreError, RunAborted
+from fedcore.errors import FedcoreError, RunAborted, SpecError
 
 stderr = Console(stderr=True)
 
@@ -185,6 +185,12 @@ def validate(manifest: Path) -> None:
     help="fork: roles fork from a warm forkserver (fast start); exec: each role is a fresh "
     "`python -m fedcore <role>` command, as in a pod.",
 )
+@click.option(
+    "--simulate",
+    is_flag=True,
+    help="Run the protocol's maths in this one process (no network, no roles, no "
+    "checkpoints): the same hooks in the same order, for a quick check of a manifest.",
+)
 def run(
     manifest: Path,
     workdir: Path | None,
@@ -194,13 +200,33 @@ def run(
     threads: int,
     quiet: bool,
     spawn: str,
+    simulate: bool,
 ) -> None:
     """Runs MANIFEST on this machine: KDC, server and clients as processes over mutual TLS."""
     from fedcore.runner import LocalRun
     from fedcore.spec import load_manifest
     from fedcore.ui import RunProgress
 
-    spec_run = load_manifest(manifest)
+    try:
+        spec_run = load_manifest(manifest)
+    except SpecError as exc:
+        if as_json:
+            click.echo(
+                json.dumps(
+                    {
+                        "phase": "Failed",
+                        "rounds": None,
+                        "accuracy": None,
+                        "wall_seconds": None,
+                        "reason": "SpecError",
+                        "message": str(exc),
+                    }
+                )
+            )
+        raise
+    if simulate:
+        _simulate(spec_run, as_json=as_json)
+        return
     folder = workdir or Path("runs") / spec_run.metadata.name
     local = LocalRun(
         spec_run,
@@ -234,6 +260,33 @@ def run(
         progress.print_summary(summary, local.metrics_ports)
     if as_json:
         click.echo(json.dumps(summary))
+
+
+def _simulate(run: Any, *, as_json: bool) -> None:
+    """``fedcore run --simulate``: every party in this process; prints the summary."""
+    import time
+
+    from fedcore.roles._common import limit_threads
+    from fedcore.simulation import simulate
+
+    limit_threads(1)
+    started = time.monotonic()
+    result = simulate(run)
+    summary = {
+        "phase": "Succeeded",
+        "rounds": run.spec.rounds,
+        "accuracy": result.accuracy,
+        "loss": result.loss,
+        "wall_seconds": round(time.monotonic() - started, 4),
+        "mode": "simulation",
+    }
+    if as_json:
+        click.echo(json.dumps(summary))
+    else:
+        stderr.print(
+            f"Simulated {run.metadata.name}: accuracy {result.accuracy:.4f}, loss "
+            f"{result.loss:.4f} after {run.spec.rounds} rounds."
+        )
 
 
 def _raise_interrupt(*_: Any) -> None:
