@@ -23,7 +23,7 @@ from fedcore.roles._common import (
 )
 from fedcore.spec import FederatedRun, protocol_facts
 from fedcore.training import LocalLearner
-from fedcore.transport import Payload, RemoteError, RpcClient, TlsBundle
+from fedcore.transport import Identity, Payload, RemoteError, RpcClient, TlsBundle
 
 log = logging.getLogger(__name__)
 
@@ -59,6 +59,12 @@ class Client:
         if not 0 <= index < spec.clients.count:
             raise FedcoreError(
                 f"Client index {index} is outside 0..{spec.clients.count - 1} (spec.clients.count)."
+            )
+        if tls.identity != Identity("client", index):
+            raise FedcoreError(
+                f"This client was started as client {index} but its certificate names "
+                f"{tls.identity.common_name!r}; the index (--index, FEDCORE_CLIENT_INDEX) and "
+                f"the certificate (--tls-dir) must belong together."
             )
         self.run = run
         self.spec = spec

@@ -37,7 +37,14 @@ from fedcore.roles._common import (
 from fedcore.sampling import sample_clients
 from fedcore.spec import FederatedRun, protocol_facts
 from fedcore.training import Evaluator
-from fedcore.transport import Identity, Payload, RpcServer, ServerSession, SessionHandler
+from fedcore.transport import (
+    Identity,
+    Payload,
+    RpcServer,
+    ServerSession,
+    SessionHandler,
+    TlsBundle,
+)
 
 log = logging.getLogger(__name__)
 
@@ -197,7 +204,7 @@ class Server:
     """
 
     def __init__(
-        self, run: FederatedRun, config: RoleConfig, tls: Any, *, listen: str, resume: bool
+        self, run: FederatedRun, config: RoleConfig, tls: TlsBundle, *, listen: str, resume: bool
     ) -> None:
         self.run = run
         self.spec = run.spec

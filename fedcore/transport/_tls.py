@@ -90,6 +90,19 @@ class TlsBundle:
             ca_pem=contents[_CA_FILE], cert_pem=contents[_CERT_FILE], key_pem=contents[_KEY_FILE]
         )
 
+    @property
+    def identity(self) -> Identity:
+        """The party this bundle's certificate names (its common name).
+
+        Raises:
+            TransportError: the common name is not a fedcore identity.
+        """
+        cert = x509.load_pem_x509_certificate(self.cert_pem)
+        names = cert.subject.get_attributes_for_oid(x509.NameOID.COMMON_NAME)
+        if len(names) != 1:
+            raise TransportError("The certificate has no single common name.")
+        return Identity.parse(str(names[0].value))
+
     def write(self, directory: Path) -> None:
         """Write the bundle as ``ca.crt``, ``tls.crt`` and ``tls.key`` in ``directory``.
 

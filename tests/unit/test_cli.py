@@ -193,3 +193,30 @@ def test_kdc_protocol_without_kdc_exits_1_with_message(cli: CliRunner, tmp_path:
     assert result.exit_code == 1
     assert "FedcoreError" in result.stderr
     assert "Protocol 'fedavg' has no KDC" in result.stderr
+
+
+@pytest.mark.usefixtures("root_logging")
+def test_client_with_another_clients_certificate_exits_1_naming_both(
+    cli: CliRunner, tmp_path: Path
+) -> None:
+    # Prepare
+    _, bundles = issue_run_bundles("x", num_clients=2)
+    bundles["client-1"].write(tmp_path / "client-1")
+    args = [
+        "client",
+        "--manifest",
+        str(EXAMPLE),
+        "--tls-dir",
+        str(tmp_path / "client-1"),
+        "--workdir",
+        str(tmp_path),
+        "--index",
+        "0",
+        "--server",
+        "127.0.0.1:1",
+    ]
+    # Execute
+    result = cli.invoke(main, args)
+    # Assert
+    assert result.exit_code == 1
+    assert "started as client 0 but its certificate names 'client-1'" in result.stderr

@@ -460,3 +460,14 @@ def test_mtls_grpc_client_without_certificate_refused(run_ca: RunCa, mtls_port: 
     with pytest.raises(grpc.RpcError) as caught:
         _call(mtls_port, credentials)
     assert caught.value.code() == grpc.StatusCode.UNAVAILABLE
+
+
+def test_tls_bundle_identity_reads_the_certificates_common_name() -> None:
+    # Prepare
+    _, bundles = issue_run_bundles("ident", num_clients=2)
+    # Execute
+    identities = {name: bundle.identity for name, bundle in bundles.items()}
+    # Assert
+    assert identities["client-1"] == Identity("client", 1)
+    assert identities["server"] == Identity("server")
+    assert identities["runner"].role == "runner"
