@@ -7,7 +7,8 @@
     ├── ProtocolError            a protocol's maths or preconditions failed
     │   └── RecoveryError        a lossless protocol's recovery residual passed its bound
     ├── TransportError           a message could not be sent, received or decoded
-    │   └── MessageRejected      a peer sent a malformed, truncated or oversized message
+    │   ├── MessageRejected      a peer sent a malformed, truncated or oversized message
+    │   └── NotReady             the peer cannot answer yet (e.g. keys not all registered)
     ├── CheckpointError          a checkpoint could not be written or read
     ├── RoleFailed               a role process (kdc, server, client) exited with an error
     └── RunAborted               a run stopped before its last round (quorum lost, budget, ...)
@@ -71,6 +72,10 @@ class TransportError(FedcoreError):
 
 class MessageRejected(TransportError):
     """A peer sent a malformed, truncated or oversized message."""
+
+
+class NotReady(TransportError):
+    """The peer cannot answer yet; the caller retries with backoff (e.g. keys still missing)."""
 
 
 class CheckpointError(FedcoreError):

@@ -74,6 +74,18 @@ class RoleMetrics:
         self.loss = Gauge(
             "fedcore_model_loss", "Held-out loss of the global model.", labels, registry=r
         ).labels(**self._values)
+        self.epsilon = Gauge(
+            "fedcore_privacy_epsilon",
+            "Epsilon spent so far (at the run's delta).",
+            labels,
+            registry=r,
+        ).labels(**self._values)
+        self.epsilon_budget = Gauge(
+            "fedcore_privacy_epsilon_budget",
+            "The run's epsilon budget (spec.privacy).",
+            labels,
+            registry=r,
+        ).labels(**self._values)
         self.checkpoint_duration = Histogram(
             "fedcore_checkpoint_duration_seconds",
             "Time to write one checkpoint.",

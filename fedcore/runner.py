@@ -70,6 +70,8 @@ class LocalRunResult:
     model: str | None = None
     reason: str | None = None
     message: str | None = None
+    epsilon: float | None = None
+    rounds_completed: int | None = None
 
     def as_json(self) -> dict[str, Any]:
         """Returns the summary as one JSON-able object."""
@@ -86,6 +88,8 @@ class LocalRunResult:
             "median_round_seconds": None if median is None else round(median, 6),
             "workdir": self.workdir,
             "model": self.model,
+            "rounds_completed": self.rounds_completed,
+            "epsilon": self.epsilon,
             "reason": self.reason,
             "message": self.message,
         }
@@ -335,6 +339,9 @@ class LocalRun:
                     result.phase = "Succeeded"
                     result.accuracy = event.get("accuracy")
                     result.loss = event.get("loss")
+                    result.epsilon = event.get("epsilon")
+                    result.reason = event.get("reason")
+                    result.rounds_completed = event.get("rounds_completed")
                 elif kind == "failed":
                     failed = event
                 if on_event is not None:

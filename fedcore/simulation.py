@@ -13,11 +13,17 @@ from typing import Any
 
 from fedcore.data import client_dataset, dataset_info, test_dataset
 from fedcore.models import build_model, get_weights
-from fedcore.protocols import Weights, create_protocol
+from fedcore.protocols import (
+    ClientProtocol,
+    KdcProtocol,
+    KeyChannel,
+    Weights,
+    create_protocol,
+)
 from fedcore.sampling import sample_clients
 from fedcore.spec import FederatedRun
 from fedcore.training import Evaluator, LocalLearner
-from fedcore.transport import Identity
+from fedcore.transport import Identity, Payload
 
 
 @dataclass
@@ -37,6 +43,17 @@ class SimulationResult:
     history: list[dict[str, Any]] = field(default_factory=list)
 
 
+class LocalKeyChannel(KeyChannel):
+    """A client protocol's channel to a KDC side in the same process."""
+
+    def __init__(self, kdc: KdcProtocol, party: Identity) -> None:
+        self._kdc = kdc
+        self._party = party
+
+    def submit(self, payload: Payload) -> Payload:
+        return self._kdc.accept(self._party, payload)
+
+
 def simulate(run: FederatedRun, *, rounds: int | None = None) -> SimulationResult:
     """Runs ``run`` (or its first ``rounds`` rounds) in this process and returns the result."""
     spec = run.spec
@@ -46,7 +63,14 @@ def simulate(run: FederatedRun, *, rounds: int | None = None) -> SimulationResul
     server = protocol.create_server(spec, get_weights(model))
     evaluator = Evaluator(model, test_dataset(spec), spec.training)
     kdc = protocol.create_kdc(spec)
-    clients: dict[int, Any] = {}
+    # Every client is set up before the first round, as every client process is before it
+    # takes a task: a KDC may need all of them registered (e.g. public keys) to serve any.
+    clients: dict[int, ClientProtocol] = {}
+    for index in range(spec.clients.count):
+        clients[index] = protocol.create_client(spec, index)
+        clients[index].setup(
+            None if kdc is None else LocalKeyChannel(kdc, Identity("client", index))
+        )
     learners: dict[int, LocalLearner] = {}
     history: list[dict[str, Any]] = []
     last = spec.rounds if rounds is None else rounds
@@ -63,7 +87,6 @@ def simulate(run: FederatedRun, *, rounds: int | None = None) -> SimulationResul
                 learners[index] = LocalLearner(
                     client_model, data, spec.training, seed=spec.seed, client_index=index
                 )
-                clients[index] = protocol.create_client(spec, index)
             keys = None if kdc is None else kdc.issue_keys(round_, Identity("client", index))
             upload = clients[index].compute_upload(round_, instruction, learners[index], keys)
             server.check_upload(round_, index, upload)

@@ -28,13 +28,17 @@ class RunProgress:
             TextColumn(f"[bold]{run.metadata.name}[/] {run.spec.protocol.name}"),
             BarColumn(),
             MofNCompleteColumn(),
-            TextColumn("round  loss {task.fields[loss]}  acc {task.fields[accuracy]}"),
+            TextColumn(
+                "round  loss {task.fields[loss]}  acc {task.fields[accuracy]}{task.fields[epsilon]}"
+            ),
             TimeElapsedColumn(),
             console=console,
             disable=not enabled,
             transient=False,
         )
-        self.task = self.progress.add_task("rounds", total=run.spec.rounds, loss="-", accuracy="-")
+        self.task = self.progress.add_task(
+            "rounds", total=run.spec.rounds, loss="-", accuracy="-", epsilon=""
+        )
 
     def __enter__(self) -> RunProgress:
         self.progress.__enter__()
@@ -56,6 +60,8 @@ class RunProgress:
                 fields["loss"] = f"{event['loss']:.4f}"
             if event.get("accuracy") is not None:
                 fields["accuracy"] = f"{event['accuracy']:.4f}"
+            if event.get("epsilon") is not None:
+                fields["epsilon"] = f"  ε {event['epsilon']:.3f}"
             self.progress.update(self.task, completed=int(event["round"]), **fields)
 
     def print_summary(self, summary: dict[str, Any], metrics_ports: dict[str, int]) -> None:
@@ -65,9 +71,12 @@ class RunProgress:
         table = Table(show_header=False, box=None)
         for key in (
             "phase",
+            "reason",
             "rounds",
+            "rounds_completed",
             "accuracy",
             "loss",
+            "epsilon",
             "wall_seconds",
             "startup_seconds",
             "median_round_seconds",

@@ -3,6 +3,7 @@
 from fedcore.protocols._base import (
     ClientProtocol,
     KdcProtocol,
+    KeyChannel,
     Protocol,
     RoundResult,
     ServerProtocol,
@@ -20,6 +21,7 @@ __all__ = [
     "FedAvg",
     "FedSgd",
     "KdcProtocol",
+    "KeyChannel",
     "Protocol",
     "RoundResult",
     "ServerProtocol",

@@ -98,8 +98,23 @@ class ServerProtocol(ABC):
         """
 
 
+class KeyChannel(ABC):
+    """What a client's protocol may send to the KDC (key material comes per round as ``keys``)."""
+
+    @abstractmethod
+    def submit(self, payload: Payload) -> Payload:
+        """Hands the KDC something of this client's (e.g. a public key); returns its answer."""
+
+
 class ClientProtocol(ABC):
     """The client side: computes an upload from what the server (and KDC) sent."""
+
+    def setup(self, kdc: KeyChannel | None) -> None:  # noqa: B027 - an optional hook
+        """Called once before this client's first task (again after a restart).
+
+        Args:
+            kdc: the channel to the KDC, or None for protocols without one.
+        """
 
     @abstractmethod
     def compute_upload(
@@ -128,6 +143,14 @@ class KdcProtocol(ABC):
         Raises:
             PermissionError: the party may not receive keys for this round.
         """
+
+    def accept(self, party: Identity, payload: Payload) -> Payload:
+        """Takes something a party hands the KDC (e.g. its public key); returns an answer.
+
+        Raises:
+            PermissionError: this KDC accepts nothing from ``party`` (the default).
+        """
+        raise PermissionError(f"This KDC accepts nothing from {party.common_name!r}.")
 
     @abstractmethod
     def state_dict(self) -> dict[str, Any]:
@@ -160,6 +183,12 @@ class Protocol(ABC):
 
     def create_kdc(self, spec: FederatedRunSpec) -> KdcProtocol | None:
         """Returns the KDC side, or None for protocols without a KDC."""
+        return None
+
+    def noise_multiplier(self, spec: FederatedRunSpec) -> float | None:
+        """Returns the Gaussian noise multiplier of one round, or None if the protocol claims
+        no DP. The server role feeds it to the accountant once per round (with the client
+        sampling rate); protocol code never touches the accountant."""
         return None
 
 

@@ -11,7 +11,7 @@ from fedcore.data import client_dataset
 from fedcore.errors import FedcoreError
 from fedcore.metrics import RoleMetrics
 from fedcore.models import build_model
-from fedcore.protocols import ClientProtocol, create_protocol
+from fedcore.protocols import ClientProtocol, KeyChannel, create_protocol
 from fedcore.roles._common import (
     KDC_SERVICE,
     SERVER_SERVICE,
@@ -116,6 +116,7 @@ class Client:
             RemoteError: the server refused us or stayed unreachable.
         """
         self.metrics.serve(self.config.metrics_port, self.config.metrics_address)
+        self.protocol.setup(None if self.kdc is None else RpcKeyChannel(self.kdc))
         delays = self.retry.delays(random.Random())
         last = (0, 0)
         rounds = 0
@@ -177,6 +178,16 @@ class Client:
             meta={"kind": "upload", "round": round_, "attempt": attempt, "upload": upload.meta},
             tensors=upload.tensors,
         )
+
+
+class RpcKeyChannel(KeyChannel):
+    """A client protocol's channel to the KDC over mutual-TLS gRPC."""
+
+    def __init__(self, kdc: RpcClient) -> None:
+        self._kdc = kdc
+
+    def submit(self, payload: Payload) -> Payload:
+        return self._kdc.call("Submit", payload, timeout=CALL_SECONDS)
 
 
 def run_client(

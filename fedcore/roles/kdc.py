@@ -19,7 +19,7 @@ log = logging.getLogger(__name__)
 
 
 class Kdc:
-    """The KDC role of one run: one ``IssueKeys`` method, answered by the protocol's KDC side.
+    """The KDC role of one run: ``IssueKeys`` and ``Submit``, answered by the protocol's KDC side.
 
     Raises:
         FedcoreError: the run's protocol has no KDC side.
@@ -50,7 +50,7 @@ class Kdc:
         self.rpc = RpcServer(
             listen,
             tls,
-            {"IssueKeys": self._issue_keys},
+            {"IssueKeys": self._issue_keys, "Submit": self._submit},
             service=KDC_SERVICE,
             limits=limits_of(run.spec),
             max_workers=2 * run.spec.clients.count + 8,
@@ -64,6 +64,10 @@ class Kdc:
             raise MessageRejected(f"IssueKeys needs a round number >= 0, got {round_!r}.")
         with self.lock:
             return self.protocol.issue_keys(round_, peer)
+
+    def _submit(self, peer: Identity, request: Payload, ctx: CallContext) -> Payload:
+        with self.lock:
+            return self.protocol.accept(peer, request)
 
     def start(self) -> int:
         """Starts serving; returns the bound port."""

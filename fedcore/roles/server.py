@@ -34,6 +34,7 @@ from fedcore.roles._common import (
     limits_of,
     spec_fingerprint,
 )
+from fedcore.roles._privacy import PrivacyLedger
 from fedcore.sampling import sample_clients
 from fedcore.spec import FederatedRun, protocol_facts
 from fedcore.training import Evaluator
@@ -216,9 +217,9 @@ class Server:
         device = choose_device(self.spec.roles.server)
         input_shape, num_classes = dataset_info(self.spec)
         model = build_model(self.spec.model, input_shape, num_classes, seed=self.spec.seed)
-        self.protocol: ServerProtocol = create_protocol(self.spec.protocol.name).create_server(
-            self.spec, get_weights(model)
-        )
+        scheme = create_protocol(self.spec.protocol.name)
+        self.protocol: ServerProtocol = scheme.create_server(self.spec, get_weights(model))
+        self.privacy = PrivacyLedger(self.spec, scheme.noise_multiplier(self.spec), self.metrics)
         self.evaluator = Evaluator(
             model.to(device), test_dataset(self.spec), self.spec.training, device=device
         )
@@ -319,23 +320,47 @@ class Server:
                 round=start_round,
             )
         last_eval: dict[str, float] = {}
+        completed = start_round - 1
+        stop_reason: str | None = None
         for round_ in range(start_round, spec.rounds + 1):
+            would_reach = self.privacy.next_round_exceeds()
+            if would_reach is not None:
+                stop_reason = "BudgetExhausted"
+                log.warning(
+                    "Stopping before round %d: it would spend epsilon %.4f, over the budget of "
+                    "%s (spec.privacy.targetEpsilon).",
+                    round_,
+                    would_reach,
+                    self.privacy.target,
+                )
+                self.events.emit(
+                    "budget", round=round_, epsilon_next=would_reach, target=self.privacy.target
+                )
+                break
             started = time.monotonic()
             result = self._run_round(round_)
+            result["epsilon"] = self.privacy.record_round()
+            completed = round_
             evaluation = self._maybe_evaluate(round_)
             if evaluation:
                 last_eval = evaluation
             seconds = time.monotonic() - started
             self._record_round(round_, result, evaluation, seconds)
             self._maybe_checkpoint(round_)
+        if stop_reason is not None and completed >= start_round:
+            last_eval = self._evaluate()
+            self._maybe_checkpoint(completed, force=True)
         if not last_eval:
             last_eval = self._evaluate()
         self._release_model()
         summary = {
             "phase": "Succeeded",
             "rounds": spec.rounds,
+            "rounds_completed": completed,
+            "reason": stop_reason or "RoundsCompleted",
             "accuracy": last_eval.get("accuracy"),
             "loss": last_eval.get("loss"),
+            "epsilon": self.privacy.epsilon(),
         }
         self.events.emit("finished", **summary)
         self.board.finish(time.monotonic() + GOODBYE_SECONDS)
@@ -433,13 +458,18 @@ class Server:
             keep_last=spec.keep_last,
         )
 
-    def _maybe_checkpoint(self, round_: int) -> None:
+    def _maybe_checkpoint(self, round_: int, *, force: bool = False) -> None:
         every = self.spec.checkpoint.every_rounds
         if self.checkpointer is None or not every:
             return
-        if round_ % every and round_ != self.spec.rounds:
+        if round_ % every and round_ != self.spec.rounds and not force:
             return
-        state = {"round": round_, "protocol": self.protocol.state_dict(), "history": self.history}
+        state = {
+            "round": round_,
+            "protocol": self.protocol.state_dict(),
+            "privacy": self.privacy.state_dict(),
+            "history": self.history,
+        }
         started = time.monotonic()
         try:
             info = self.checkpointer.save(round_, state)
@@ -467,6 +497,7 @@ class Server:
         round_, state = found
         try:
             self.protocol.load_state_dict(state["protocol"])
+            self.privacy.load_state_dict(state["privacy"])
         except (KeyError, ValueError) as exc:
             raise RunAborted(
                 f"The checkpoint of round {round_} cannot be restored: {exc}",

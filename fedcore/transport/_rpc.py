@@ -21,7 +21,7 @@ from typing import Any
 
 import grpc
 
-from fedcore.errors import MessageRejected, TransportError
+from fedcore.errors import MessageRejected, NotReady, TransportError
 from fedcore.transport._codec import PayloadDecoder, encode_chunks
 from fedcore.transport._payload import Payload
 from fedcore.transport._tls import Identity, TlsBundle
@@ -221,6 +221,8 @@ class RpcServer:
             except MessageRejected as exc:
                 self._rejected(name, "refused")
                 context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+            except NotReady as exc:
+                context.abort(grpc.StatusCode.UNAVAILABLE, str(exc))
             except PermissionError as exc:
                 self._rejected(name, "identity")
                 context.abort(grpc.StatusCode.PERMISSION_DENIED, str(exc))

@@ -1,0 +1,74 @@
+"""The server's privacy ledger: one accountant step per round, and the budget's stop."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+from fedcore.metrics import RoleMetrics
+from fedcore.privacy import create_accountant
+from fedcore.sampling import sampling_rate
+from fedcore.spec import FederatedRunSpec
+
+
+class PrivacyLedger:
+    """Steps the run's accountant once per round for protocols that claim DP.
+
+    Args:
+        spec: the run's spec (privacy block, client sampling).
+        noise_multiplier: the protocol's per-round Gaussian noise multiplier; None when the
+            protocol claims no DP (the ledger then does nothing).
+        metrics: where epsilon and the budget are exported.
+    """
+
+    def __init__(
+        self, spec: FederatedRunSpec, noise_multiplier: float | None, metrics: RoleMetrics
+    ) -> None:
+        privacy = spec.privacy
+        self.noise_multiplier = noise_multiplier
+        self.sample_rate = sampling_rate(spec.clients)
+        self.delta = privacy.target_delta if privacy else 1e-5
+        self.target = privacy.target_epsilon if privacy else None
+        self.accountant = create_accountant(privacy.accountant if privacy else "RDP")
+        self.metrics = metrics
+        if self.enabled and self.target is not None:
+            metrics.epsilon_budget.set(self.target)
+
+    @property
+    def enabled(self) -> bool:
+        """Whether the protocol claims DP, so that rounds are accounted."""
+        return self.noise_multiplier is not None
+
+    def next_round_exceeds(self) -> float | None:
+        """Returns the epsilon one more round would reach if that passes the budget, else None."""
+        if not self.enabled or self.target is None:
+            return None
+        assert self.noise_multiplier is not None
+        after = self.accountant.epsilon_after(
+            self.delta, noise_multiplier=self.noise_multiplier, sample_rate=self.sample_rate
+        )
+        return after if after > self.target else None
+
+    def record_round(self) -> float | None:
+        """Accounts one round; returns the epsilon spent so far (None without DP)."""
+        if not self.enabled:
+            return None
+        assert self.noise_multiplier is not None
+        self.accountant.step(noise_multiplier=self.noise_multiplier, sample_rate=self.sample_rate)
+        return self.epsilon()
+
+    def epsilon(self) -> float | None:
+        """The epsilon spent so far at the run's delta (None without DP)."""
+        if not self.enabled:
+            return None
+        spent = self.accountant.get_epsilon(self.delta)
+        self.metrics.epsilon.set(spent)
+        return spent
+
+    def state_dict(self) -> dict[str, Any]:
+        """The accountant's state, for checkpoints."""
+        return self.accountant.state_dict()
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Restores the accountant from a checkpoint."""
+        self.accountant.load_state_dict(state)
