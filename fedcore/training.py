@@ -97,6 +97,26 @@ class LocalLearner:
         """The number of examples in the client's shard."""
         return int(self._y.shape[0])
 
+    @property
+    def model(self) -> nn.Module:
+        """The network (its weights are whatever the last call loaded)."""
+        return self._model
+
+    @property
+    def features(self) -> torch.Tensor:
+        """The shard's inputs, on the learner's device, in the model's dtype."""
+        return self._x
+
+    @property
+    def labels(self) -> torch.Tensor:
+        """The shard's integer labels, on the learner's device."""
+        return self._y
+
+    @property
+    def targets(self) -> torch.Tensor:
+        """The shard's one-hot targets in the model's dtype (the MSE loss's targets)."""
+        return self._targets
+
     def train(
         self, weights: dict[str, np.ndarray], *, round: int, epochs: int | None = None
     ) -> tuple[dict[str, np.ndarray], LocalStats]:

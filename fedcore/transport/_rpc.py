@@ -254,11 +254,6 @@ class RpcServer:
                 )
             assert peer is not None
             session = ServerSession(peer, limits, on_bytes=self._on_bytes)
-            try:
-                handler.opened(session)
-            except PermissionError as exc:
-                self._rejected(name, "identity")
-                context.abort(grpc.StatusCode.PERMISSION_DENIED, str(exc))
             reader = threading.Thread(
                 target=self._read_session,
                 name=f"{name}-{peer}",
@@ -270,9 +265,10 @@ class RpcServer:
                 yield from session.outbound()
             finally:
                 session.close()
-                handler.closed(session)
+                if session.registered:
+                    handler.closed(session)
             if session.abort_reason is not None:
-                context.abort(grpc.StatusCode.INVALID_ARGUMENT, session.abort_reason)
+                context.abort(session.abort_code, session.abort_reason)
 
         return serve
 
@@ -291,6 +287,16 @@ class RpcServer:
                     if self._on_bytes is not None:
                         self._on_bytes(0, received)
                     received = 0
+                    if not session.registered:
+                        # A session counts only once its first message is well formed, so a
+                        # malformed stream can never displace the peer's working session.
+                        try:
+                            handler.opened(session)
+                        except PermissionError as exc:
+                            self._rejected(name, "identity")
+                            session.abort(str(exc), code=grpc.StatusCode.PERMISSION_DENIED)
+                            return
+                        session.registered = True
                     handler.received(session, message)
             if received:
                 decoder.finish()  # raises: the peer half-closed inside a message
@@ -310,8 +316,10 @@ class RpcServer:
 class SessionHandler(ABC):
     """Serves long-lived two-way sessions: one per connected peer, messages both ways.
 
-    ``opened`` and ``closed`` bracket a session; ``received`` is called once per inbound
-    message, in order, from that session's reader thread. Sending is ``session.send``.
+    ``opened`` is called when a session's first well-formed message has arrived (just before
+    ``received`` is called with it) and ``closed`` once it ends, if it was opened; ``received``
+    is called once per inbound message, in order, from that session's reader thread. Sending is
+    ``session.send``.
     """
 
     @abstractmethod
@@ -342,6 +350,8 @@ class ServerSession:
         self._closed = threading.Event()
         self._on_bytes = on_bytes
         self.abort_reason: str | None = None
+        self.abort_code = grpc.StatusCode.INVALID_ARGUMENT
+        self.registered = False
 
     @property
     def is_open(self) -> bool:
@@ -355,9 +365,12 @@ class ServerSession:
         self._queue.put(payload)
         return True
 
-    def abort(self, reason: str) -> None:
-        """Ends the session with INVALID_ARGUMENT and ``reason``."""
+    def abort(
+        self, reason: str, *, code: grpc.StatusCode = grpc.StatusCode.INVALID_ARGUMENT
+    ) -> None:
+        """Ends the session with status ``code`` (INVALID_ARGUMENT by default) and ``reason``."""
         self.abort_reason = reason
+        self.abort_code = code
         self.close()
 
     def close(self) -> None:
