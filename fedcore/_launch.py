@@ -8,8 +8,10 @@ cores. Both give every role its own OS process, its own session (process group) 
 
 from __future__ import annotations
 
+import ctypes
 import multiprocessing
 import os
+import signal
 import subprocess
 import sys
 from collections.abc import Mapping, Sequence
@@ -19,6 +21,7 @@ from typing import Literal, Protocol
 SpawnMode = Literal["fork", "exec"]
 
 PRELOAD = ["fedcore._preload"]
+PR_SET_PDEATHSIG = 1
 """Modules the forkserver imports once, before any role is forked from it."""
 
 
@@ -43,6 +46,7 @@ class ExecRole:
         with log_path.open("wb") as log:
             self._process = subprocess.Popen(
                 [sys.executable, "-m", "fedcore", *args],
+                preexec_fn=die_with_parent,
                 stdout=log,
                 stderr=subprocess.STDOUT,
                 stdin=subprocess.DEVNULL,
@@ -97,9 +101,22 @@ def start_role(
     return ExecRole(args, log_path, env)
 
 
+def die_with_parent() -> None:
+    """Asks Linux to SIGTERM this process when its parent dies (no orphaned roles if the
+    runner is killed with SIGKILL); a no-op elsewhere."""
+    if not sys.platform.startswith("linux"):
+        return
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
+    except (OSError, AttributeError):
+        pass
+
+
 def role_main(args: list[str], log_path: str, env: dict[str, str]) -> None:
     """The body of a forked role: own session, output to its log, then the CLI."""
     os.setsid()
+    die_with_parent()
     fd = os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
     null = os.open(os.devnull, os.O_RDONLY)
     os.dup2(null, 0)
