@@ -190,12 +190,12 @@ def render(
     )
 
 
-def write_section(section: str) -> None:
-    """Replaces (or appends) the spine section of docs/benchmarks.md."""
+def write_section(section: str, *, begin: str = BEGIN, end: str = END) -> None:
+    """Replaces (or appends) the section between ``begin`` and ``end`` in docs/benchmarks.md."""
     text = DOC.read_text(encoding="utf-8") if DOC.exists() else "# Benchmarks\n"
-    if BEGIN in text and END in text:
-        head, rest = text.split(BEGIN, 1)
-        text = head + section + rest.split(END, 1)[1]
+    if begin in text and end in text:
+        head, rest = text.split(begin, 1)
+        text = head + section + rest.split(end, 1)[1]
     else:
         text = text.rstrip("\n") + "\n\n" + section + "\n"
     DOC.write_text(text, encoding="utf-8")

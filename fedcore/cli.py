@@ -275,8 +275,11 @@ def _simulate(run: Any, *, as_json: bool) -> None:
     summary = {
         "phase": "Succeeded",
         "rounds": run.spec.rounds,
+        "rounds_completed": result.rounds_completed,
+        "reason": result.reason,
         "accuracy": result.accuracy,
         "loss": result.loss,
+        "epsilon": result.epsilon,
         "wall_seconds": round(time.monotonic() - started, 4),
         "mode": "simulation",
     }

@@ -105,6 +105,12 @@ class RoleMetrics:
         self.bytes_sent.inc(sent)
         self.bytes_received.inc(received)
 
+    def traffic(self) -> tuple[int, int]:
+        """Returns (bytes sent, bytes received) so far."""
+        sent = self.registry.get_sample_value("fedcore_bytes_sent_total", self._values) or 0
+        got = self.registry.get_sample_value("fedcore_bytes_received_total", self._values) or 0
+        return int(sent), int(got)
+
     def serve(self, port: int, address: str = "127.0.0.1") -> None:
         """Serves ``/metrics`` on ``address:port`` from a daemon thread (port 0: no server)."""
         if port:

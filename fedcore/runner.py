@@ -72,6 +72,8 @@ class LocalRunResult:
     message: str | None = None
     epsilon: float | None = None
     rounds_completed: int | None = None
+    bytes_sent: int | None = None
+    bytes_received: int | None = None
 
     def as_json(self) -> dict[str, Any]:
         """Returns the summary as one JSON-able object."""
@@ -90,6 +92,8 @@ class LocalRunResult:
             "model": self.model,
             "rounds_completed": self.rounds_completed,
             "epsilon": self.epsilon,
+            "server_bytes_sent": self.bytes_sent,
+            "server_bytes_received": self.bytes_received,
             "reason": self.reason,
             "message": self.message,
         }
@@ -342,6 +346,8 @@ class LocalRun:
                     result.epsilon = event.get("epsilon")
                     result.reason = event.get("reason")
                     result.rounds_completed = event.get("rounds_completed")
+                    result.bytes_sent = event.get("bytes_sent")
+                    result.bytes_received = event.get("bytes_received")
                 elif kind == "failed":
                     failed = event
                 if on_event is not None:

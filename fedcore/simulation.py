@@ -2,7 +2,9 @@
 
 It calls the same protocol hooks in the same order as the roles do (sample, plan, compute each
 upload, check, combine, evaluate), so a run simulated here ends with bit-identical weights to
-the same run over processes and mutual TLS. Unit tests and large client counts use it.
+the same run over processes and mutual TLS whenever the protocol's randomness is seeded by the
+spec (fedavg, fedsgd, and the DP protocols with their secure randomness switched off). Unit
+tests and large client counts use it.
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ from typing import Any
 
 from fedcore.data import client_dataset, dataset_info, test_dataset
 from fedcore.models import build_model, get_weights
+from fedcore.privacy import PrivacyLedger
 from fedcore.protocols import (
     ClientProtocol,
     KdcProtocol,
@@ -34,13 +37,19 @@ class SimulationResult:
         weights: the final global model.
         accuracy: held-out accuracy of the final model.
         loss: held-out loss of the final model.
-        history: one entry per round (participants, train_loss, accuracy, seconds).
+        history: one entry per round (participants, train_loss, epsilon, seconds).
+        epsilon: the privacy spent, for protocols that claim DP (else None).
+        rounds_completed: the rounds run (fewer than spec.rounds when the budget stopped it).
+        reason: RoundsCompleted, or BudgetExhausted.
     """
 
     weights: Weights
     accuracy: float
     loss: float
     history: list[dict[str, Any]] = field(default_factory=list)
+    epsilon: float | None = None
+    rounds_completed: int = 0
+    reason: str = "RoundsCompleted"
 
 
 class LocalKeyChannel(KeyChannel):
@@ -74,7 +83,13 @@ def simulate(run: FederatedRun, *, rounds: int | None = None) -> SimulationResul
     learners: dict[int, LocalLearner] = {}
     history: list[dict[str, Any]] = []
     last = spec.rounds if rounds is None else rounds
+    ledger = PrivacyLedger(spec, protocol.noise_multiplier(spec))
+    reason = "RoundsCompleted"
+    completed = 0
     for round_ in range(1, last + 1):
+        if ledger.next_round_exceeds() is not None:
+            reason = "BudgetExhausted"
+            break
         started = time.perf_counter()
         sampled = sample_clients(spec.clients, seed=spec.seed, round=round_)
         uploads = {}
@@ -92,14 +107,23 @@ def simulate(run: FederatedRun, *, rounds: int | None = None) -> SimulationResul
             server.check_upload(round_, index, upload)
             uploads[index] = upload
         result = server.combine(round_, uploads, [])
+        epsilon = ledger.record_round()
+        completed = round_
         entry: dict[str, Any] = {
             "round": round_,
             "seconds": time.perf_counter() - started,
             "participants": len(uploads),
             "train_loss": None if result is None else result.train_loss,
+            "epsilon": epsilon,
         }
         history.append(entry)
     final = evaluator.evaluate(server.global_weights())
     return SimulationResult(
-        weights=server.global_weights(), accuracy=final.accuracy, loss=final.loss, history=history
+        weights=server.global_weights(),
+        accuracy=final.accuracy,
+        loss=final.loss,
+        history=history,
+        epsilon=ledger.epsilon(),
+        rounds_completed=completed,
+        reason=reason,
     )

@@ -10,18 +10,27 @@ from fedcore.protocols._base import (
     Weights,
 )
 from fedcore.protocols._registry import create_protocol, register_protocol, registered_protocols
+from fedcore.protocols.dp_fedavg import DpFedAvg
 from fedcore.protocols.fedavg import FedAvg
 from fedcore.protocols.fedsgd import FedSgd
+from fedcore.protocols.mpdp import Mpdp
+from fedcore.protocols.perturb import Perturb
 
 register_protocol(FedAvg.name, FedAvg)
 register_protocol(FedSgd.name, FedSgd)
+register_protocol(Mpdp.name, Mpdp)
+register_protocol(Perturb.name, Perturb)
+register_protocol(DpFedAvg.name, DpFedAvg)
 
 __all__ = [
     "ClientProtocol",
+    "DpFedAvg",
     "FedAvg",
     "FedSgd",
     "KdcProtocol",
     "KeyChannel",
+    "Mpdp",
+    "Perturb",
     "Protocol",
     "RoundResult",
     "ServerProtocol",

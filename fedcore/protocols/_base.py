@@ -58,6 +58,9 @@ class ServerProtocol(ABC):
     def check_upload(self, round: int, client: int, upload: Payload) -> None:
         """Checks one upload as it arrives, before it is accepted for the round.
 
+        The server role calls it from its network threads while the round is open, one call
+        at a time (never concurrently with another check), before ``combine``.
+
         Raises:
             ProtocolError: the upload is malformed (wrong tensors, shapes, counts, values);
                 the role refuses it and counts the client as failed for the round.

@@ -19,12 +19,19 @@ from typing import Any
 
 from safetensors.numpy import save_file
 
-from fedcore.checkpoint import Checkpointer, LocalObjectStore
+from fedcore.checkpoint import Checkpointer, LocalObjectStore, ObjectStore, S3ObjectStore
 from fedcore.data import dataset_info, test_dataset
-from fedcore.errors import CheckpointError, MessageRejected, ProtocolError, RunAborted
+from fedcore.errors import (
+    CheckpointError,
+    MessageRejected,
+    ProtocolError,
+    RecoveryError,
+    RunAborted,
+)
 from fedcore.events import EventLog
 from fedcore.metrics import RoleMetrics
 from fedcore.models import build_model, get_weights
+from fedcore.privacy import PrivacyLedger
 from fedcore.protocols import ServerProtocol, create_protocol
 from fedcore.roles._common import (
     SERVER_SERVICE,
@@ -34,7 +41,6 @@ from fedcore.roles._common import (
     limits_of,
     spec_fingerprint,
 )
-from fedcore.roles._privacy import PrivacyLedger
 from fedcore.sampling import sample_clients
 from fedcore.spec import FederatedRun, protocol_facts
 from fedcore.training import Evaluator
@@ -225,6 +231,7 @@ class Server:
         )
         self.checkpointer = self._checkpointer()
         self.board = RoundBoard(self)
+        self._check_lock = threading.Lock()
         self.history: list[dict[str, Any]] = []
         self.rpc = RpcServer(
             listen,
@@ -266,7 +273,8 @@ class Server:
                 self.metrics.rejected("stale")
                 return "stale"
         try:
-            self.protocol.check_upload(attempt.round, index, upload)
+            with self._check_lock:  # protocols need not be thread-safe
+                self.protocol.check_upload(attempt.round, index, upload)
         except ProtocolError as exc:
             self.metrics.rejected("upload")
             log.warning(
@@ -294,11 +302,21 @@ class Server:
             RunAborted: the quorum was lost, a checkpoint failed, or no client came.
         """
         self.metrics.serve(self.config.metrics_port, self.config.metrics_address)
+        self._check_store()
         start_round = self._restore() + 1
         self.rpc.start()
         self.events.emit("ready", role="server", port=self.rpc.port, start_round=start_round)
         try:
-            summary = self._rounds(start_round)
+            try:
+                summary = self._rounds(start_round)
+            except ProtocolError as exc:
+                # A protocol that cannot go on (e.g. a failed recovery check) stops the run.
+                reason = "RecoveryFailed" if isinstance(exc, RecoveryError) else "ProtocolFailed"
+                raise RunAborted(
+                    f"{type(exc).__name__}: {exc}",
+                    reason=reason,
+                    round=getattr(exc, "round", None),
+                ) from exc
         except RunAborted as exc:
             self.events.emit("failed", reason=exc.reason, message=str(exc), round=exc.round)
             self.board.finish(time.monotonic() + GOODBYE_SECONDS)
@@ -361,6 +379,8 @@ class Server:
             "accuracy": last_eval.get("accuracy"),
             "loss": last_eval.get("loss"),
             "epsilon": self.privacy.epsilon(),
+            "bytes_sent": self.metrics.traffic()[0],
+            "bytes_received": self.metrics.traffic()[1],
         }
         self.events.emit("finished", **summary)
         self.board.finish(time.monotonic() + GOODBYE_SECONDS)
@@ -448,15 +468,41 @@ class Server:
         spec = self.spec.checkpoint
         if spec.every_rounds == 0 and not self.resume:
             return None
-        path = Path(spec.local.path.replace("{name}", self.run.metadata.name))
-        if not path.is_absolute():
-            path = self.config.workdir / path
+        name = self.run.metadata.name
+        store: ObjectStore
+        if spec.s3 is not None:
+            s3 = spec.s3
+            store = S3ObjectStore(
+                s3.bucket,
+                prefix=s3.prefix.replace("{name}", name),
+                endpoint=s3.endpoint,
+                region=s3.region,
+                server_side_encryption=s3.server_side_encryption,
+                kms_key_id=s3.kms_key_id,
+                retry_seconds=s3.retry_seconds,
+                on_failure=self.metrics.checkpoint_failures.inc,
+            )
+        else:
+            path = Path(spec.local.path.replace("{name}", name))
+            if not path.is_absolute():
+                path = self.config.workdir / path
+            store = LocalObjectStore(path)
         return Checkpointer(
-            LocalObjectStore(path),
-            run=self.run.metadata.name,
-            fingerprint=spec_fingerprint(self.run),
-            keep_last=spec.keep_last,
+            store, run=name, fingerprint=spec_fingerprint(self.run), keep_last=spec.keep_last
         )
+
+    def _check_store(self) -> None:
+        """Fails the run before round 1 when the checkpoint store cannot be used."""
+        store = None if self.checkpointer is None else self.checkpointer.store
+        if isinstance(store, S3ObjectStore):
+            try:
+                store.check()
+            except CheckpointError as exc:
+                raise RunAborted(
+                    f"The checkpoint store cannot be used, so the run does not start: {exc}",
+                    reason="CheckpointFailed",
+                    round=0,
+                ) from exc
 
     def _maybe_checkpoint(self, round_: int, *, force: bool = False) -> None:
         every = self.spec.checkpoint.every_rounds

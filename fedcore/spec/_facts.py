@@ -47,6 +47,32 @@ PROTOCOL_FACTS: dict[str, ProtocolFacts] = {
             summary="Federated averaging: local epochs, model mean weighted by shard size.",
         ),
         ProtocolFacts(
+            name="dp-fedavg",
+            needs_kdc=False,
+            decentralized=False,
+            claims_dp=True,
+            dropout_policy="Skip",
+            summary="FedAvg with per-client update clipping and central Gaussian noise.",
+        ),
+        ProtocolFacts(
+            name="perturb",
+            needs_kdc=False,
+            decentralized=False,
+            claims_dp=False,
+            dropout_policy="Skip",
+            summary="Accuracy-lossless model perturbation: clients train on a secretly "
+            "perturbed model; the server recovers the exact FedSGD gradient (seed 001).",
+        ),
+        ProtocolFacts(
+            name="mpdp",
+            needs_kdc=True,
+            decentralized=False,
+            claims_dp=True,
+            dropout_policy="Redo",
+            summary="MP_Server model perturbation plus DDP_Client noise with pairwise masks "
+            "agreed over the KDC (seed 000).",
+        ),
+        ProtocolFacts(
             name="fedsgd",
             needs_kdc=False,
             decentralized=False,

@@ -10,8 +10,11 @@ from __future__ import annotations
 import re
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, PlainValidator, WithJsonSchema
+from pydantic import ConfigDict, Field, PlainValidator, WithJsonSchema
 from pydantic.alias_generators import to_camel
+
+from fedcore.spec._base import SpecModel
+from fedcore.spec._options import DpFedAvgOptions, MpdpOptions, PerturbOptions
 
 API_GROUP = "fedcore.dev"
 API_VERSION = f"{API_GROUP}/v1alpha1"
@@ -49,18 +52,6 @@ IntOrPercent = Annotated[
 ]
 
 
-class SpecModel(BaseModel):
-    """Base of every manifest model: camelCase keys, unknown fields refused, values frozen."""
-
-    model_config = ConfigDict(
-        alias_generator=to_camel,
-        populate_by_name=True,
-        extra="forbid",
-        frozen=True,
-        use_attribute_docstrings=False,
-    )
-
-
 # --------------------------------------------------------------------------------- protocol
 
 
@@ -84,7 +75,7 @@ class FedSgdOptions(SpecModel):
     )
 
 
-ProtocolName = Literal["fedavg", "fedsgd"]
+ProtocolName = Literal["fedavg", "fedsgd", "dp-fedavg", "perturb", "mpdp"]
 
 
 class ProtocolSpec(SpecModel):
@@ -92,7 +83,10 @@ class ProtocolSpec(SpecModel):
 
     name: ProtocolName = Field(
         description="name of the protocol. fedavg: local epochs, weighted model mean. "
-        "fedsgd: one gradient step per round, weighted gradient mean. Required."
+        "fedsgd: one gradient step per round, weighted gradient mean. dp-fedavg: fedavg with "
+        "per-client clipping and central Gaussian noise (DP). perturb: accuracy-lossless model "
+        "perturbation (seed 001). mpdp: model perturbation on the server and distributed DP "
+        "noise on the clients (seed 000). Required."
     )
     fedavg: FedAvgOptions = Field(
         default_factory=FedAvgOptions,
@@ -101,6 +95,18 @@ class ProtocolSpec(SpecModel):
     fedsgd: FedSgdOptions = Field(
         default_factory=FedSgdOptions,
         description="fedsgd holds the options of the fedsgd protocol; ignored for others.",
+    )
+    dp_fedavg: DpFedAvgOptions = Field(
+        default_factory=DpFedAvgOptions,
+        description="dpFedavg holds the options of the dp-fedavg protocol; ignored for others.",
+    )
+    perturb: PerturbOptions = Field(
+        default_factory=PerturbOptions,
+        description="perturb holds the options of the perturb protocol; ignored for others.",
+    )
+    mpdp: MpdpOptions = Field(
+        default_factory=MpdpOptions,
+        description="mpdp holds the options of the mpdp protocol; ignored for others.",
     )
 
     def options(self) -> SpecModel:
@@ -349,6 +355,52 @@ class LocalStoreSpec(SpecModel):
     )
 
 
+class S3StoreSpec(SpecModel):
+    """A checkpoint prefix in S3 or any S3-compatible object store."""
+
+    bucket: str = Field(
+        min_length=3,
+        max_length=63,
+        pattern=r"^[a-z0-9][a-z0-9.-]{1,61}[a-z0-9]$",
+        description="bucket that holds the checkpoints; it must exist. Required.",
+    )
+    prefix: str = Field(
+        "{name}/checkpoints",
+        max_length=512,
+        description="prefix of the run's keys; '{name}' becomes the run's name. Default "
+        "'{name}/checkpoints'.",
+    )
+    endpoint: str | None = Field(
+        None,
+        pattern=r"^https?://[^\s/]+(/.*)?$",
+        description="endpoint URL of an S3-compatible server (e.g. http://minio:9000); unset "
+        "uses AWS.",
+    )
+    region: str = Field("us-east-1", min_length=1, description="region. Default us-east-1.")
+    credentials_secret: str | None = Field(
+        None,
+        pattern=r"^[a-z0-9]([-a-z0-9.]*[a-z0-9])?$",
+        description="credentialsSecret names a Kubernetes Secret with AWS_ACCESS_KEY_ID and "
+        "AWS_SECRET_ACCESS_KEY that the operator passes to the server. Locally (and when "
+        "unset) credentials come from the environment or an AWS profile.",
+    )
+    server_side_encryption: Literal["AES256", "aws:kms"] | None = Field(
+        None,
+        description="serverSideEncryption asks the server to encrypt every object: AES256 or "
+        "aws:kms. Unset: the bucket's default.",
+    )
+    kms_key_id: str | None = Field(
+        None, description="kmsKeyId is the KMS key for serverSideEncryption aws:kms."
+    )
+    retry_seconds: float = Field(
+        120,
+        gt=0,
+        le=3600,
+        description="retrySeconds is how long an unreachable or throttling store is retried "
+        "(with backoff) before the checkpoint fails. Default 120.",
+    )
+
+
 class CheckpointSpec(SpecModel):
     """When and where the server saves an exact-resume checkpoint."""
 
@@ -362,7 +414,11 @@ class CheckpointSpec(SpecModel):
         3, ge=1, le=1000, description="keepLast is how many recent checkpoints stay. Default 3."
     )
     local: LocalStoreSpec = Field(
-        default_factory=LocalStoreSpec, description="local is the checkpoint folder."
+        default_factory=LocalStoreSpec,
+        description="local is the checkpoint folder, used when s3 is unset.",
+    )
+    s3: S3StoreSpec | None = Field(
+        None, description="s3 puts the checkpoints in S3 instead of the local folder."
     )
 
 

@@ -14,7 +14,7 @@ from pydantic import BaseModel, ValidationError
 
 from fedcore.errors import SpecError, SpecIssue
 from fedcore.spec._facts import protocol_facts
-from fedcore.spec._models import FederatedRun
+from fedcore.spec._models import FederatedRun, FederatedRunSpec
 from fedcore.spec._openapi import describe_bounds, schema_at
 
 MAX_MANIFEST_BYTES = 1024 * 1024
@@ -230,13 +230,15 @@ def _precondition_issues(run: FederatedRun) -> list[SpecIssue]:
     """Each protocol's preconditions, checked before any process or pod starts."""
     spec = run.spec
     issues: list[SpecIssue] = []
-    if spec.protocol.name == "fedsgd":
+    if spec.protocol.name in {"perturb", "mpdp"}:
+        issues.extend(_lossless_mlp_issues(spec))
+    if spec.protocol.name in {"fedsgd", "perturb", "mpdp"}:
         optimizer = spec.training.optimizer
         if optimizer.kind != "SGD":
             issues.append(
                 SpecIssue(
                     "spec.training.optimizer.kind",
-                    f"fedsgd takes one plain SGD step on the server per round, so "
+                    f"{spec.protocol.name} takes one plain SGD step on the server per round, so "
                     f"{optimizer.kind!r} is not allowed; allowed: 'SGD'.",
                 )
             )
@@ -244,10 +246,82 @@ def _precondition_issues(run: FederatedRun) -> list[SpecIssue]:
             issues.append(
                 SpecIssue(
                     "spec.training.optimizer",
-                    "fedsgd takes one plain SGD step per round: momentum and weightDecay must "
-                    "be 0.",
+                    f"{spec.protocol.name} takes one plain SGD step per round: momentum and "
+                    f"weightDecay must be 0.",
                 )
             )
+    return issues
+
+
+def _lossless_mlp_issues(spec: FederatedRunSpec) -> list[SpecIssue]:
+    """The preconditions of the model-perturbation protocols (digests 000 and 001): their exact
+    cancellation holds only for a bias-free ReLU MLP with a linear output, MSE loss, one full
+    local gradient per round, in float64."""
+    name = spec.protocol.name
+    model = spec.model
+    issues: list[SpecIssue] = []
+
+    def refuse(path: str, got: object, allowed: str, why: str) -> None:
+        issues.append(
+            SpecIssue(
+                path,
+                f"{got!r} is not allowed for protocol {name!r}: {why}; allowed: {allowed}.",
+            )
+        )
+
+    if model.kind != "MLP":
+        refuse(
+            "spec.model.kind",
+            model.kind,
+            "'MLP'",
+            "its noise is defined per neuron of fully connected layers only",
+        )
+    if model.kind == "MLP" and not model.hidden:
+        refuse(
+            "spec.model.hidden",
+            list(model.hidden),
+            "at least one hidden layer",
+            "the secret scales live on hidden neurons, so a network without one hides nothing",
+        )
+    if model.activation != "ReLU":
+        refuse(
+            "spec.model.activation",
+            model.activation,
+            "'ReLU'",
+            "a neuron's secret positive scale passes through its activation only if "
+            "act(c*z) = c*act(z) for c > 0, which ReLU satisfies and Tanh and Sigmoid do not",
+        )
+    if model.bias:
+        refuse(
+            "spec.model.bias",
+            model.bias,
+            "false (a bias-free network)",
+            "the exact recovery is derived for bias-free layers",
+        )
+    if model.dtype != "float64":
+        refuse(
+            "spec.model.dtype",
+            model.dtype,
+            "'float64'",
+            "the recovery cancels noise terms far larger than the gradient, which float32 "
+            "rounding cannot do (measured relative errors: 3e-4 and worse)",
+        )
+    if spec.training.loss != "MSE":
+        refuse(
+            "spec.training.loss",
+            spec.training.loss,
+            "'MSE'",
+            "the noise cancels exactly only when the loss's gradient is affine in the "
+            "outputs, as for MSE and not for CrossEntropy",
+        )
+    if spec.training.local_epochs != 1:
+        refuse(
+            "spec.training.localEpochs",
+            spec.training.local_epochs,
+            "1 (one local step)",
+            "a client holds only the perturbed model, so it can take one gradient per round "
+            "but cannot step in the true model's coordinates",
+        )
     return issues
 
 

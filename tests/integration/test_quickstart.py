@@ -47,7 +47,7 @@ def test_quickstart_run_succeeds_with_json_summary(quickstart: dict[str, Any]) -
     assert done.returncode == 0, done.stderr
     assert summary["phase"] == "Succeeded"
     assert summary["rounds"] == 20
-    assert summary["reason"] is None
+    assert summary["reason"] == "RoundsCompleted"
     assert Path(summary["model"]) == quickstart["work"] / "model.safetensors"
 
 

@@ -64,7 +64,11 @@ def test_manifest_reference_row_content() -> None:
     assert "| `spec.clients.perRound` | count or percentage | `100%` |" in text
     assert "| `spec.model.hidden` | list of integer | `[128]` |" in text
     assert "| `spec.roles.kdc.nodeSelector` | map of string | `{}` |" in text
-    assert "| `spec.protocol.name` | string | required | one of `fedavg`, `fedsgd` |" in text
+    assert (
+        "| `spec.protocol.name` | string | required | one of `fedavg`, `fedsgd`, `dp-fedavg`, "
+        "`perturb`, `mpdp` |"
+        in text
+    )
     assert r"`^(100\|[1-9][0-9]?)%$`" in text, "pipes inside cells are escaped"
     assert "| `spec.roles.kdc.tolerations[].effect` |" in text
     assert "client-&lt;i&gt;.npz" in text, "prose is not read as HTML"

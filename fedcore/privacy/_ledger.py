@@ -1,4 +1,5 @@
-"""The server's privacy ledger: one accountant step per round, and the budget's stop."""
+"""The privacy ledger: one accountant step per round, and the budget's stop (server role and
+simulation alike)."""
 
 from __future__ import annotations
 
@@ -6,7 +7,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from fedcore.metrics import RoleMetrics
-from fedcore.privacy import create_accountant
+from fedcore.privacy._accountant import create_accountant
 from fedcore.sampling import sampling_rate
 from fedcore.spec import FederatedRunSpec
 
@@ -18,11 +19,14 @@ class PrivacyLedger:
         spec: the run's spec (privacy block, client sampling).
         noise_multiplier: the protocol's per-round Gaussian noise multiplier; None when the
             protocol claims no DP (the ledger then does nothing).
-        metrics: where epsilon and the budget are exported.
+        metrics: where epsilon and the budget are exported (None: nowhere).
     """
 
     def __init__(
-        self, spec: FederatedRunSpec, noise_multiplier: float | None, metrics: RoleMetrics
+        self,
+        spec: FederatedRunSpec,
+        noise_multiplier: float | None,
+        metrics: RoleMetrics | None = None,
     ) -> None:
         privacy = spec.privacy
         self.noise_multiplier = noise_multiplier
@@ -31,7 +35,10 @@ class PrivacyLedger:
         self.target = privacy.target_epsilon if privacy else None
         self.accountant = create_accountant(privacy.accountant if privacy else "RDP")
         self.metrics = metrics
-        if self.enabled and self.target is not None:
+        self._next: float | None = None
+        """Epsilon after one more round, computed by the budget check and reused after it."""
+        self._spent: float | None = None
+        if metrics is not None and self.enabled and self.target is not None:
             metrics.epsilon_budget.set(self.target)
 
     @property
@@ -47,6 +54,7 @@ class PrivacyLedger:
         after = self.accountant.epsilon_after(
             self.delta, noise_multiplier=self.noise_multiplier, sample_rate=self.sample_rate
         )
+        self._next = after
         return after if after > self.target else None
 
     def record_round(self) -> float | None:
@@ -55,15 +63,19 @@ class PrivacyLedger:
             return None
         assert self.noise_multiplier is not None
         self.accountant.step(noise_multiplier=self.noise_multiplier, sample_rate=self.sample_rate)
+        # The budget check already computed this round's epsilon (when a budget is set).
+        self._spent, self._next = self._next, None
         return self.epsilon()
 
     def epsilon(self) -> float | None:
         """The epsilon spent so far at the run's delta (None without DP)."""
         if not self.enabled:
             return None
-        spent = self.accountant.get_epsilon(self.delta)
-        self.metrics.epsilon.set(spent)
-        return spent
+        if self._spent is None:
+            self._spent = self.accountant.get_epsilon(self.delta)
+        if self.metrics is not None:
+            self.metrics.epsilon.set(self._spent)
+        return self._spent
 
     def state_dict(self) -> dict[str, Any]:
         """The accountant's state, for checkpoints."""
@@ -72,3 +84,4 @@ class PrivacyLedger:
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         """Restores the accountant from a checkpoint."""
         self.accountant.load_state_dict(state)
+        self._spent = self._next = None

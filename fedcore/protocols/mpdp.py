@@ -1,0 +1,587 @@
+"""mpdp: MP_Server model perturbation on the server, DDP_Client noise and pairwise masks on clients.
+
+Xue Yang, Depan Peng, Xiaohu Tang, Yan Feng, Weijun Fang, Jun Shao, "Efficiently Achieving
+Secure Model Training and Secure Aggregation to Ensure Bidirectional Privacy-Preservation in
+Federated Learning" ("MP-DP"); digest 000 (docs/protocols/mpdp.md says what it protects).
+
+Each round the server expands the bias-free ReLU MLP with identity transitional layers,
+multiplies the odd layers by fresh positive noise R, adds an output shift, and sends only that
+perturbed model. Each client computes, on its whole shard, the perturbed gradient and the two
+correction tensors Psi and Phi (n_L + 2 vector-Jacobian products), scales them so that its
+recovered contribution has norm at most B, adds its own noise eta and the pairwise masks Delta
+it shares with its neighbours in the round's graph (seeds by X25519 through the KDC's relay of
+public keys), and uploads. The server averages the uploads uniformly (the masks cancel),
+recovers the true mean gradient plus noise, and takes one SGD step. A round missing an upload
+is redone with the survivors (dropout policy Redo), whose masks then pair only among
+themselves; an upload of an earlier attempt is refused.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import secrets
+import threading
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+from cryptography.hazmat.primitives.asymmetric.x25519 import X25519PrivateKey
+
+from fedcore.errors import MessageRejected, NotReady, ProtocolError
+from fedcore.protocols import _mpdp_keys as keys_
+from fedcore.protocols import _mpdp_maths as maths
+from fedcore.protocols._base import (
+    ClientProtocol,
+    KdcProtocol,
+    KeyChannel,
+    Protocol,
+    RoundResult,
+    ServerProtocol,
+    Weights,
+    check_state_kind,
+)
+from fedcore.protocols._maths import copy_weights, example_count
+from fedcore.spec import FederatedRunSpec
+from fedcore.spec._options import MpdpOptions
+from fedcore.training import LocalLearner
+from fedcore.transport import Identity, Payload
+
+PUBLIC_KEY_KIND = "x25519-public-key"
+"""The ``kind`` of the payload a client submits to the KDC in ``setup``."""
+
+
+def _layout(widths: Sequence[int], hardened: bool) -> dict[str, tuple[tuple[int, ...], str]]:
+    """The upload's tensors: name -> (shape, dtype), per odd layer j and the loss scalars."""
+    masked = "uint64" if hardened else "float64"
+    outputs = widths[-1]
+    layout: dict[str, tuple[tuple[int, ...], str]] = {}
+    for j in range(len(widths) - 1):
+        shape = (widths[j + 1], widths[j])
+        layout[f"g.{j}"] = (shape, "float64")
+        layout[f"psi.{j}"] = ((outputs, *shape), masked)
+        layout[f"phi.{j}"] = (shape, masked)
+    layout["terms"] = ((outputs + 2,), masked)
+    return layout
+
+
+@dataclass
+class _Attempt:
+    """The server's record of the attempt in flight (one per plan_round call)."""
+
+    round: int
+    number: int
+    nonce: str
+    participants: tuple[int, ...]
+    fingerprint: str | None = None
+
+
+class MpdpServer(ServerProtocol):
+    """MP_Server and MU_Server: perturbs the model each round, recovers the mean gradient.
+
+    Args:
+        initial: the initial global model: the 2-D weights of a bias-free MLP, input first.
+        options: ``spec.protocol.mpdp``.
+        learning_rate: the server's SGD step size xi.
+        rng: the source of the server's secret noise (default: seeded from the OS CSPRNG).
+
+    Raises:
+        ProtocolError: the model is not a chain of at least two 2-D weight matrices.
+    """
+
+    kind = "mpdp"
+
+    def __init__(
+        self,
+        initial: Weights,
+        *,
+        options: MpdpOptions,
+        learning_rate: float,
+        rng: np.random.Generator | None = None,
+    ) -> None:
+        self._names = list(initial)
+        self._widths = _widths_of(initial)
+        self._weights = {
+            name: np.asarray(w, dtype=np.float64).copy() for name, w in initial.items()
+        }
+        self._options = options
+        self._hardened = options.mode == "Hardened"
+        self._learning_rate = learning_rate
+        self._rng = rng or np.random.default_rng(secrets.randbits(256))
+        self._layout = _layout(self._widths, self._hardened)
+        self._secrets: maths.Perturbation | None = None
+        self._attempt: _Attempt | None = None
+        self._lock = threading.Lock()
+
+    def plan_round(self, round: int, clients: Sequence[int]) -> Mapping[int, Payload]:
+        """Sends every participant the perturbed model and the attempt's participant set.
+
+        The first attempt of a round draws fresh secrets; a redone attempt of the same round
+        (with the survivors) keeps them, so the clients' noise, derived per round, is the same
+        too and a redo releases nothing new but the orphaned masks.
+        """
+        with self._lock:
+            previous = self._attempt
+            if self._secrets is None or previous is None or previous.round != round:
+                self._secrets = maths.draw_perturbation(
+                    self._rng,
+                    self._widths,
+                    hardened=self._hardened,
+                    shift_std=self._options.output_noise_std,
+                )
+                number = 1
+            else:
+                number = previous.number + 1
+            participants = tuple(sorted(int(k) for k in clients))
+            attempt = _Attempt(round, number, secrets.token_hex(16), participants)
+            self._attempt = attempt
+            secret = self._secrets
+        layer_bounds, shift_bound = maths.scale_bounds(secret)
+        odd = maths.perturb([self._weights[n] for n in self._names], secret)
+        tensors = {f"w.{j}": w for j, w in enumerate(odd)}
+        tensors.update({f"t.{j}": d for j, d in enumerate(secret.transitional())})
+        instruction = Payload(
+            meta={
+                "round": round,
+                "attempt": attempt.number,
+                "nonce": attempt.nonce,
+                "participants": list(participants),
+                "layer_bounds": layer_bounds,
+                "shift_bound": shift_bound,
+            },
+            tensors=tensors,
+        )
+        return {k: instruction for k in participants}
+
+    def check_upload(self, round: int, client: int, upload: Payload) -> None:
+        """Refuses an upload of another attempt, of the wrong shape, or with other keys.
+
+        The first upload of an attempt fixes the fingerprint of the public keys the masks
+        were derived from; an upload derived from other keys (a peer re-registered between
+        two fetches) is refused, so the attempt is redone rather than combined wrongly.
+        """
+        what = f"mpdp upload of client {client} in round {round}"
+        with self._lock:
+            attempt = self._attempt
+        if attempt is None or attempt.round != round:
+            raise ProtocolError(f"The {what} arrived while no attempt of that round is open.")
+        if client not in attempt.participants:
+            raise ProtocolError(f"The {what} comes from a client outside the attempt.")
+        meta = upload.meta
+        if meta.get("nonce") != attempt.nonce or meta.get("attempt") != attempt.number:
+            raise ProtocolError(
+                f"The {what} belongs to attempt {meta.get('attempt')!r}, not to the open "
+                f"attempt {attempt.number} (its masks pair with other participants)."
+            )
+        example_count(upload, what=what)
+        _check_tensors(self._layout, upload, what=what)
+        fingerprint = meta.get("keys")
+        if not isinstance(fingerprint, str) or len(fingerprint) != 64:
+            raise ProtocolError(f"The {what} does not name the public keys it used.")
+        with self._lock:
+            if attempt.fingerprint is None:
+                attempt.fingerprint = fingerprint
+            elif attempt.fingerprint != fingerprint:
+                raise ProtocolError(
+                    f"The {what} was masked with other public keys than the attempt's first "
+                    f"upload (a client re-registered); its masks would not cancel."
+                )
+
+    def combine(
+        self, round: int, uploads: Mapping[int, Payload], failures: Sequence[int]
+    ) -> RoundResult | None:
+        """Averages, recovers and steps; only with every participant's upload.
+
+        Raises:
+            ProtocolError: an upload is missing or of another attempt (the masks would not
+                cancel: the aggregate would be wrong).
+        """
+        if not uploads:
+            return None
+        with self._lock:
+            attempt = self._attempt
+            secret = self._secrets
+        if attempt is None or secret is None or attempt.round != round:
+            raise ProtocolError(f"Round {round} has no open mpdp attempt to combine.")
+        if tuple(sorted(uploads)) != attempt.participants or failures:
+            missing = sorted(set(attempt.participants) - set(uploads))
+            raise ProtocolError(
+                f"Round {round} attempt {attempt.number} lacks the uploads of clients "
+                f"{missing or sorted(failures)}: their pairwise masks would not cancel. "
+                f"Redo the round with the survivors."
+            )
+        fingerprints = {upload.meta.get("keys") for upload in uploads.values()}
+        if attempt.fingerprint is not None:
+            fingerprints.add(attempt.fingerprint)
+        nonces = {upload.meta.get("nonce") for upload in uploads.values()}
+        if nonces != {attempt.nonce} or len(fingerprints) != 1:
+            raise ProtocolError(
+                f"The uploads of round {round} belong to another attempt or were masked with "
+                f"different public keys; their masks would not cancel."
+            )
+        order = sorted(uploads)
+        count = len(order)
+        means = {
+            name: _mean(name, dtype, [uploads[k] for k in order])
+            for name, (_, dtype) in self._layout.items()
+        }
+        layers = len(self._names)
+        gradients = maths.recover(
+            [means[f"g.{j}"] for j in range(layers)],
+            [means[f"psi.{j}"] for j in range(layers)],
+            [means[f"phi.{j}"] for j in range(layers)],
+            secret,
+        )
+        step = self._learning_rate
+        self._weights = {
+            name: self._weights[name] - step * gradient
+            for name, gradient in zip(self._names, gradients, strict=True)
+        }
+        loss = maths.recover_loss(means["terms"], secret)
+        with self._lock:
+            self._secrets = None  # discarded: the next round draws fresh ones
+            self._attempt = None
+        return RoundResult(participants=count, train_loss=loss)
+
+    def global_weights(self) -> Weights:
+        return self._weights
+
+    def state_dict(self) -> dict[str, Any]:
+        """The model only: a round's secrets never outlive the round."""
+        return {"kind": self.kind, "version": 1, "weights": copy_weights(self._weights)}
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        check_state_kind(state, self.kind, ["weights"])
+        loaded = dict(state["weights"])
+        if set(loaded) != set(self._names):
+            raise ValueError(
+                f"The mpdp state's weights are named {sorted(loaded)}; the model's are "
+                f"{sorted(self._names)}."
+            )
+        for name in self._names:
+            if np.shape(loaded[name]) != self._weights[name].shape:
+                raise ValueError(f"The mpdp state's weight {name!r} has the wrong shape.")
+        self._weights = {n: np.asarray(loaded[n], dtype=np.float64).copy() for n in self._names}
+        self._secrets = None
+        self._attempt = None
+
+
+class MpdpClient(ClientProtocol):
+    """LMT and DDP_Client: one client's perturbed gradient, corrections, noise and masks.
+
+    Args:
+        index: this client's index.
+        options: ``spec.protocol.mpdp``.
+    """
+
+    def __init__(self, *, index: int, options: MpdpOptions) -> None:
+        self._index = index
+        self._options = options
+        self._hardened = options.mode == "Hardened"
+        self._key: X25519PrivateKey | None = None
+        self._secret: bytes | None = None
+
+    def setup(self, kdc: KeyChannel | None) -> None:
+        """Makes this client's X25519 key pair and noise secret; registers the public key.
+
+        Raises:
+            ProtocolError: there is no KDC to register with.
+        """
+        if kdc is None:
+            raise ProtocolError("mpdp needs a KDC to relay the clients' public keys.")
+        self._key = keys_.new_private_key()
+        self._secret = os.urandom(keys_.KEY_BYTES)
+        public = np.frombuffer(keys_.public_bytes(self._key), dtype=np.uint8).copy()
+        kdc.submit(Payload(meta={"kind": PUBLIC_KEY_KIND}, tensors={"public_key": public}))
+
+    def compute_upload(
+        self, round: int, instruction: Payload, learner: LocalLearner, keys: Payload | None
+    ) -> Payload:
+        """Runs LMT on the perturbed model, clips, adds eta and the masks; returns the upload.
+
+        Raises:
+            ProtocolError: setup was not called, this client is not a participant, or the
+                KDC's keys are missing or do not include this client's own public key.
+        """
+        if self._key is None or self._secret is None:
+            raise ProtocolError("The mpdp client was not set up (no key pair).")
+        meta = instruction.meta
+        participants = [int(k) for k in meta.get("participants", [])]
+        if self._index not in participants:
+            raise ProtocolError(f"Client {self._index} is not among round {round}'s participants.")
+        run, public_keys = self._public_keys(keys, participants)
+        layers = sum(1 for name in instruction.tensors if name.startswith("w."))
+        odd = [np.asarray(instruction.tensors[f"w.{j}"], dtype=np.float64) for j in range(layers)]
+        diagonals = [instruction.tensors[f"t.{j}"] for j in range(layers - 1)]
+        terms = maths.local_terms(odd, diagonals, learner.features, learner.targets)
+        options = self._options
+        if options.client_noise_std > 0:
+            bound = maths.norm_bound(
+                terms, [float(b) for b in meta["layer_bounds"]], float(meta["shift_bound"])
+            )
+            if bound > options.clipping_norm:
+                terms = terms.scaled(options.clipping_norm / bound)
+        sizes = [g.size for g in terms.gradient]
+        gradient = np.concatenate([g.ravel() for g in terms.gradient])
+        gradient = gradient + self._own_noise(run, round, gradient.size)
+        corrections = np.concatenate(
+            [*(p.ravel() for p in terms.psi), *(f.ravel() for f in terms.phi), terms.terms]
+        )
+        words = (
+            maths.encode_fixed(corrections, parties=len(participants))
+            if self._hardened
+            else corrections
+        )
+        graph = keys_.mask_graph(
+            participants,
+            kind=options.graph,
+            degree=options.graph_degree,
+            run=run,
+            round=round,
+        )
+        for peer in graph[self._index]:
+            seed = keys_.pair_seed(
+                self._key,
+                public_keys[peer],
+                run=run,
+                round=round,
+                pair=(self._index, peer),
+            )
+            sign = 1.0 if self._index < peer else -1.0
+            delta = self._noise(seed, keys_.STREAM_DELTA, gradient.size, options.pairwise_noise_std)
+            gradient = gradient + sign * delta
+            if self._hardened:
+                mask = keys_.keystream(seed, keys_.STREAM_CORRECTIONS, words.size)
+                words = words + mask if sign > 0 else words - mask
+        tensors = _unpack(gradient, sizes, words, terms)
+        return Payload(
+            meta={
+                "num_examples": learner.num_examples,
+                "loss": None,  # only the server can recover the true loss (from "terms")
+                "steps": 1,
+                "attempt": meta.get("attempt"),
+                "nonce": meta.get("nonce"),
+                "keys": keys_.keys_fingerprint(
+                    run, round, {k: public_keys[k] for k in participants}
+                ),
+            },
+            tensors=tensors,
+        )
+
+    def _public_keys(
+        self, keys: Payload | None, participants: Sequence[int]
+    ) -> tuple[str, dict[int, bytes]]:
+        """The run's KDC session id and the participants' public keys, checked against ours."""
+        assert self._key is not None
+        table = None if keys is None else keys.tensors.get("public_keys")
+        if keys is None or table is None or table.ndim != 2 or table.shape[1] != keys_.KEY_BYTES:
+            raise ProtocolError("The KDC sent no table of public keys for this round.")
+        session = keys.meta.get("session")
+        if not isinstance(session, str) or not session:
+            raise ProtocolError("The KDC sent no session id with the public keys.")
+        found: dict[int, bytes] = {}
+        for k in participants:
+            if not 0 <= k < table.shape[0]:
+                raise ProtocolError(f"The KDC sent no public key for client {k}.")
+            found[k] = bytes(table[k].astype(np.uint8))
+            keys_.check_public_key(found[k])
+        if found[self._index] != keys_.public_bytes(self._key):
+            raise ProtocolError(
+                f"The KDC relays another public key for client {self._index} than its own."
+            )
+        return session, found
+
+    def _own_noise(self, run: str, round: int, size: int) -> np.ndarray:
+        """eta: this client's DP noise, the same in every attempt of a round."""
+        std = self._options.client_noise_std
+        if std == 0:
+            return np.zeros(size)
+        assert self._secret is not None
+        key = keys_.noise_key(self._secret, run=run, round=round, client=self._index)
+        return self._noise(key, keys_.STREAM_ETA, size, std)
+
+    def _noise(self, key: bytes, stream: int, size: int, std: float) -> np.ndarray:
+        """Faithful: DN(std, 1) (uniform magnitude, random sign); Hardened: N(0, std^2)."""
+        if self._hardened:
+            return maths.gaussian_from_bits(keys_.keystream(key, stream, 2 * size), std)
+        return maths.dn_from_bits(keys_.keystream(key, stream, size), std)
+
+
+class MpdpKdc(KdcProtocol):
+    """Relays the clients' X25519 public keys; it never sees a private key or a seed.
+
+    It also relays a random session id drawn when it starts, which the clients bind into
+    every derived key and the mask graph in place of the run's name (a protocol sees only the
+    spec, which has no name): two runs never share a pair seed.
+
+    Args:
+        num_clients: the run's client count (``spec.clients.count``).
+    """
+
+    kind = "mpdp-kdc"
+
+    def __init__(self, num_clients: int) -> None:
+        self._count = num_clients
+        self._public: dict[int, bytes] = {}
+        self._session = secrets.token_hex(16)
+
+    def _client(self, party: Identity, action: str) -> int:
+        if party.role != "client" or party.index is None or party.index >= self._count:
+            raise PermissionError(f"{party.common_name!r} may not {action}.")
+        return party.index
+
+    def accept(self, party: Identity, payload: Payload) -> Payload:
+        """Registers (or replaces) a client's public key.
+
+        Raises:
+            PermissionError: the party is not a client of this run.
+            MessageRejected: the payload is not one valid X25519 public key.
+        """
+        index = self._client(party, "register an mpdp public key")
+        raw = payload.tensors.get("public_key")
+        if payload.meta.get("kind") != PUBLIC_KEY_KIND or raw is None or raw.dtype != np.uint8:
+            raise MessageRejected(
+                f"The mpdp KDC takes one uint8 tensor 'public_key' of kind {PUBLIC_KEY_KIND!r}."
+            )
+        try:
+            keys_.check_public_key(bytes(raw.reshape(-1)))
+        except (ProtocolError, ValueError) as exc:
+            raise MessageRejected(f"Client {index} sent an invalid public key: {exc}") from exc
+        self._public[index] = bytes(raw.reshape(-1))
+        return Payload(meta={"registered": index})
+
+    def issue_keys(self, round: int, party: Identity) -> Payload:
+        """Returns every client's public key (row i: client i's).
+
+        Raises:
+            PermissionError: the party is not a client of this run.
+            NotReady: some client has not registered yet (the caller retries).
+        """
+        self._client(party, f"receive mpdp keys for round {round}")
+        missing = [k for k in range(self._count) if k not in self._public]
+        if missing:
+            raise NotReady(
+                f"{len(missing)} of {self._count} clients have not registered their public "
+                f"keys yet (first missing: client {missing[0]})."
+            )
+        table = np.stack(
+            [np.frombuffer(self._public[k], dtype=np.uint8) for k in range(self._count)]
+        )
+        return Payload(
+            meta={"round": round, "clients": self._count, "session": self._session},
+            tensors={"public_keys": table},
+        )
+
+    def state_dict(self) -> dict[str, Any]:
+        return {
+            "kind": self.kind,
+            "version": 1,
+            "clients": self._count,
+            "session": self._session,
+            "public_keys": {str(k): v.hex() for k, v in sorted(self._public.items())},
+        }
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        check_state_kind(state, self.kind, ["clients", "session", "public_keys"])
+        self._count = int(state["clients"])
+        self._session = str(state["session"])
+        self._public = {int(k): bytes.fromhex(v) for k, v in state["public_keys"].items()}
+
+
+class Mpdp(Protocol):
+    """MP-DP (see the module docstring)."""
+
+    name = "mpdp"
+
+    def create_server(self, spec: FederatedRunSpec, initial: Weights) -> ServerProtocol:
+        return MpdpServer(
+            initial,
+            options=spec.protocol.mpdp,
+            learning_rate=spec.training.optimizer.learning_rate,
+        )
+
+    def create_client(self, spec: FederatedRunSpec, index: int) -> ClientProtocol:
+        return MpdpClient(index=index, options=spec.protocol.mpdp)
+
+    def create_kdc(self, spec: FederatedRunSpec) -> KdcProtocol | None:
+        return MpdpKdc(spec.clients.count)
+
+    def noise_multiplier(self, spec: FederatedRunSpec) -> float | None:
+        """sigma_eta * sqrt(K) / B with K the fewest uploads a round can combine (the quorum).
+
+        The recovered sum of the K clipped contributions has L2 sensitivity B (one client's
+        contribution replaced by zero) and carries the K clients' noise, std sigma_eta*sqrt(K)
+        per entry; a redo combines at least the quorum. None when clientNoiseStd is 0.
+        """
+        options = spec.protocol.mpdp
+        if options.client_noise_std == 0:
+            return None
+        sampled = min(spec.clients.sampled_per_round(), spec.clients.count)
+        fewest = spec.clients.quorum_of(sampled)
+        return options.client_noise_std * math.sqrt(fewest) / options.clipping_norm
+
+
+def _widths_of(weights: Weights) -> list[int]:
+    """(n_0, ..., n_L) of a chain of 2-D weights; refuses anything else."""
+    arrays = list(weights.values())
+    if len(arrays) < 2 or any(np.ndim(w) != 2 for w in arrays):
+        raise ProtocolError(
+            "mpdp needs a bias-free MLP with at least one hidden layer (2-D weights only)."
+        )
+    widths = [int(arrays[0].shape[1])]
+    for w in arrays:
+        if w.shape[1] != widths[-1]:
+            raise ProtocolError("mpdp needs the model's weights to chain (input first).")
+        widths.append(int(w.shape[0]))
+    return widths
+
+
+def _check_tensors(
+    layout: Mapping[str, tuple[tuple[int, ...], str]], upload: Payload, *, what: str
+) -> None:
+    if list(upload.tensors) != list(layout):
+        raise ProtocolError(
+            f"The {what} has tensors {sorted(upload.tensors)}; expected {sorted(layout)}."
+        )
+    for name, (shape, dtype) in layout.items():
+        got = upload.tensors[name]
+        if got.shape != shape or got.dtype != np.dtype(dtype):
+            raise ProtocolError(
+                f"The {what}'s tensor {name!r} is {got.dtype}{list(got.shape)}; expected "
+                f"{dtype}{list(shape)}."
+            )
+        if got.dtype.kind == "f" and not np.all(np.isfinite(got)):
+            raise ProtocolError(f"The {what}'s tensor {name!r} holds NaN or infinite values.")
+
+
+def _mean(name: str, dtype: str, uploads: Sequence[Payload]) -> np.ndarray:
+    """The uniform mean of one tensor: float64, or the sum mod 2^64 of fixed-point words."""
+    if dtype == "uint64":
+        total = np.zeros(uploads[0].tensors[name].shape, dtype=np.uint64)
+        for upload in uploads:
+            total += upload.tensors[name]  # wraps mod 2^64: the masks cancel exactly
+        return maths.decode_fixed(total) / len(uploads)
+    acc = np.zeros(uploads[0].tensors[name].shape, dtype=np.float64)
+    for upload in uploads:
+        acc += upload.tensors[name]
+    return acc / len(uploads)
+
+
+def _unpack(
+    gradient: np.ndarray, sizes: Sequence[int], words: np.ndarray, terms: maths.LocalTerms
+) -> dict[str, np.ndarray]:
+    """Cuts the flat masked vectors back into the upload's named tensors (``_layout``'s order).
+
+    ``words`` holds every Psi, then every Phi, then the loss scalars, as the client packed them.
+    """
+    offsets = np.cumsum([0, *sizes])
+    psi_at = np.cumsum([0, *(p.size for p in terms.psi)])
+    phi_at = psi_at[-1] + np.cumsum([0, *(f.size for f in terms.phi)])
+    tensors: dict[str, np.ndarray] = {}
+    for j, (g, psi, phi) in enumerate(zip(terms.gradient, terms.psi, terms.phi, strict=True)):
+        tensors[f"g.{j}"] = gradient[offsets[j] : offsets[j + 1]].reshape(g.shape)
+        tensors[f"psi.{j}"] = words[psi_at[j] : psi_at[j + 1]].reshape(psi.shape)
+        tensors[f"phi.{j}"] = words[phi_at[j] : phi_at[j + 1]].reshape(phi.shape)
+    tensors["terms"] = words[phi_at[-1] :]
+    return tensors

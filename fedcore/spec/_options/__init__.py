@@ -1,0 +1,7 @@
+"""Per-protocol option blocks and preconditions: one module per protocol (no torch here)."""
+
+from fedcore.spec._options.dp_fedavg import DpFedAvgOptions
+from fedcore.spec._options.mpdp import MpdpOptions
+from fedcore.spec._options.perturb import PerturbOptions
+
+__all__ = ["DpFedAvgOptions", "MpdpOptions", "PerturbOptions"]

@@ -1,0 +1,213 @@
+"""fedcore.privacy accountants: dp-accounting's numbers, merged history, state, refusals."""
+
+from __future__ import annotations
+
+import itertools
+import json
+
+import dp_accounting
+import pytest
+from dp_accounting import pld, rdp
+
+from fedcore.privacy import Accountant, PldAccountant, RdpAccountant, create_accountant
+
+CASES = [
+    # (noise_multiplier, sample_rate, steps, delta)
+    (1.1, 0.1, 100, 1e-5),
+    (0.8, 0.3, 20, 1e-6),
+    (2.0, 0.01, 1000, 1e-5),
+]
+
+
+def direct_epsilon(mechanism: str, z: float, q: float, n: int, delta: float) -> float:
+    """Epsilon from dp-accounting itself: a Poisson-sampled Gaussian composed n times."""
+    accountant = rdp.RdpAccountant() if mechanism == "RDP" else pld.PLDAccountant()
+    event = dp_accounting.PoissonSampledDpEvent(q, dp_accounting.GaussianDpEvent(z))
+    accountant.compose(event, n)
+    return float(accountant.get_epsilon(delta))
+
+
+@pytest.mark.parametrize(("z", "q", "n", "delta"), [*CASES, (1.0, 1.0, 5, 1e-5)])
+def test_rdp_accountant_epsilon_equals_dp_accounting_built_directly(z, q, n, delta) -> None:
+    # Prepare
+    accountant = create_accountant("RDP")
+    # Execute
+    accountant.step(noise_multiplier=z, sample_rate=q, steps=n)
+    # Assert
+    assert accountant.get_epsilon(delta) == pytest.approx(
+        direct_epsilon("RDP", z, q, n, delta), rel=0, abs=1e-9
+    )
+
+
+@pytest.mark.parametrize(("z", "q", "n", "delta"), [CASES[0], CASES[2]])
+def test_pld_accountant_epsilon_equals_dp_accounting_built_directly(z, q, n, delta) -> None:
+    # Prepare
+    accountant = create_accountant("PLD")
+    # Execute
+    accountant.step(noise_multiplier=z, sample_rate=q, steps=n)
+    # Assert
+    assert accountant.get_epsilon(delta) == pytest.approx(
+        direct_epsilon("PLD", z, q, n, delta), rel=0, abs=1e-9
+    )
+
+
+def test_pld_accountant_full_participation_equals_the_plain_gaussian_composed() -> None:
+    # Prepare: q = 1 is no sampling at all, so the event is the Gaussian mechanism itself.
+    accountant = create_accountant("PLD")
+    direct = pld.PLDAccountant()
+    direct.compose(dp_accounting.GaussianDpEvent(1.0), 5)
+    # Execute
+    accountant.step(noise_multiplier=1.0, sample_rate=1.0, steps=5)
+    # Assert
+    assert accountant.get_epsilon(1e-5) == pytest.approx(
+        float(direct.get_epsilon(1e-5)), rel=0, abs=1e-9
+    )
+
+
+def test_rdp_accountant_reference_number_is_pinned() -> None:
+    # Prepare: computed once with dp-accounting 0.6.0 (z=1.1, q=0.1, 100 rounds, delta=1e-5).
+    accountant = RdpAccountant()
+    # Execute
+    for _ in range(100):
+        accountant.step(noise_multiplier=1.1, sample_rate=0.1)
+    # Assert
+    assert accountant.get_epsilon(1e-5) == pytest.approx(6.62076948219146, rel=0, abs=1e-9)
+
+
+def test_pld_accountant_reference_number_is_pinned() -> None:
+    # Prepare: computed once with dp-accounting 0.6.0 (z=2.0, q=0.01, 1000 rounds, delta=1e-5).
+    accountant = PldAccountant()
+    # Execute
+    accountant.step(noise_multiplier=2.0, sample_rate=0.01, steps=1000)
+    # Assert
+    assert accountant.get_epsilon(1e-5) == pytest.approx(0.6220485250886894, rel=0, abs=1e-9)
+
+
+def test_accountant_step_merges_repeats_so_history_stays_small() -> None:
+    # Prepare
+    accountant = create_accountant("RDP")
+    # Execute
+    for _ in range(500):
+        accountant.step(noise_multiplier=1.0, sample_rate=0.2)
+    accountant.step(noise_multiplier=1.5, sample_rate=0.2, steps=3)
+    accountant.step(noise_multiplier=1.5, sample_rate=0.2)
+    # Assert
+    assert accountant.history == [(1.0, 0.2, 500), (1.5, 0.2, 4)]
+    assert len(accountant) == 504
+
+
+def test_accountant_step_one_at_a_time_equals_many_at_once() -> None:
+    # Prepare
+    one_by_one = create_accountant("RDP")
+    at_once = create_accountant("RDP")
+    # Execute
+    for _ in range(30):
+        one_by_one.step(noise_multiplier=1.2, sample_rate=0.05)
+    at_once.step(noise_multiplier=1.2, sample_rate=0.05, steps=30)
+    # Assert
+    assert one_by_one.get_epsilon(1e-5) == at_once.get_epsilon(1e-5)
+
+
+def test_accountant_epsilon_grows_with_every_round() -> None:
+    # Prepare
+    accountant = create_accountant("RDP")
+    spent = []
+    # Execute
+    for _ in range(4):
+        accountant.step(noise_multiplier=1.0, sample_rate=0.5)
+        spent.append(accountant.get_epsilon(1e-5))
+    # Assert
+    assert all(a < b for a, b in itertools.pairwise(spent))
+
+
+def test_accountant_before_any_step_has_spent_nothing() -> None:
+    # Execute / Assert
+    assert create_accountant("PLD").get_epsilon(1e-5) == 0.0
+    assert len(create_accountant("RDP")) == 0
+
+
+def test_accountant_epsilon_after_does_not_change_state() -> None:
+    # Prepare
+    accountant = create_accountant("RDP")
+    accountant.step(noise_multiplier=1.0, sample_rate=0.1, steps=10)
+    history = list(accountant.history)
+    spent = accountant.get_epsilon(1e-5)
+    # Execute
+    after = accountant.epsilon_after(1e-5, noise_multiplier=1.0, sample_rate=0.1, steps=5)
+    # Assert
+    assert accountant.history == history
+    assert accountant.get_epsilon(1e-5) == spent
+    accountant.step(noise_multiplier=1.0, sample_rate=0.1, steps=5)
+    assert accountant.get_epsilon(1e-5) == pytest.approx(after, rel=0, abs=1e-12)
+    assert after > spent
+
+
+@pytest.mark.parametrize("mechanism", ["RDP", "PLD"])
+def test_accountant_state_dict_round_trip_keeps_history_and_epsilon(mechanism: str) -> None:
+    # Prepare
+    first = create_accountant(mechanism)
+    first.step(noise_multiplier=2.0, sample_rate=0.01, steps=40)
+    first.step(noise_multiplier=3.0, sample_rate=0.01, steps=2)
+    second = create_accountant(mechanism)
+    # Execute
+    state = json.loads(json.dumps(first.state_dict()))
+    second.load_state_dict(state)
+    # Assert
+    assert state["mechanism"] == mechanism and state["kind"] == "accountant"
+    assert second.history == first.history
+    assert second.get_epsilon(1e-5) == first.get_epsilon(1e-5)
+
+
+@pytest.mark.parametrize(
+    ("state", "fragment"),
+    [
+        ({}, "state is empty"),
+        ({"mechanism": "RDP"}, "does not have the key 'history'"),
+        ({"history": []}, "does not have the key 'mechanism'"),
+        ({"mechanism": "PLD", "history": []}, "mechanism 'PLD'; this accountant is 'RDP'"),
+    ],
+)
+def test_accountant_load_state_dict_bad_state_is_refused(state: dict, fragment: str) -> None:
+    # Prepare
+    accountant = create_accountant("RDP")
+    # Execute / Assert
+    with pytest.raises(ValueError, match=fragment):
+        accountant.load_state_dict(state)
+
+
+@pytest.mark.parametrize(
+    ("arguments", "fragment"),
+    [
+        ({"noise_multiplier": 0.0, "sample_rate": 0.1}, "noise multiplier must be positive"),
+        ({"noise_multiplier": -1.0, "sample_rate": 0.1}, "got -1.0"),
+        ({"noise_multiplier": 1.0, "sample_rate": 0.0}, r"sampling rate must be in \(0, 1\]"),
+        ({"noise_multiplier": 1.0, "sample_rate": 1.5}, "got 1.5"),
+        ({"noise_multiplier": 1.0, "sample_rate": 0.1, "steps": 0}, "at least 1, got 0"),
+    ],
+)
+def test_accountant_step_and_epsilon_after_bad_arguments_are_refused(
+    arguments: dict, fragment: str
+) -> None:
+    # Prepare
+    accountant = create_accountant("RDP")
+    # Execute / Assert
+    with pytest.raises(ValueError, match=fragment):
+        accountant.step(**arguments)
+    with pytest.raises(ValueError, match=fragment):
+        accountant.epsilon_after(1e-5, **arguments)
+    assert accountant.history == []
+
+
+def test_create_accountant_unknown_name_is_refused() -> None:
+    # Execute / Assert
+    with pytest.raises(ValueError, match="Unknown accountant 'prv'; known: PLD, RDP"):
+        create_accountant("prv")
+
+
+@pytest.mark.parametrize(("name", "cls"), [("RDP", RdpAccountant), ("PLD", PldAccountant)])
+def test_create_accountant_by_name_builds_that_mechanism(name: str, cls: type) -> None:
+    # Execute
+    accountant = create_accountant(name)
+    # Assert
+    assert isinstance(accountant, cls) and isinstance(accountant, Accountant)
+    assert accountant.mechanism() == name
