@@ -3,11 +3,10 @@
 from __future__ import annotations
 
 import builtins
-import os
-import tempfile
 from abc import ABC, abstractmethod
 from pathlib import Path
 
+from fedcore._files import write_atomically
 from fedcore.errors import CheckpointError
 
 
@@ -60,16 +59,7 @@ class LocalObjectStore(ObjectStore):
         path = self._path(key)
         try:
             path.parent.mkdir(parents=True, exist_ok=True)
-            fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-            try:
-                with os.fdopen(fd, "wb") as handle:
-                    handle.write(data)
-                    handle.flush()
-                    os.fsync(handle.fileno())
-                os.replace(tmp, path)
-            except BaseException:
-                Path(tmp).unlink(missing_ok=True)
-                raise
+            write_atomically(path, data)
         except OSError as exc:
             raise CheckpointError(f"Cannot write {path}: {exc}.") from exc
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import logging
 from abc import ABC, abstractmethod
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import dp_accounting
@@ -110,32 +110,36 @@ def _event(noise_multiplier: float, sample_rate: float, steps: int) -> dp_accoun
     return dp_accounting.SelfComposedDpEvent(one, steps)
 
 
-class RdpAccountant(Accountant):
+class _DpAccountingAccountant(Accountant):
+    """Composes the history with one of dp-accounting's accountants (``_library``)."""
+
+    _library: Callable[[], dp_accounting.PrivacyAccountant]
+
+    def _epsilon(self, history: History, delta: float) -> float:
+        accountant = self._library()
+        for z, q, n in history:
+            accountant.compose(_event(z, q, n))
+        return float(accountant.get_epsilon(delta))
+
+
+class RdpAccountant(_DpAccountingAccountant):
     """Rényi-DP accounting (dp_accounting.rdp.RdpAccountant)."""
+
+    _library = rdp.RdpAccountant
 
     @classmethod
     def mechanism(cls) -> str:
         return "RDP"
 
-    def _epsilon(self, history: History, delta: float) -> float:
-        accountant = rdp.RdpAccountant()
-        for z, q, n in history:
-            accountant.compose(_event(z, q, n))
-        return float(accountant.get_epsilon(delta))
 
-
-class PldAccountant(Accountant):
+class PldAccountant(_DpAccountingAccountant):
     """Privacy-loss-distribution accounting (dp_accounting.pld.PLDAccountant)."""
+
+    _library = pld.PLDAccountant
 
     @classmethod
     def mechanism(cls) -> str:
         return "PLD"
-
-    def _epsilon(self, history: History, delta: float) -> float:
-        accountant = pld.PLDAccountant()
-        for z, q, n in history:
-            accountant.compose(_event(z, q, n))
-        return float(accountant.get_epsilon(delta))
 
 
 _ACCOUNTANTS: dict[str, type[Accountant]] = {

@@ -190,6 +190,18 @@ class RpcServer:
         """Stops serving; calls in flight get ``grace`` seconds to finish."""
         self._server.stop(grace).wait(grace + 1)
 
+    def _require_identity(self, context: grpc.ServicerContext, name: str) -> Identity:
+        """Returns the caller's identity, or aborts with PERMISSION_DENIED when it has none."""
+        peer = _peer_identity(context)
+        if peer is None:
+            self._rejected(name, "identity")
+            context.abort(
+                grpc.StatusCode.PERMISSION_DENIED,
+                "The client certificate names no fedcore identity.",
+            )
+        assert peer is not None  # context.abort raises
+        return peer
+
     def _wrap(
         self, name: str
     ) -> Callable[[Iterator[bytes], grpc.ServicerContext], Iterator[bytes]]:
@@ -197,13 +209,7 @@ class RpcServer:
         limits = self._limits
 
         def serve(requests: Iterator[bytes], context: grpc.ServicerContext) -> Iterator[bytes]:
-            peer = _peer_identity(context)
-            if peer is None:
-                self._rejected(name, "identity")
-                context.abort(
-                    grpc.StatusCode.PERMISSION_DENIED,
-                    "The client certificate names no fedcore identity.",
-                )
+            peer = self._require_identity(context, name)
             decoder = PayloadDecoder(max_message_bytes=limits.max_message_bytes)
             received = 0
             try:
@@ -215,7 +221,6 @@ class RpcServer:
                 self._rejected(name, "malformed")
                 log.warning("Rejected a %s request from %s: %s", name, peer, exc)
                 context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
-            assert peer is not None
             try:
                 response = handler(peer, request, CallContext(context))
             except MessageRejected as exc:
@@ -245,14 +250,7 @@ class RpcServer:
         limits = self._limits
 
         def serve(requests: Iterator[bytes], context: grpc.ServicerContext) -> Iterator[bytes]:
-            peer = _peer_identity(context)
-            if peer is None:
-                self._rejected(name, "identity")
-                context.abort(
-                    grpc.StatusCode.PERMISSION_DENIED,
-                    "The client certificate names no fedcore identity.",
-                )
-            assert peer is not None
+            peer = self._require_identity(context, name)
             session = ServerSession(peer, limits, on_bytes=self._on_bytes)
             reader = threading.Thread(
                 target=self._read_session,

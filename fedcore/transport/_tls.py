@@ -7,7 +7,6 @@ import hashlib
 import ipaddress
 import os
 import re
-import tempfile
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -18,6 +17,7 @@ from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 
+from fedcore._files import write_atomically
 from fedcore.errors import TransportError
 
 __all__ = ["Identity", "Role", "RunCa", "TlsBundle", "issue_run_bundles"]
@@ -120,28 +120,13 @@ class TlsBundle:
             if not directory.is_dir():
                 directory.mkdir(mode=0o700, parents=True)
                 os.chmod(directory, 0o700)
-            _write_atomically(directory / _CA_FILE, self.ca_pem, 0o644)
-            _write_atomically(directory / _CERT_FILE, self.cert_pem, 0o644)
-            _write_atomically(directory / _KEY_FILE, self.key_pem, 0o600)
+            write_atomically(directory / _CA_FILE, self.ca_pem, mode=0o644)
+            write_atomically(directory / _CERT_FILE, self.cert_pem, mode=0o644)
+            write_atomically(directory / _KEY_FILE, self.key_pem, mode=0o600)
         except OSError as exc:
             raise TransportError(
                 f"The TLS bundle could not be written to {directory}: {exc}."
             ) from exc
-
-
-def _write_atomically(path: Path, data: bytes, mode: int) -> None:
-    """Write ``data`` to ``path`` through a temporary file in the same folder."""
-    descriptor, temporary = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
-    try:
-        os.fchmod(descriptor, mode)
-        with os.fdopen(descriptor, "wb") as handle:
-            handle.write(data)
-            handle.flush()
-            os.fsync(handle.fileno())
-        os.replace(temporary, path)
-    except BaseException:
-        Path(temporary).unlink(missing_ok=True)
-        raise
 
 
 @dataclass(frozen=True)
