@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
+from typing import Any
 
 import numpy as np
 
 from fedcore.errors import ProtocolError
-from fedcore.protocols._base import Weights
+from fedcore.protocols._base import Weights, check_state_kind
 from fedcore.transport import Payload
 
 
@@ -86,3 +87,23 @@ def mean_loss(uploads: Mapping[int, Payload], weights: Mapping[int, float]) -> f
 def copy_weights(weights: Weights) -> Weights:
     """Returns a deep copy of a weights dict."""
     return {name: np.array(value, copy=True) for name, value in weights.items()}
+
+
+def restore_weights(state: Mapping[str, Any], kind: str, reference: Weights) -> Weights:
+    """Returns a copy of ``state["weights"]`` in ``reference``'s order, checked against it.
+
+    Raises:
+        ValueError: the state's tag is not ``kind``, or its weights differ from the
+            reference's names or shapes.
+    """
+    check_state_kind(state, kind, ["weights"])
+    loaded = dict(state["weights"])
+    if set(loaded) != set(reference):
+        raise ValueError(
+            f"The {kind} state's weights are named {sorted(loaded)}; the model's are "
+            f"{sorted(reference)}."
+        )
+    for name, value in reference.items():
+        if np.shape(loaded[name]) != value.shape:
+            raise ValueError(f"The {kind} state's weight {name!r} has the wrong shape.")
+    return {name: np.array(loaded[name], dtype=reference[name].dtype) for name in reference}

@@ -15,13 +15,13 @@ from fedcore.protocols._base import (
     RoundResult,
     ServerProtocol,
     Weights,
-    check_state_kind,
 )
 from fedcore.protocols._maths import (
     check_like,
     copy_weights,
     example_count,
     mean_loss,
+    restore_weights,
     weighted_mean,
 )
 from fedcore.spec import FederatedRunSpec
@@ -81,15 +81,7 @@ class ModelAveragingServer(ServerProtocol):
         return {"kind": self.kind, "version": 1, "weights": copy_weights(self._weights)}
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
-        check_state_kind(state, self.kind, ["weights"])
-        loaded = dict(state["weights"])
-        if set(loaded) != set(self._weights):
-            raise ValueError(
-                f"The {self.kind} state's weights are named {sorted(loaded)}; the model's are "
-                f"{sorted(self._weights)}."
-            )
-        loaded = {name: loaded[name] for name in self._weights}
-        self._weights = copy_weights(loaded)
+        self._weights = restore_weights(state, self.kind, self._weights)
 
 
 class LocalTrainingClient(ClientProtocol):

@@ -42,7 +42,7 @@ from fedcore.protocols._base import (
     Weights,
     check_state_kind,
 )
-from fedcore.protocols._maths import copy_weights, example_count
+from fedcore.protocols._maths import copy_weights, example_count, restore_weights
 from fedcore.spec import FederatedRunSpec
 from fedcore.spec._options import MpdpOptions
 from fedcore.training import LocalLearner
@@ -252,17 +252,7 @@ class MpdpServer(ServerProtocol):
         return {"kind": self.kind, "version": 1, "weights": copy_weights(self._weights)}
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
-        check_state_kind(state, self.kind, ["weights"])
-        loaded = dict(state["weights"])
-        if set(loaded) != set(self._names):
-            raise ValueError(
-                f"The mpdp state's weights are named {sorted(loaded)}; the model's are "
-                f"{sorted(self._names)}."
-            )
-        for name in self._names:
-            if np.shape(loaded[name]) != self._weights[name].shape:
-                raise ValueError(f"The mpdp state's weight {name!r} has the wrong shape.")
-        self._weights = {n: np.asarray(loaded[n], dtype=np.float64).copy() for n in self._names}
+        self._weights = restore_weights(state, self.kind, self._weights)
         self._secrets = None
         self._attempt = None
 

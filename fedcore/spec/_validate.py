@@ -15,7 +15,7 @@ from pydantic import BaseModel, ValidationError
 from fedcore.errors import SpecError, SpecIssue
 from fedcore.spec._facts import protocol_facts
 from fedcore.spec._models import FederatedRun, FederatedRunSpec
-from fedcore.spec._openapi import describe_bounds, schema_at
+from fedcore.spec._openapi import _model_of, describe_bounds, schema_at
 
 MAX_MANIFEST_BYTES = 1024 * 1024
 """Manifests larger than this are refused before parsing."""
@@ -352,16 +352,6 @@ def _allowed_fields(model: type[BaseModel], loc: list[str]) -> list[str]:
         if current is None:
             return []
     return sorted(f.alias or n for n, f in current.model_fields.items())
-
-
-def _model_of(annotation: Any) -> type[BaseModel] | None:
-    if isinstance(annotation, type) and issubclass(annotation, BaseModel):
-        return annotation
-    for arg in getattr(annotation, "__args__", ()):
-        found = _model_of(arg)
-        if found is not None:
-            return found
-    return None
 
 
 def _short(value: Any) -> str:

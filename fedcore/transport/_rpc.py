@@ -379,16 +379,23 @@ class ServerSession:
 
     def outbound(self) -> Iterator[bytes]:
         """Yields the chunks of every queued message until the session closes."""
-        while True:
-            item = self._queue.get()
-            if item is _END:
-                return
-            sent = 0
-            for chunk in encode_chunks(item, chunk_bytes=self._limits.chunk_bytes):
-                sent += len(chunk)
-                yield chunk
-            if self._on_bytes is not None:
-                self._on_bytes(sent, 0)
+        yield from _encode_queued(self._queue, self._limits, self._on_bytes)
+
+
+def _encode_queued(
+    items: queue.SimpleQueue[Any], limits: Limits, on_bytes: Callable[[int, int], None] | None
+) -> Iterator[bytes]:
+    """Yields the chunks of every queued Payload until the end marker; counts bytes sent."""
+    while True:
+        item = items.get()
+        if item is _END:
+            return
+        sent = 0
+        for chunk in encode_chunks(item, chunk_bytes=limits.chunk_bytes):
+            sent += len(chunk)
+            yield chunk
+        if on_bytes is not None:
+            on_bytes(sent, 0)
 
 
 def _peer_identity(context: grpc.ServicerContext) -> Identity | None:
@@ -546,16 +553,7 @@ class ClientSession:
         self._responses = iter(self._call)
 
     def _outbound(self) -> Iterator[bytes]:
-        while True:
-            item = self._queue.get()
-            if item is _END:
-                return
-            sent = 0
-            for chunk in encode_chunks(item, chunk_bytes=self._limits.chunk_bytes):
-                sent += len(chunk)
-                yield chunk
-            if self._on_bytes is not None:
-                self._on_bytes(sent, 0)
+        yield from _encode_queued(self._queue, self._limits, self._on_bytes)
 
     def send(self, payload: Payload) -> None:
         """Queues ``payload`` for the peer."""
