@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import tempfile
+from collections.abc import Iterable
 from pathlib import Path
 
 
@@ -14,16 +15,32 @@ def write_atomically(path: Path, data: bytes, *, mode: int = 0o644) -> None:
     Raises:
         OSError: the write failed; ``path`` is unchanged and no temporary file is left.
     """
+    write_chunks_atomically(path, (data,), mode=mode)
+
+
+def write_chunks_atomically(
+    path: Path, chunks: Iterable[bytes | memoryview], *, mode: int = 0o644
+) -> int:
+    """Like ``write_atomically``, for data given as chunks (never all in memory); returns the
+    number of bytes written.
+
+    Raises:
+        OSError: the write failed; ``path`` is unchanged and no temporary file is left.
+        Exception: whatever the chunks' iterator raises, with the same guarantee.
+    """
     descriptor, temporary = tempfile.mkstemp(
         dir=path.parent, prefix=f".{path.name}.", suffix=".tmp"
     )
     try:
         os.fchmod(descriptor, mode)
+        written = 0
         with os.fdopen(descriptor, "wb") as handle:
-            handle.write(data)
+            for chunk in chunks:
+                written += handle.write(chunk)
             handle.flush()
             os.fsync(handle.fileno())
         os.replace(temporary, path)
     except BaseException:
         Path(temporary).unlink(missing_ok=True)
         raise
+    return written

@@ -378,11 +378,147 @@ def client(
     show_default=True,
     help="host:port to serve key requests on (port 0: any free port).",
 )
-def kdc(listen: str, **options: Any) -> None:
+@click.option(
+    "--resume",
+    is_flag=True,
+    envvar="FEDCORE_RESUME",
+    help="Start from the KDC's latest good checkpoint (a restarted KDC).",
+)
+def kdc(listen: str, resume: bool, **options: Any) -> None:
     """Runs the KDC role of one run (only for protocols that need one)."""
     from fedcore.roles import run_kdc
     from fedcore.roles._common import configure_logging
 
     configure_logging("kdc", options["log_level"])
     with role_errors("kdc"):
-        run_kdc(role_config(options), listen=listen)
+        run_kdc(role_config(options), listen=listen, resume=resume)
+
+
+# ------------------------------------------------------------------------------ checkpoints
+
+
+@main.group()
+def checkpoint() -> None:
+    """Inspects, marks and cleans up a run's checkpoints (local folder or S3)."""
+
+
+CHECKPOINT_ARGS = [
+    click.argument("manifest", type=click.Path(exists=True, dir_okay=False, path_type=Path)),
+    click.option(
+        "--workdir",
+        type=click.Path(file_okay=False, path_type=Path),
+        default=None,
+        help="The run's folder, which a relative local checkpoint path starts from "
+        "(default: runs/<name>).",
+    ),
+]
+
+
+def checkpoint_args(func: Any) -> Any:
+    """Adds MANIFEST and --workdir."""
+    for option in reversed(CHECKPOINT_ARGS):
+        func = option(func)
+    return func
+
+
+def _checkpointers(manifest: Path, workdir: Path | None) -> tuple[Any, Any, Any]:
+    """The run's store and its server and KDC checkpointers."""
+    from fedcore.checkpoint import kdc_checkpointer, open_store, server_checkpointer
+    from fedcore.roles._common import spec_fingerprint
+    from fedcore.spec import load_manifest
+
+    run = load_manifest(manifest)
+    name = run.metadata.name
+    spec = run.spec.checkpoint
+    store = open_store(spec, name=name, workdir=workdir or Path("runs") / name)
+    fingerprint = spec_fingerprint(run)
+    return (
+        store,
+        server_checkpointer(store, spec, run=name, fingerprint=fingerprint),
+        kdc_checkpointer(store, spec, run=name, fingerprint=fingerprint),
+    )
+
+
+@checkpoint.command("list")
+@checkpoint_args
+@click.option("--verify", is_flag=True, help="Read every checkpoint and check its checksums.")
+@click.option("--json", "as_json", is_flag=True, help="Print one JSON object.")
+def checkpoint_list(manifest: Path, workdir: Path | None, verify: bool, as_json: bool) -> None:
+    """Lists the run's checkpoints: the server's rounds and the KDC's state versions."""
+    from fedcore.errors import CheckpointError
+
+    store, server_ckpt, kdc_ckpt = _checkpointers(manifest, workdir)
+    report: dict[str, Any] = {"store": store.describe(), "server": [], "kdc": []}
+    bad = 0
+    for side, checkpointer in (("server", server_ckpt), ("kdc", kdc_ckpt)):
+        for info in checkpointer.entries():
+            entry: dict[str, Any] = {
+                "round" if side == "server" else "version": info.round,
+                "bytes": info.bytes,
+                "marked": info.marked,
+                "location": info.location,
+            }
+            if verify:
+                try:
+                    checkpointer.load(info.round)
+                    entry["verified"] = True
+                except CheckpointError as exc:
+                    entry["verified"] = False
+                    entry["error"] = str(exc)
+                    bad += 1
+            report[side].append(entry)
+    if as_json:
+        click.echo(json.dumps(report))
+    else:
+        click.echo(f"Checkpoints in {report['store']}:")
+        for side, label in (("server", "round"), ("kdc", "kdc version")):
+            for entry in report[side]:
+                flags = ["marked" if entry["marked"] else ""]
+                if verify:
+                    flags.append("ok" if entry["verified"] else f"BAD: {entry['error']}")
+                size = f"{entry['bytes'] / 1e6:.2f} MB" if entry["bytes"] >= 0 else "unreadable"
+                text = "  ".join(flag for flag in flags if flag)
+                click.echo(f"  {label} {entry[label.split()[-1]]:>8}  {size:>12}  {text}".rstrip())
+        if not report["server"] and not report["kdc"]:
+            click.echo("  (none)")
+    if bad:
+        sys.exit(1)
+
+
+@checkpoint.command("mark")
+@checkpoint_args
+@click.argument("round_", metavar="ROUND", type=click.IntRange(0))
+@click.option("--note", default="", help="Why it is kept (stored with the mark).")
+def checkpoint_mark(manifest: Path, workdir: Path | None, round_: int, note: str) -> None:
+    """Marks the checkpoint of ROUND to keep: retention never deletes it."""
+    _, server_ckpt, _ = _checkpointers(manifest, workdir)
+    server_ckpt.mark(round_, note)
+    click.echo(f"Marked the checkpoint of round {round_} to keep.")
+
+
+@checkpoint.command("unmark")
+@checkpoint_args
+@click.argument("round_", metavar="ROUND", type=click.IntRange(0))
+def checkpoint_unmark(manifest: Path, workdir: Path | None, round_: int) -> None:
+    """Removes the mark of ROUND; retention may then delete it after the next checkpoint."""
+    _, server_ckpt, _ = _checkpointers(manifest, workdir)
+    was = server_ckpt.unmark(round_)
+    click.echo(
+        f"Unmarked the checkpoint of round {round_}."
+        if was
+        else f"The checkpoint of round {round_} was not marked."
+    )
+
+
+@checkpoint.command("purge")
+@checkpoint_args
+@click.option("--yes", is_flag=True, help="Really delete (without it, only list what would go).")
+def checkpoint_purge(manifest: Path, workdir: Path | None, yes: bool) -> None:
+    """Deletes every object of the run's checkpoint store: server, KDC, marks, leftovers."""
+    store, _, _ = _checkpointers(manifest, workdir)
+    keys = store.list("")
+    if not yes:
+        click.echo(f"Would delete {len(keys)} objects in {store.describe()}; pass --yes to do it.")
+        return
+    store.delete(keys)
+    click.echo(f"Deleted {len(keys)} objects in {store.describe()}.")

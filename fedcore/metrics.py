@@ -11,6 +11,8 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, Info
 import fedcore
 
 ROUND_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 300, 1800)
+REJECT_REASONS = ("malformed", "identity", "refused", "upload", "stale")
+"""The closed set of ``reason`` values of ``fedcore_rejected_messages_total``."""
 
 
 class RoleMetrics:
@@ -41,6 +43,12 @@ class RoleMetrics:
         self.round = Gauge(
             "fedcore_round", "The last round this role completed.", labels, registry=r
         ).labels(**self._values)
+        self.rounds_planned = Gauge(
+            "fedcore_rounds_planned",
+            "The rounds this run is to complete (spec.rounds; set by the server).",
+            labels,
+            registry=r,
+        ).labels(**self._values)
         self.participants = Gauge(
             "fedcore_round_participants", "Uploads combined in the last round.", labels, registry=r
         ).labels(**self._values)
@@ -61,10 +69,13 @@ class RoleMetrics:
         ).labels(**self._values)
         self._rejected = Counter(
             "fedcore_rejected_messages",
-            "Inbound messages refused (reason: malformed, identity, upload, stale).",
+            "Inbound messages refused (reason: malformed, identity, refused, upload, stale).",
             [*labels, "reason"],
             registry=r,
         )
+        if role != "client":  # only the server and the KDC accept inbound calls
+            for reason in REJECT_REASONS:  # exported as 0 from the start, so rates have data
+                self._rejected.labels(**self._values, reason=reason)
         self.accuracy = Gauge(
             "fedcore_model_accuracy",
             "Held-out accuracy of the global model (0 to 1).",
@@ -93,11 +104,15 @@ class RoleMetrics:
             registry=r,
         ).labels(**self._values)
         self.checkpoint_failures = Counter(
-            "fedcore_checkpoint_failures", "Checkpoint writes that failed.", labels, registry=r
+            "fedcore_checkpoint_failures",
+            "Failed checkpoint store attempts (every retried S3 request counts once) and "
+            "checkpoints that failed for good.",
+            labels,
+            registry=r,
         ).labels(**self._values)
 
     def rejected(self, reason: str) -> None:
-        """Counts one refused inbound message under a closed set of reasons."""
+        """Counts one refused inbound message under a closed set of reasons (REJECT_REASONS)."""
         self._rejected.labels(**self._values, reason=reason).inc()
 
     def count_bytes(self, sent: int, received: int) -> None:

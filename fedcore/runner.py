@@ -4,6 +4,11 @@ It does on one machine what the operator does on Kubernetes: issues the run's CA
 certificate per role, starts the KDC (only when the protocol needs one) and waits for it, then
 the server, then the clients; follows the server's progress events; and stops every child on
 Ctrl-C or when the server or KDC fails, showing that role's error.
+
+A server or KDC that dies without reporting a failure (killed, crashed) is restarted on the
+same port with ``--resume``, up to ``spec.failurePolicy.serverRestarts`` / ``kdcRestarts``
+times: it continues from its latest checkpoint while the clients reconnect to it. A role that
+reported its failure (quorum lost, checkpoint failed, ...) is not restarted.
 """
 
 from __future__ import annotations
@@ -23,7 +28,7 @@ from typing import Any
 
 from fedcore._launch import RoleProcess, SpawnMode, start_role
 from fedcore.errors import RoleFailed, RunAborted
-from fedcore.events import read_events
+from fedcore.events import EventLog, read_events
 from fedcore.spec import FederatedRun, protocol_facts
 from fedcore.transport import issue_run_bundles
 
@@ -74,6 +79,7 @@ class LocalRunResult:
     rounds_completed: int | None = None
     bytes_sent: int | None = None
     bytes_received: int | None = None
+    restarts: dict[str, int] = field(default_factory=dict)
 
     def as_json(self) -> dict[str, Any]:
         """Returns the summary as one JSON-able object."""
@@ -94,6 +100,7 @@ class LocalRunResult:
             "epsilon": self.epsilon,
             "server_bytes_sent": self.bytes_sent,
             "server_bytes_received": self.bytes_received,
+            "restarts": dict(self.restarts),
             "reason": self.reason,
             "message": self.message,
         }
@@ -139,7 +146,12 @@ class LocalRun:
         self.spawn: SpawnMode = spawn
         self.children: dict[str, Child] = {}
         self.events_path = workdir / "events.jsonl"
+        self.kdc_events_path = workdir / "kdc-events.jsonl"
         self.metrics_ports: dict[str, int] = {}
+        self.restarts: dict[str, int] = {}
+        self._launch: dict[str, tuple[list[str], int, Path]] = {}
+        self._ports: dict[str, int] = {}
+        self._kdc_offset = 0
         self._started = time.monotonic()
         self._started_wall = time.time()
 
@@ -190,14 +202,14 @@ class LocalRun:
             self.metrics_ports[name] = port
         return child
 
-    def _wait_ready(self, child: Child, events: Path) -> int:
+    def _wait_ready(self, child: Child, events: Path, offset: int = 0) -> tuple[int, int]:
+        """Waits for ``child``'s ready event after ``offset``; returns (port, new offset)."""
         deadline = time.monotonic() + READY_SECONDS
-        offset = 0
         while time.monotonic() < deadline:
             found, offset = read_events(events, offset)
             for event in found:
                 if event.get("event") == "ready":
-                    return int(event["port"])
+                    return int(event["port"]), offset
                 if event.get("event") == "failed":
                     raise RoleFailed(child.name, f"{event.get('message')}\n{child.tail()}")
             code = child.process.poll()
@@ -217,18 +229,20 @@ class LocalRun:
         self._prepare()
         spec = self.run.spec
         kdc_address = None
+        resume = ["--resume"] if self.resume else []
         if protocol_facts(spec.protocol.name).needs_kdc:
-            events = self.workdir / "kdc-events.jsonl"
+            events = self.kdc_events_path
             events.unlink(missing_ok=True)
             args, port = self._role_args("kdc", "kdc", events)
-            child = self._spawn("kdc", [*args, "--listen", f"{LOOPBACK}:0"], port)
-            kdc_address = f"{LOOPBACK}:{self._wait_ready(child, events)}"
+            self._launch["kdc"] = (args, port, events)
+            child = self._spawn("kdc", [*args, "--listen", f"{LOOPBACK}:0", *resume], port)
+            self._ports["kdc"], self._kdc_offset = self._wait_ready(child, events)
+            kdc_address = f"{LOOPBACK}:{self._ports['kdc']}"
         args, port = self._role_args("server", "server", self.events_path)
-        args += ["--listen", f"{LOOPBACK}:0"]
-        if self.resume:
-            args.append("--resume")
-        server = self._spawn("server", args, port)
-        server_address = f"{LOOPBACK}:{self._wait_ready(server, self.events_path)}"
+        self._launch["server"] = (args, port, self.events_path)
+        server = self._spawn("server", [*args, "--listen", f"{LOOPBACK}:0", *resume], port)
+        self._ports["server"], _ = self._wait_ready(server, self.events_path)
+        server_address = f"{LOOPBACK}:{self._ports['server']}"
         for index in range(spec.clients.count):
             args, port = self._role_args("client", f"client-{index}", None)
             args += ["--index", str(index), "--server", server_address, "--server-name", TLS_NAME]
@@ -239,30 +253,71 @@ class LocalRun:
     # ------------------------------------------------------------------------ running
 
     def follow(self, on_event: ProgressCallback | None = None) -> Iterator[dict[str, Any]]:
-        """Yields the server's events until it exits.
+        """Yields the server's events until it exits, restarting a server or KDC that died
+        without reporting a failure (within the spec's restart budget).
 
         Raises:
-            RoleFailed: the server or KDC exited with an error.
+            RoleFailed: the server or KDC exited with an error and is not restarted.
         """
-        server = self.children["server"]
         offset = 0
+        reported = False  # the current server reported a failure
         while True:
             found, offset = read_events(self.events_path, offset)
+            reported = reported or any(e.get("event") == "failed" for e in found)
             yield from found
+            server = self.children["server"]
             exited = server.process.poll()
             if exited is not None:
                 found, offset = read_events(self.events_path, offset)
+                reported = reported or any(e.get("event") == "failed" for e in found)
                 yield from found
-                if exited != 0:
-                    raise RoleFailed(
-                        "server", f"exited with code {exited}:\n{server.tail()}", exit_code=exited
-                    )
-                return
+                if exited == 0:
+                    return
+                if not reported and self._may_restart("server"):
+                    self._restart("server", exited)
+                    continue
+                raise RoleFailed(
+                    "server", f"exited with code {exited}:\n{server.tail()}", exit_code=exited
+                )
             kdc = self.children.get("kdc")
             code = None if kdc is None else kdc.process.poll()
             if kdc is not None and code is not None:
+                if not self._kdc_reported_failure() and self._may_restart("kdc"):
+                    self._restart("kdc", code)
+                    continue
                 raise RoleFailed("kdc", f"exited with code {code}:\n{kdc.tail()}", exit_code=code)
             time.sleep(0.02)
+
+    def _may_restart(self, role: str) -> bool:
+        policy = self.run.spec.failure_policy
+        budget = policy.server_restarts if role == "server" else policy.kdc_restarts
+        return role in self._launch and self.restarts.get(role, 0) < budget
+
+    def _kdc_reported_failure(self) -> bool:
+        found, self._kdc_offset = read_events(self.kdc_events_path, self._kdc_offset)
+        return any(event.get("event") == "failed" for event in found)
+
+    def _restart(self, role: str, exit_code: int) -> None:
+        """Starts ``role`` again on its port with ``--resume`` and waits until it is ready.
+
+        The dead process's log is kept as ``logs/<role>.log.<n>``.
+
+        Raises:
+            RoleFailed: the restarted role did not come up.
+        """
+        count = self.restarts.get(role, 0) + 1
+        self.restarts[role] = count
+        args, metrics_port, events = self._launch[role]
+        old = self.children[role]
+        with contextlib.suppress(OSError):
+            old.log_path.rename(old.log_path.with_name(f"{old.log_path.name}.{count}"))
+        EventLog(self.events_path).emit("restarted", role=role, restart=count, exit_code=exit_code)
+        offset = events.stat().st_size if events.exists() else 0
+        listen = ["--listen", f"{LOOPBACK}:{self._ports[role]}"]
+        child = self._spawn(role, [*args, *listen, "--resume"], metrics_port)
+        _, offset = self._wait_ready(child, events, offset)
+        if role == "kdc":
+            self._kdc_offset = offset
 
     def stop(self, grace: float = STOP_SECONDS) -> None:
         """Stops every child: SIGTERM, then SIGKILL after ``grace`` seconds."""
@@ -348,6 +403,8 @@ class LocalRun:
                     result.rounds_completed = event.get("rounds_completed")
                     result.bytes_sent = event.get("bytes_sent")
                     result.bytes_received = event.get("bytes_received")
+                elif kind == "restarted":
+                    result.restarts = dict(self.restarts)
                 elif kind == "failed":
                     failed = event
                 if on_event is not None:

@@ -5,6 +5,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 bash hack/setup.sh
 bash hack/testenv.sh
+bash hack/control-plane.sh   # Kubernetes 1.20.2 for tests/kube, built once into ~/.cache
 .venv/bin/ruff check fedcore operator tests benchmarks
 .venv/bin/mypy fedcore operator benchmarks
 exec .venv/bin/python -m pytest "$@"

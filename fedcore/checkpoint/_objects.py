@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import builtins
+import os
 from abc import ABC, abstractmethod
+from collections.abc import Iterable
 from pathlib import Path
 
-from fedcore._files import write_atomically
+from fedcore._files import write_atomically, write_chunks_atomically
 from fedcore.errors import CheckpointError
 
 
@@ -21,6 +23,18 @@ class ObjectStore(ABC):
             CheckpointError: the write failed; any previous object under ``key`` is intact.
         """
 
+    def put_stream(self, key: str, chunks: Iterable[bytes | memoryview]) -> int:
+        """Stores the concatenated ``chunks`` under ``key`` as ``put`` does; returns the size.
+
+        Stores override this to avoid holding the whole object in memory.
+
+        Raises:
+            CheckpointError: the write failed; any previous object under ``key`` is intact.
+        """
+        data = b"".join(bytes(chunk) for chunk in chunks)
+        self.put(key, data)
+        return len(data)
+
     @abstractmethod
     def get(self, key: str) -> bytes:
         """Returns the bytes under ``key``.
@@ -28,6 +42,19 @@ class ObjectStore(ABC):
         Raises:
             CheckpointError: the key does not exist or cannot be read.
         """
+
+    def read_exact(self, key: str, size: int) -> bytearray:
+        """Returns the object under ``key`` in a new buffer, which must hold ``size`` bytes.
+
+        Stores override this to read straight into the buffer (no second copy).
+
+        Raises:
+            CheckpointError: the key does not exist, cannot be read, or has another size.
+        """
+        data = self.get(key)
+        if len(data) != size:
+            raise CheckpointError(_size_message(key, len(data), size))
+        return bytearray(data)
 
     @abstractmethod
     def list(self, prefix: str) -> builtins.list[str]:
@@ -40,6 +67,14 @@ class ObjectStore(ABC):
     @abstractmethod
     def describe(self) -> str:
         """Returns where the store lives, for messages (never a secret)."""
+
+    def url(self, key: str) -> str:
+        """Returns where ``key`` lives as one string (a path or an ``s3://`` URL)."""
+        return f"{self.describe()}/{key}"
+
+    @abstractmethod
+    def child(self, name: str) -> ObjectStore:
+        """Returns the store of the keys under ``name/`` (e.g. the KDC's ``kdc/``)."""
 
 
 class LocalObjectStore(ObjectStore):
@@ -63,10 +98,37 @@ class LocalObjectStore(ObjectStore):
         except OSError as exc:
             raise CheckpointError(f"Cannot write {path}: {exc}.") from exc
 
+    def put_stream(self, key: str, chunks: Iterable[bytes | memoryview]) -> int:
+        path = self._path(key)
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            return write_chunks_atomically(path, chunks)
+        except OSError as exc:
+            raise CheckpointError(f"Cannot write {path}: {exc}.") from exc
+
     def get(self, key: str) -> bytes:
         path = self._path(key)
         try:
             return path.read_bytes()
+        except OSError as exc:
+            raise CheckpointError(f"Cannot read {path}: {exc}.") from exc
+
+    def read_exact(self, key: str, size: int) -> bytearray:
+        path = self._path(key)
+        try:
+            with path.open("rb") as handle:
+                found = os.fstat(handle.fileno()).st_size
+                if found != size:
+                    raise CheckpointError(_size_message(key, found, size))
+                buffer = bytearray(size)
+                view = memoryview(buffer)
+                filled = 0
+                while filled < size:
+                    count = handle.readinto(view[filled:])
+                    if not count:
+                        raise CheckpointError(f"{path} ended after {filled} of {size} bytes.")
+                    filled += count
+                return buffer
         except OSError as exc:
             raise CheckpointError(f"Cannot read {path}: {exc}.") from exc
 
@@ -91,3 +153,13 @@ class LocalObjectStore(ObjectStore):
 
     def describe(self) -> str:
         return f"folder {self.root}"
+
+    def url(self, key: str) -> str:
+        return str(self.root / key)
+
+    def child(self, name: str) -> LocalObjectStore:
+        return LocalObjectStore(self._path(name.strip("/")))
+
+
+def _size_message(key: str, found: int, expected: int) -> str:
+    return f"The object {key} has {found} bytes where {expected} were written."

@@ -22,6 +22,9 @@ RESUME_INSENSITIVE_FIELDS = (
     "failurePolicy",
     "evaluation",
     "transport",
+    "suspend",
+    "activeDeadlineSeconds",
+    "backoffLimit",
 )
 """Spec fields a resumed run may change; every other field must match its checkpoint."""
 

@@ -1,17 +1,34 @@
-"""The KDC role: serves each party the key material its protocol's KDC side issues to it."""
+"""The KDC role: serves each party the key material its protocol's KDC side issues to it.
+
+The KDC checkpoints its protocol state apart from the server, under ``<prefix>/kdc/`` of the
+run's checkpoint store (same format: parts first, a manifest with checksums last). It saves the
+initial state before it serves, and every changed state before it answers the call that
+changed it, so a party whose call succeeded is never forgotten. Started with ``--resume`` (a
+restarted KDC), it loads its latest good checkpoint before it serves.
+"""
 
 from __future__ import annotations
 
+import hashlib
+import json
 import logging
 import signal
 import threading
+from collections.abc import Callable, Mapping
 from typing import Any
 
-from fedcore.errors import FedcoreError, MessageRejected
+from fedcore.checkpoint import (
+    Checkpointer,
+    S3ObjectStore,
+    kdc_checkpointer,
+    open_store,
+    split_tensors,
+)
+from fedcore.errors import CheckpointError, FedcoreError, MessageRejected, NotReady, RunAborted
 from fedcore.events import EventLog
 from fedcore.metrics import RoleMetrics
 from fedcore.protocols import KdcProtocol, create_protocol
-from fedcore.roles._common import KDC_SERVICE, RoleConfig, limits_of
+from fedcore.roles._common import KDC_SERVICE, RoleConfig, limits_of, spec_fingerprint
 from fedcore.spec import FederatedRun
 from fedcore.transport import CallContext, Identity, Payload, RpcServer, TlsBundle
 
@@ -20,6 +37,14 @@ log = logging.getLogger(__name__)
 
 class Kdc:
     """The KDC role of one run: ``IssueKeys`` and ``Submit``, answered by the protocol's KDC side.
+
+    Args:
+        run: the validated manifest.
+        config: how this process was started.
+        tls: the KDC's bundle.
+        listen: the ``host:port`` to serve on.
+        protocol: the KDC side to serve (default: the run's protocol's).
+        resume: load the latest good KDC checkpoint before serving.
 
     Raises:
         FedcoreError: the run's protocol has no KDC side.
@@ -33,9 +58,11 @@ class Kdc:
         *,
         listen: str,
         protocol: KdcProtocol | None = None,
+        resume: bool = False,
     ) -> None:
         self.run = run
         self.config = config
+        self.resume = resume
         kdc = protocol or create_protocol(run.spec.protocol.name).create_kdc(run.spec)
         if kdc is None:
             raise FedcoreError(
@@ -47,6 +74,10 @@ class Kdc:
         self.events = EventLog(config.events)
         self.stopped = threading.Event()
         self.lock = threading.Lock()
+        self.failure: RunAborted | None = None
+        self.checkpointer = self._checkpointer()
+        self.version = 0
+        self._saved: str | None = None
         self.rpc = RpcServer(
             listen,
             tls,
@@ -58,20 +89,140 @@ class Kdc:
             on_bytes=self.metrics.count_bytes,
         )
 
+    # -------------------------------------------------------------------------- calls
+
     def _issue_keys(self, peer: Identity, request: Payload, ctx: CallContext) -> Payload:
         round_ = request.meta.get("round")
         if isinstance(round_, bool) or not isinstance(round_, int) or round_ < 0:
             raise MessageRejected(f"IssueKeys needs a round number >= 0, got {round_!r}.")
-        with self.lock:
-            return self.protocol.issue_keys(round_, peer)
+        return self._answer(lambda: self.protocol.issue_keys(round_, peer))
 
     def _submit(self, peer: Identity, request: Payload, ctx: CallContext) -> Payload:
+        return self._answer(lambda: self.protocol.accept(peer, request))
+
+    def _answer(self, call: Callable[[], Payload]) -> Payload:
+        """Runs one protocol call and saves the state it changed before answering.
+
+        Raises:
+            NotReady: the KDC is stopping because its state could not be saved.
+        """
         with self.lock:
-            return self.protocol.accept(peer, request)
+            if self.failure is not None:
+                raise NotReady(f"The KDC is stopping: {self.failure}")
+            answer = call()
+            try:
+                self._persist()
+            except RunAborted as exc:
+                raise NotReady(f"The KDC is stopping: {exc}") from exc
+            return answer
+
+    # -------------------------------------------------------------------- checkpoints
+
+    def _checkpointer(self) -> Checkpointer | None:
+        spec = self.run.spec.checkpoint
+        if spec.every_rounds == 0 and not self.resume:
+            return None
+        name = self.run.metadata.name
+        store = open_store(
+            spec,
+            name=name,
+            workdir=self.config.workdir,
+            on_failure=self.metrics.checkpoint_failures.inc,
+        )
+        return kdc_checkpointer(store, spec, run=name, fingerprint=spec_fingerprint(self.run))
+
+    def _prepare_state(self) -> None:
+        """Checks the store, then resumes the latest good state or saves the initial one.
+
+        Raises:
+            RunAborted: the store cannot be used or the checkpoint cannot be restored.
+        """
+        checkpointer = self.checkpointer
+        if checkpointer is None:
+            return
+        try:
+            if isinstance(checkpointer.store, S3ObjectStore):
+                checkpointer.store.check()
+            found = checkpointer.load_latest() if self.resume else None
+            existing = checkpointer.rounds()
+        except CheckpointError as exc:
+            raise RunAborted(
+                f"The KDC's checkpoint store cannot be used, so the KDC does not start: {exc}",
+                reason="CheckpointFailed",
+            ) from exc
+        if found is not None:
+            version, state = found
+            try:
+                self.protocol.load_state_dict(state["protocol"])
+            except (KeyError, ValueError, TypeError) as exc:
+                raise RunAborted(
+                    f"The KDC checkpoint version {version} cannot be restored: {exc}",
+                    reason="CheckpointInvalid",
+                ) from exc
+            self.version = version
+            self._saved = _digest(self.protocol.state_dict())
+            self.events.emit("resumed", role="kdc", version=version)
+            log.info("Resumed the KDC state from its checkpoint version %d.", version)
+            return
+        if self.resume:
+            log.warning(
+                "No usable KDC checkpoint in %s; starting with a fresh state.",
+                checkpointer.store.describe(),
+            )
+        # A fresh state is numbered after any older one, so it is the one a resume finds.
+        self.version = max(existing, default=0)
+        self._persist()
+
+    def _persist(self) -> None:
+        """Saves the protocol's state if it changed since the last save (call under the lock).
+
+        Raises:
+            RunAborted: the save failed; the KDC stops (reason CheckpointFailed).
+        """
+        if self.checkpointer is None:
+            return
+        state = self.protocol.state_dict()
+        digest = _digest(state)
+        if digest == self._saved:
+            return
+        version = self.version + 1
+        try:
+            info = self.checkpointer.save(version, {"version": version, "protocol": state})
+        except CheckpointError as exc:
+            self.metrics.checkpoint_failures.inc()
+            failure = RunAborted(
+                f"The KDC could not save its state (version {version}): {exc}",
+                reason="CheckpointFailed",
+            )
+            self._fail(failure)
+            raise failure from exc
+        self.version = version
+        self._saved = digest
+        self.events.emit("checkpoint", role="kdc", version=version, location=info.location)
+
+    def _fail(self, failure: RunAborted) -> None:
+        """Reports ``failure`` and makes the role stop."""
+        if self.failure is None:
+            self.failure = failure
+            log.error("%s", failure)
+            self.events.emit("failed", role="kdc", reason=failure.reason, message=str(failure))
+        self.stopped.set()
+
+    # ------------------------------------------------------------------------ serving
 
     def start(self) -> int:
-        """Starts serving; returns the bound port."""
+        """Prepares (or resumes) the state, then starts serving; returns the bound port.
+
+        Raises:
+            RunAborted: the checkpoint store cannot be used or the state cannot be restored.
+        """
         self.metrics.serve(self.config.metrics_port, self.config.metrics_address)
+        try:
+            with self.lock:
+                self._prepare_state()
+        except RunAborted as exc:
+            self._fail(exc)
+            raise
         self.rpc.start()
         self.events.emit("ready", role="kdc", port=self.rpc.port)
         return self.rpc.port
@@ -82,13 +233,30 @@ class Kdc:
         self.stopped.set()
 
 
-def run_kdc(config: RoleConfig, *, listen: str) -> dict[str, Any]:
-    """The ``fedcore kdc`` entry point: serves keys until SIGTERM or SIGINT."""
+def _digest(state: Mapping[str, Any]) -> str:
+    """A digest of a state tree (JSON values and arrays), to tell whether it changed."""
+    tree, tensors = split_tensors(state)
+    digest = hashlib.sha256(json.dumps(tree, sort_keys=True).encode("utf-8"))
+    for name in sorted(tensors):
+        array = tensors[name]
+        digest.update(f"{name}:{array.dtype.str}:{array.shape}".encode())
+        digest.update(array.tobytes())
+    return digest.hexdigest()
+
+
+def run_kdc(config: RoleConfig, *, listen: str, resume: bool = False) -> dict[str, Any]:
+    """The ``fedcore kdc`` entry point: serves keys until SIGTERM or SIGINT.
+
+    Raises:
+        RunAborted: the KDC's state could not be saved or restored.
+    """
     run, tls = config.load()
-    kdc = Kdc(run, config, tls, listen=listen)
+    kdc = Kdc(run, config, tls, listen=listen, resume=resume)
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: kdc.stopped.set())
     kdc.start()
     kdc.stopped.wait()
     kdc.rpc.stop()
+    if kdc.failure is not None:
+        raise kdc.failure
     return {"role": "kdc"}

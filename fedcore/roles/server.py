@@ -14,12 +14,11 @@ import threading
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 from safetensors.numpy import save_file
 
-from fedcore.checkpoint import Checkpointer, LocalObjectStore, ObjectStore, S3ObjectStore
+from fedcore.checkpoint import Checkpointer, S3ObjectStore, open_store, server_checkpointer
 from fedcore.data import dataset_info, test_dataset
 from fedcore.errors import (
     CheckpointError,
@@ -29,6 +28,7 @@ from fedcore.errors import (
     RunAborted,
 )
 from fedcore.events import EventLog
+from fedcore.kube_status import status_listeners
 from fedcore.metrics import RoleMetrics
 from fedcore.models import build_model, get_weights
 from fedcore.privacy import PrivacyLedger
@@ -218,8 +218,9 @@ class Server:
         self.config = config
         self.resume = resume
         self.facts = protocol_facts(self.spec.protocol.name)
-        self.events = EventLog(config.events)
+        self.events = EventLog(config.events, listeners=status_listeners(run))
         self.metrics = RoleMetrics(run.metadata.name, "server")
+        self.metrics.rounds_planned.set(self.spec.rounds)
         device = choose_device(self.spec.roles.server)
         input_shape, num_classes = dataset_info(self.spec)
         model = build_model(self.spec.model, input_shape, num_classes, seed=self.spec.seed)
@@ -302,8 +303,13 @@ class Server:
             RunAborted: the quorum was lost, a checkpoint failed, or no client came.
         """
         self.metrics.serve(self.config.metrics_port, self.config.metrics_address)
-        self._check_store()
-        start_round = self._restore() + 1
+        try:
+            self._check_store()
+            start_round = self._restore() + 1
+        except RunAborted as exc:
+            # Reported, so that a runner or operator does not restart a server that cannot start.
+            self.events.emit("failed", reason=exc.reason, message=str(exc), round=exc.round)
+            raise
         self.rpc.start()
         self.events.emit("ready", role="server", port=self.rpc.port, start_round=start_round)
         try:
@@ -469,27 +475,13 @@ class Server:
         if spec.every_rounds == 0 and not self.resume:
             return None
         name = self.run.metadata.name
-        store: ObjectStore
-        if spec.s3 is not None:
-            s3 = spec.s3
-            store = S3ObjectStore(
-                s3.bucket,
-                prefix=s3.prefix.replace("{name}", name),
-                endpoint=s3.endpoint,
-                region=s3.region,
-                server_side_encryption=s3.server_side_encryption,
-                kms_key_id=s3.kms_key_id,
-                retry_seconds=s3.retry_seconds,
-                on_failure=self.metrics.checkpoint_failures.inc,
-            )
-        else:
-            path = Path(spec.local.path.replace("{name}", name))
-            if not path.is_absolute():
-                path = self.config.workdir / path
-            store = LocalObjectStore(path)
-        return Checkpointer(
-            store, run=name, fingerprint=spec_fingerprint(self.run), keep_last=spec.keep_last
+        store = open_store(
+            spec,
+            name=name,
+            workdir=self.config.workdir,
+            on_failure=self.metrics.checkpoint_failures.inc,
         )
+        return server_checkpointer(store, spec, run=name, fingerprint=spec_fingerprint(self.run))
 
     def _check_store(self) -> None:
         """Fails the run before round 1 when the checkpoint store cannot be used."""
@@ -503,6 +495,19 @@ class Server:
                     reason="CheckpointFailed",
                     round=0,
                 ) from exc
+        if self.checkpointer is not None and not self.resume:
+            try:
+                existing = self.checkpointer.rounds()
+            except CheckpointError:
+                existing = []
+            if existing:
+                log.warning(
+                    "%s already holds checkpoints of rounds %s; this run starts at round 1 and "
+                    "writes over them (`fedcore checkpoint purge` clears them; --resume "
+                    "continues from them).",
+                    self.checkpointer.store.describe(),
+                    existing,
+                )
 
     def _maybe_checkpoint(self, round_: int, *, force: bool = False) -> None:
         every = self.spec.checkpoint.every_rounds
@@ -569,4 +574,8 @@ def run_server(config: RoleConfig, *, listen: str, resume: bool) -> dict[str, An
     """The ``fedcore server`` entry point: serves one run to its end."""
     run, tls = config.load()
     limit_threads(config.threads)
-    return Server(run, config, tls, listen=listen, resume=resume).serve()
+    server = Server(run, config, tls, listen=listen, resume=resume)
+    try:
+        return server.serve()
+    finally:
+        server.events.close()

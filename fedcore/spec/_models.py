@@ -413,6 +413,14 @@ class CheckpointSpec(SpecModel):
     keep_last: int = Field(
         3, ge=1, le=1000, description="keepLast is how many recent checkpoints stay. Default 3."
     )
+    keep_every: int = Field(
+        0,
+        ge=0,
+        le=1_000_000,
+        description="keepEvery also keeps, for good, every checkpoint whose round is a multiple "
+        "of it (e.g. 50: rounds 50, 100, ...), besides the keepLast newest and any marked with "
+        "`fedcore checkpoint mark`. Default 0: none.",
+    )
     local: LocalStoreSpec = Field(
         default_factory=LocalStoreSpec,
         description="local is the checkpoint folder, used when s3 is unset.",
@@ -448,6 +456,22 @@ class FailurePolicySpec(SpecModel):
         le=100,
         description="maxRoundRetries is how often a round missing its quorum is redone before "
         "the run fails with reason QuorumLost. Default 2.",
+    )
+    server_restarts: int = Field(
+        3,
+        ge=0,
+        le=100,
+        description="serverRestarts is how often `fedcore run` restarts a server that died "
+        "without reporting a failure (killed, crashed), on the same port and with --resume, "
+        "so it continues from its latest checkpoint while the clients reconnect. On "
+        "Kubernetes the operator recreates the pod instead. Default 3.",
+    )
+    kdc_restarts: int = Field(
+        3,
+        ge=0,
+        le=100,
+        description="kdcRestarts is the same for the KDC: it resumes its key material from "
+        "its own checkpoint. Default 3.",
     )
 
 
@@ -516,6 +540,24 @@ class RoleSpec(SpecModel):
     tolerations: list[TolerationSpec] = Field(
         default_factory=list, description="tolerations of the role's pods. Default none."
     )
+    affinity: dict[str, Any] = Field(
+        default_factory=dict,
+        description="affinity of the role's pods, as in a Pod's spec.affinity. Default none.",
+    )
+    image: str | None = Field(
+        None,
+        min_length=1,
+        max_length=512,
+        description="image of the role's pods. Default: the operator's runtime image.",
+    )
+    pod_template: dict[str, Any] = Field(
+        default_factory=dict,
+        description="podTemplate is a partial Pod merged over what the operator builds for the "
+        "role: metadata.labels and annotations are added, spec fields set, and containers (by "
+        "name; the operator's is `fedcore`) merged field by field. The security settings "
+        "(non-root, read-only root filesystem, no privilege escalation) cannot be weakened. "
+        "Default none.",
+    )
 
 
 class RolesSpec(SpecModel):
@@ -562,12 +604,35 @@ class FederatedRunSpec(SpecModel):
     roles: RolesSpec = Field(
         default_factory=RolesSpec, description="roles: per-role Kubernetes placement."
     )
+    suspend: bool = Field(
+        False,
+        description="suspend: true removes the run's pods and keeps its state and checkpoints; "
+        "false starts them again, resuming from the latest checkpoint. Kubernetes only. "
+        "Default false.",
+    )
+    active_deadline_seconds: int | None = Field(
+        None,
+        ge=1,
+        le=31_536_000,
+        description="activeDeadlineSeconds fails the run (reason DeadlineExceeded) when it has "
+        "been running this long, suspended time excluded. Kubernetes only. Default none.",
+    )
+    backoff_limit: int = Field(
+        6,
+        ge=0,
+        le=10_000,
+        description="backoffLimit is how many failed pods the operator recreates over the run "
+        "before it fails (reason BackoffLimitExceeded): a failed client pod is recreated while "
+        "the run goes on with its quorum, a failed server pod is recreated and resumes from the "
+        "latest checkpoint. Kubernetes only. Default 6.",
+    )
     seed: int = Field(
         0,
         ge=0,
-        le=2**63 - 1,
+        le=2**53 - 1,
         description="seed of everything random: sampling, initial model, local shuffles. "
-        "Default 0. The same manifest with the same seed gives the same result.",
+        "Default 0. The same manifest with the same seed gives the same result. At most "
+        "2^53 - 1, the largest integer every JSON reader (and the API server) keeps exact.",
     )
 
 

@@ -22,6 +22,7 @@ from pydantic.fields import FieldInfo
 from pydantic_core import to_jsonable_python
 
 from fedcore.spec._models import FederatedRun
+from fedcore.spec._status import FederatedRunStatus
 
 _OPENAPI_KEYS = (
     "type",
@@ -58,19 +59,25 @@ _INT_OR_STRING_TYPES = {
 def openapi_schema() -> dict[str, Any]:
     """Returns the structural OpenAPI v3 schema of a whole FederatedRun object.
 
-    ``metadata`` is ``{"type": "object"}`` (the API server owns it) and ``status`` keeps
-    unknown fields until the operator declares it.
+    ``metadata`` is ``{"type": "object"}`` (the API server owns it) and ``status`` is the
+    declared ``FederatedRunStatus``: the API server prunes any status field it does not name.
 
     Returns:
         A fresh dict, ready for ``spec.versions[].schema.openAPIV3Schema`` of the CRD.
     """
     schema = copy.deepcopy(model_schema(FederatedRun))
     schema["properties"]["metadata"] = {"type": "object"}
-    schema["properties"]["status"] = {
-        "type": "object",
-        "x-kubernetes-preserve-unknown-fields": True,
-    }
+    schema["properties"]["status"] = _without_defaults(model_schema(FederatedRunStatus))
     return schema
+
+
+def _without_defaults(node: Any) -> Any:
+    """A copy of a schema with every ``default`` removed (status is written, never defaulted)."""
+    if isinstance(node, dict):
+        return {key: _without_defaults(value) for key, value in node.items() if key != "default"}
+    if isinstance(node, list):
+        return [_without_defaults(item) for item in node]
+    return node
 
 
 @functools.cache

@@ -284,3 +284,87 @@ def test_pairwise_seeds_state_dict_round_trip_issues_the_same_seeds() -> None:
     )
     with pytest.raises(ValueError, match="kind"):
         restored.load_state_dict({"kind": "fedavg", "secret": "00", "clients": 1})
+
+
+def start_kdc(folder: Path, protocol: KdcProtocol, *, resume: bool) -> tuple[Kdc, KdcUnderTest]:
+    """A KDC of a checkpointed 2-client run in ``folder`` (its manifest and PKI made once)."""
+    manifest = folder / "run.yaml"
+    if not manifest.exists():
+        write_manifest(manifest, clients={"count": 2}, checkpoint={"everyRounds": 1})
+        ca, bundles = issue_run_bundles("e2e", num_clients=2)
+        _PKI[str(folder)] = (ca, bundles)
+        bundles["kdc"].write(folder / "pki" / "kdc")
+    ca, bundles = _PKI[str(folder)]
+    run = load_manifest(manifest)
+    events = folder / "events.jsonl"
+    config = RoleConfig(
+        manifest=manifest, tls_dir=folder / "pki" / "kdc", workdir=folder, events=events
+    )
+    kdc = Kdc(run, config, bundles["kdc"], listen="127.0.0.1:0", protocol=protocol, resume=resume)
+    port = kdc.start()
+    return kdc, KdcUnderTest(port, protocol, ca, bundles, events, run, config)  # type: ignore[arg-type]
+
+
+_PKI: dict[str, tuple[RunCa, dict[str, TlsBundle]]] = {}
+"""The CA and bundles of each test folder's run (a restarted KDC keeps its certificate)."""
+
+
+def test_kdc_restarted_with_resume_serves_its_checkpointed_state_and_without_forgets(
+    tmp_path: Path,
+) -> None:
+    # Prepare: a KDC with secret A saves its state before it serves.
+    first, first_kdc = start_kdc(tmp_path, PairwiseSeeds(2, b"secret A"), resume=False)
+    try:
+        before = first_kdc.issue("client-1", {"round": 3}).tensors["seed"]
+    finally:
+        first.stop()
+    # Execute: restarted with --resume (and another secret it must not use), then without.
+    resumed, resumed_kdc = start_kdc(tmp_path, PairwiseSeeds(2, b"secret B"), resume=True)
+    try:
+        after = resumed_kdc.issue("client-1", {"round": 3}).tensors["seed"]
+    finally:
+        resumed.stop()
+    fresh, fresh_kdc = start_kdc(tmp_path, PairwiseSeeds(2, b"secret C"), resume=False)
+    try:
+        forgotten = fresh_kdc.issue("client-1", {"round": 3}).tensors["seed"]
+    finally:
+        fresh.stop()
+    # Assert
+    np.testing.assert_array_equal(after, before)
+    assert not np.array_equal(forgotten, before)
+    np.testing.assert_array_equal(forgotten, PairwiseSeeds(2, b"secret C").seed(3, 1))
+    events = [json.loads(line) for line in (tmp_path / "events.jsonl").read_text().splitlines()]
+    assert [e["version"] for e in events if e["event"] == "resumed"] == [1]
+    # The fresh KDC's state is numbered after the old one, so a later resume finds it.
+    assert [e["version"] for e in events if e["event"] == "checkpoint"] == [1, 2]
+    assert sorted(p.name for p in (tmp_path / "checkpoints" / "kdc").iterdir()) == [
+        "version-00000001",
+        "version-00000002",
+    ]
+
+
+def test_mpdp_kdc_saves_a_registration_before_answering_it(tmp_path: Path) -> None:
+    # Prepare
+    from fedcore.protocols.mpdp import PUBLIC_KEY_KIND, MpdpKdc
+
+    kdc, under_test = start_kdc(tmp_path, MpdpKdc(2), resume=False)
+    key = np.frombuffer(bytes(range(1, 33)), dtype=np.uint8).copy()
+    try:
+        # Execute
+        with under_test.client("client-0") as rpc:
+            rpc.call(
+                "Submit",
+                Payload(meta={"kind": PUBLIC_KEY_KIND}, tensors={"public_key": key}),
+                timeout=CALL_SECONDS,
+            )
+        saved = kdc.checkpointer.load_latest() if kdc.checkpointer is not None else None
+        session = kdc.protocol.state_dict()["session"]
+    finally:
+        kdc.stop()
+    restarted, _ = start_kdc(tmp_path, MpdpKdc(2), resume=True)
+    restarted.stop()
+    # Assert
+    assert saved is not None and saved[0] == 2
+    assert saved[1]["protocol"]["public_keys"] == {"0": key.tobytes().hex()}
+    assert restarted.protocol.state_dict()["session"] == session
+    assert restarted.protocol.state_dict()["public_keys"] == {"0": key.tobytes().hex()}

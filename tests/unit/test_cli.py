@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import json
 import logging
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
+import numpy as np
 import pytest
 import yaml
 from click.testing import CliRunner
@@ -220,3 +223,99 @@ def test_client_with_another_clients_certificate_exits_1_naming_both(
     # Assert
     assert result.exit_code == 1
     assert "started as client 0 but its certificate names 'client-1'" in result.stderr
+
+
+# ------------------------------------------------------------------------------ checkpoints
+
+
+@pytest.fixture
+def checkpointed(tmp_path: Path) -> dict[str, Any]:
+    """A manifest and its run folder holding server checkpoints of rounds 1-3 and one KDC state."""
+    from fedcore.checkpoint import kdc_checkpointer, open_store, server_checkpointer
+    from fedcore.roles._common import spec_fingerprint
+    from fedcore.spec import load_manifest
+
+    manifest = tmp_path / "run.yaml"
+    manifest.write_text(EXAMPLE.read_text(encoding="utf-8"), encoding="utf-8")
+    run = load_manifest(manifest)
+    work = tmp_path / "work"
+    store = open_store(run.spec.checkpoint, name=run.metadata.name, workdir=work)
+    fingerprint = spec_fingerprint(run)
+    server = server_checkpointer(
+        store, run.spec.checkpoint, run=run.metadata.name, fingerprint=fingerprint
+    )
+    for round_ in (1, 2, 3):
+        server.save(round_, {"w": np.full(4, float(round_))})
+    kdc_checkpointer(
+        store, run.spec.checkpoint, run=run.metadata.name, fingerprint=fingerprint
+    ).save(1, {"protocol": {"session": "s"}})
+    return {"manifest": manifest, "work": work, "folder": work / "checkpoints"}
+
+
+def test_checkpoint_list_mark_unmark_and_verify_on_the_local_folder(
+    cli: CliRunner, checkpointed: dict[str, Any]
+) -> None:
+    # Prepare
+    args = [str(checkpointed["manifest"]), "--workdir", str(checkpointed["work"])]
+    # Execute
+    marked = cli.invoke(main, ["checkpoint", "mark", *args, "2", "--note", "best"])
+    listed = cli.invoke(main, ["checkpoint", "list", *args, "--json"])
+    text = cli.invoke(main, ["checkpoint", "list", *args])
+    part = checkpointed["folder"] / "round-00000003" / "tensors.safetensors"
+    part.write_bytes(part.read_bytes()[:-1] + b"\x7f")
+    verified = cli.invoke(main, ["checkpoint", "list", *args, "--verify", "--json"])
+    unmarked = cli.invoke(main, ["checkpoint", "unmark", *args, "2"])
+    again = cli.invoke(main, ["checkpoint", "unmark", *args, "2"])
+    # Assert
+    assert marked.exit_code == 0, marked.output
+    report = json.loads(listed.output)
+    assert [(e["round"], e["marked"]) for e in report["server"]] == [
+        (1, False),
+        (2, True),
+        (3, False),
+    ]
+    assert [e["version"] for e in report["kdc"]] == [1]
+    assert "round        2" in text.output and "marked" in text.output
+    assert verified.exit_code == 1
+    checks = {e["round"]: e["verified"] for e in json.loads(verified.output)["server"]}
+    assert checks == {1: True, 2: True, 3: False}
+    assert "fails its checksum" in verified.output
+    assert "Unmarked the checkpoint of round 2" in unmarked.output
+    assert "was not marked" in again.output
+
+
+def test_checkpoint_mark_of_a_missing_round_exits_1_naming_what_is_there(
+    cli: CliRunner, checkpointed: dict[str, Any]
+) -> None:
+    # Execute
+    done = cli.invoke(
+        main,
+        [
+            "checkpoint",
+            "mark",
+            str(checkpointed["manifest"]),
+            "--workdir",
+            str(checkpointed["work"]),
+            "9",
+        ],
+    )
+    # Assert
+    assert done.exit_code == 1
+    assert "no checkpoint of round 9" in done.output
+    assert "[1, 2, 3]" in done.output
+
+
+def test_checkpoint_purge_lists_first_and_deletes_everything_with_yes(
+    cli: CliRunner, checkpointed: dict[str, Any]
+) -> None:
+    # Prepare
+    args = [str(checkpointed["manifest"]), "--workdir", str(checkpointed["work"])]
+    # Execute
+    dry = cli.invoke(main, ["checkpoint", "purge", *args])
+    after_dry = sorted(p.name for p in checkpointed["folder"].rglob("*") if p.is_file())
+    done = cli.invoke(main, ["checkpoint", "purge", *args, "--yes"])
+    # Assert
+    assert "Would delete 12 objects" in dry.output
+    assert len(after_dry) == 12
+    assert "Deleted 12 objects" in done.output
+    assert not any(p.is_file() for p in checkpointed["folder"].rglob("*"))

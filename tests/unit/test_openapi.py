@@ -93,10 +93,11 @@ def test_openapi_schema_root_metadata_and_status() -> None:
     properties = schema["properties"]
     assert set(properties) == {"apiVersion", "kind", "metadata", "spec", "status"}
     assert properties["metadata"] == {"type": "object"}
-    assert properties["status"] == {
-        "type": "object",
-        "x-kubernetes-preserve-unknown-fields": True,
-    }
+    status = properties["status"]
+    assert status["type"] == "object"
+    assert "x-kubernetes-preserve-unknown-fields" not in status  # declared: the rest is pruned
+    assert {"phase", "conditions", "observedGeneration", "privacy"} <= set(status["properties"])
+    assert "default" not in json.dumps(status)  # status is written, never defaulted
     assert properties["apiVersion"]["type"] == "string"
     assert properties["kind"]["type"] == "string"
     assert "spec" in schema["required"]

@@ -97,7 +97,7 @@ INVALID = [
         "unknown-field-spec",
         {("spec", "round"): 3},
         "spec.round",
-        "allowed fields here: checkpoint, clients, data, evaluation, failurePolicy, model,",
+        "allowed fields here: activeDeadlineSeconds, backoffLimit, checkpoint, clients, data,",
     ),
     _case(
         "unknown-field-deep",

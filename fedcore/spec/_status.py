@@ -1,0 +1,126 @@
+"""The status of a FederatedRun: what the operator and the server report on Kubernetes.
+
+The operator owns ``phase``, ``reason``, ``message``, ``conditions``, ``observedGeneration``,
+``roles`` and the times; the server patches ``round``, ``privacy``, ``lastCheckpoint`` and
+``finalMetrics`` as the run goes. The CRD declares this schema, so the API server prunes
+any other status field.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import Field
+
+from fedcore.spec._base import SpecModel
+
+Phase = Literal["Pending", "Running", "Succeeded", "Failed", "Suspended"]
+PHASES: tuple[Phase, ...] = ("Pending", "Running", "Succeeded", "Failed", "Suspended")
+
+
+class Condition(SpecModel):
+    """One condition, as the Kubernetes API conventions define them."""
+
+    type: str = Field(description="type of the condition, e.g. ServerReady or Complete.")
+    status: Literal["True", "False", "Unknown"] = Field(description="status of the condition.")
+    reason: str = Field("", description="reason: one CamelCase word for machines.")
+    message: str = Field("", description="message for humans.")
+    last_transition_time: str | None = Field(
+        None, description="lastTransitionTime: when status last changed (RFC 3339)."
+    )
+    observed_generation: int | None = Field(
+        None, description="observedGeneration the condition was computed from."
+    )
+
+
+class RoleCounts(SpecModel):
+    """How many pods of one role exist and in which state."""
+
+    desired: int = Field(0, description="desired number of pods.")
+    running: int = Field(0, description="running pods.")
+    ready: int = Field(0, description="ready pods.")
+    succeeded: int = Field(0, description="pods that exited 0.")
+    failed: int = Field(0, description="pods that failed (each recreated one counts once).")
+
+
+class RolesStatus(SpecModel):
+    """Pod counts per role."""
+
+    kdc: RoleCounts = Field(default_factory=RoleCounts, description="the KDC's pod.")
+    server: RoleCounts = Field(default_factory=RoleCounts, description="the server's pod.")
+    clients: RoleCounts = Field(default_factory=RoleCounts, description="the client pods.")
+
+
+class PrivacyStatus(SpecModel):
+    """Privacy spent so far, for protocols that claim differential privacy."""
+
+    epsilon: float | None = Field(None, description="epsilon spent so far.")
+    delta: float | None = Field(None, description="delta of the accounting.")
+    target_epsilon: float | None = Field(None, description="targetEpsilon: the budget, if any.")
+
+
+class CheckpointStatus(SpecModel):
+    """The latest complete checkpoint."""
+
+    round: int = Field(description="round the checkpoint was taken after.")
+    location: str = Field(description="location: the checkpoint's folder or S3 URL.")
+    time: str | None = Field(None, description="time it was written (RFC 3339).")
+
+
+class FinalMetrics(SpecModel):
+    """What the finished run reports."""
+
+    accuracy: float | None = Field(None, description="accuracy on the held-out split.")
+    loss: float | None = Field(None, description="loss on the held-out split.")
+    rounds_completed: int | None = Field(None, description="roundsCompleted by the run.")
+    wall_seconds: float | None = Field(None, description="wallSeconds the server ran.")
+
+
+class ServerOutcome(SpecModel):
+    """How the server process ended, as it reported itself."""
+
+    phase: Literal["Succeeded", "Failed"] = Field(description="phase the server ended in.")
+    reason: str = Field(description="reason, e.g. RoundsCompleted, BudgetExhausted, QuorumLost.")
+    message: str | None = Field(None, description="message of a failure.")
+    retriable: bool | None = Field(
+        None, description="retriable: whether a recreated server pod may get past the failure."
+    )
+
+
+class FederatedRunStatus(SpecModel):
+    """status of a FederatedRun, written by fedcore on Kubernetes."""
+
+    phase: Phase | None = Field(None, description="phase of the run.")
+    reason: str | None = Field(None, description="reason for the phase, one CamelCase word.")
+    message: str | None = Field(None, description="message for humans about the phase.")
+    observed_generation: int | None = Field(
+        None, description="observedGeneration: the spec generation the operator last acted on."
+    )
+    conditions: list[Condition] = Field(default_factory=list, description="conditions of the run.")
+    round: int | None = Field(None, description="round: rounds completed so far.")
+    rounds: int | None = Field(None, description="rounds the run will do.")
+    progress: str | None = Field(None, description='progress as "round/rounds".')
+    privacy: PrivacyStatus | None = Field(None, description="privacy spent.")
+    last_checkpoint: CheckpointStatus | None = Field(
+        None, description="lastCheckpoint: the latest complete checkpoint."
+    )
+    roles: RolesStatus | None = Field(None, description="roles: pod counts per role.")
+    restarts: int | None = Field(
+        None, description="restarts: failed pods recreated so far (bounded by backoffLimit)."
+    )
+    final_metrics: FinalMetrics | None = Field(
+        None, description="finalMetrics of the finished run."
+    )
+    outcome: ServerOutcome | None = Field(
+        None, description="outcome the server reported when it stopped."
+    )
+    start_time: str | None = Field(None, description="startTime of the run (RFC 3339).")
+    completion_time: str | None = Field(None, description="completionTime of the run (RFC 3339).")
+    active_seconds: float | None = Field(
+        None,
+        description="activeSeconds the run ran before its current stretch (suspended time "
+        "excluded); the deadline counts this plus the time since activeSince.",
+    )
+    active_since: str | None = Field(
+        None, description="activeSince: when the current unsuspended stretch began (RFC 3339)."
+    )

@@ -1,0 +1,710 @@
+"""What a FederatedRun becomes on Kubernetes: pure builders of every object the operator owns.
+
+Nothing here talks to the API server. Each builder takes a ``RunContext`` and returns the
+object as a plain dict, labelled with the run and owned by it (garbage collection removes
+them all with the run). Certificates are the one random part: the run's CA is made once and
+kept in a Secret; a pod's certificate Secret is issued only when it is missing.
+"""
+
+from __future__ import annotations
+
+import base64
+import copy
+from dataclasses import dataclass
+from typing import Any
+from urllib.parse import urlparse
+
+import yaml
+
+from fedcore.spec import FederatedRun, RoleSpec, protocol_facts
+from fedcore.transport import RunCa
+from fedcore_operator.crd import GROUP, PLURAL, VERSION
+from fedcore_operator.settings import OperatorSettings
+
+MANAGED_BY = "fedcore-operator"
+RUN_LABEL = "fedcore.dev/run"
+ROLE_LABEL = "fedcore.dev/role"
+INDEX_LABEL = "fedcore.dev/client-index"
+RESUME_ANNOTATION = "fedcore.dev/resume"
+
+TLS_DIR = "/etc/fedcore/tls"
+MANIFEST_DIR = "/etc/fedcore/run"
+MANIFEST_FILE = "run.yaml"
+WORK_DIR = "/var/lib/fedcore"
+CONTAINER = "fedcore"
+
+Object = dict[str, Any]
+
+
+@dataclass(frozen=True)
+class RunContext:
+    """One run as the operator sees it: its parsed manifest and its identity on the cluster."""
+
+    run: FederatedRun
+    namespace: str
+    uid: str
+    settings: OperatorSettings
+
+    @property
+    def name(self) -> str:
+        """The run's name."""
+        return self.run.metadata.name
+
+    @property
+    def needs_kdc(self) -> bool:
+        """Whether the protocol needs a KDC."""
+        return protocol_facts(self.run.spec.protocol.name).needs_kdc
+
+    @property
+    def decentralized(self) -> bool:
+        """Whether clients talk to each other over peer links."""
+        return protocol_facts(self.run.spec.protocol.name).decentralized
+
+
+# ------------------------------------------------------------------------------------ names
+
+
+def pod_name(run: str, role: str, index: int | None = None) -> str:
+    """``<run>-server``, ``<run>-kdc`` or ``<run>-client-<index>``."""
+    return f"{run}-{role}" if index is None else f"{run}-{role}-{index}"
+
+
+def tls_secret_name(pod: str) -> str:
+    """The Secret with one pod's certificate, key and the run's CA certificate."""
+    return f"{pod}-tls"
+
+
+def ca_secret_name(run: str) -> str:
+    """The Secret with the run's CA key (read by the operator only)."""
+    return f"{run}-ca"
+
+
+def manifest_name(run: str) -> str:
+    """The ConfigMap with the run's manifest."""
+    return f"{run}-manifest"
+
+
+def service_account_name(run: str, role: str) -> str:
+    """The ServiceAccount of a role's pods."""
+    return f"{run}-{role}"
+
+
+def server_role_name(run: str) -> str:
+    """The Role (and RoleBinding) that lets the server patch its run's status."""
+    return f"{run}-server-status"
+
+
+def peers_service_name(run: str) -> str:
+    """The headless Service that gives each client pod a stable DNS name."""
+    return f"{run}-clients"
+
+
+def service_host(ctx: RunContext, service: str) -> str:
+    """The cluster DNS name of one of the run's Services."""
+    return f"{service}.{ctx.namespace}.svc"
+
+
+def longest_name(run: str, clients: int) -> str:
+    """The longest object name the run will have (a client's TLS Secret)."""
+    return tls_secret_name(pod_name(run, "client", max(clients - 1, 0)))
+
+
+# ----------------------------------------------------------------------------------- labels
+
+
+def run_labels(run: str) -> dict[str, str]:
+    """Labels on every object the operator makes for a run."""
+    return {
+        "app.kubernetes.io/name": "fedcore",
+        "app.kubernetes.io/instance": run,
+        "app.kubernetes.io/managed-by": MANAGED_BY,
+        RUN_LABEL: run,
+    }
+
+
+def role_labels(run: str, role: str, index: int | None = None) -> dict[str, str]:
+    """Labels of one role's objects; client pods also carry their index."""
+    labels = {**run_labels(run), ROLE_LABEL: role, "app.kubernetes.io/component": role}
+    if index is not None:
+        labels[INDEX_LABEL] = str(index)
+    return labels
+
+
+def selector(run: str, role: str | None = None) -> dict[str, str]:
+    """The smallest label set that selects a run's pods (of one role)."""
+    return {RUN_LABEL: run} if role is None else {RUN_LABEL: run, ROLE_LABEL: role}
+
+
+def label_selector(labels: dict[str, str]) -> str:
+    """``a=b,c=d`` for a list call."""
+    return ",".join(f"{key}={value}" for key, value in labels.items())
+
+
+def owner_reference(ctx: RunContext) -> dict[str, Any]:
+    """The owner reference that hands an object to the run's garbage collection."""
+    return {
+        "apiVersion": f"{GROUP}/{VERSION}",
+        "kind": "FederatedRun",
+        "name": ctx.name,
+        "uid": ctx.uid,
+        "controller": True,
+        "blockOwnerDeletion": True,
+    }
+
+
+def _metadata(ctx: RunContext, name: str, labels: dict[str, str]) -> dict[str, Any]:
+    return {
+        "name": name,
+        "namespace": ctx.namespace,
+        "labels": dict(labels),
+        "ownerReferences": [owner_reference(ctx)],
+    }
+
+
+# ---------------------------------------------------------------------- config and secrets
+
+
+def manifest_text(ctx: RunContext) -> str:
+    """The manifest every role loads: the run as applied, defaults filled in, no status."""
+    manifest = {
+        "apiVersion": ctx.run.api_version,
+        "kind": ctx.run.kind,
+        "metadata": {"name": ctx.name, "namespace": ctx.namespace},
+        "spec": ctx.run.spec.model_dump(by_alias=True, mode="json", exclude_none=True),
+    }
+    return yaml.safe_dump(manifest, sort_keys=False)
+
+
+def manifest_config_map(ctx: RunContext) -> Object:
+    """The ConfigMap mounted into every role at ``MANIFEST_DIR``."""
+    return {
+        "apiVersion": "v1",
+        "kind": "ConfigMap",
+        "metadata": _metadata(ctx, manifest_name(ctx.name), run_labels(ctx.name)),
+        "data": {MANIFEST_FILE: manifest_text(ctx)},
+    }
+
+
+def pod_identities(ctx: RunContext) -> list[tuple[str, str, int | None]]:
+    """(pod name, certificate common name, client index) of every pod of the run."""
+    identities: list[tuple[str, str, int | None]] = []
+    if ctx.needs_kdc:
+        identities.append((pod_name(ctx.name, "kdc"), "kdc", None))
+    identities.append((pod_name(ctx.name, "server"), "server", None))
+    identities += [
+        (pod_name(ctx.name, "client", index), f"client-{index}", index)
+        for index in range(ctx.run.spec.clients.count)
+    ]
+    return identities
+
+
+def ca_secret(ctx: RunContext, ca: RunCa) -> Object:
+    """The Secret with the run's CA certificate and key; no pod mounts it."""
+    ca_cert, ca_key = ca.to_pem()
+    return {
+        "apiVersion": "v1",
+        "kind": "Secret",
+        "type": "Opaque",
+        "metadata": _metadata(ctx, ca_secret_name(ctx.name), run_labels(ctx.name)),
+        "stringData": {"ca.crt": ca_cert.decode(), "ca.key": ca_key.decode()},
+    }
+
+
+def load_ca(secret: Object) -> RunCa:
+    """Reads the run's CA back from its Secret (as the API server returns it: base64 data)."""
+    data = secret.get("data") or {}
+    return RunCa.from_pem(base64.b64decode(data["ca.crt"]), base64.b64decode(data["ca.key"]))
+
+
+def pod_tls_secret(
+    ctx: RunContext, ca: RunCa, pod: str, common_name: str, index: int | None
+) -> Object:
+    """One pod's Secret: the run's CA certificate, the pod's certificate and key.
+
+    The server's and KDC's certificates name their Services; a client's names its stable
+    DNS name under the headless Service.
+    """
+    role = common_name.split("-")[0]
+    if index is None:
+        dns_names = _dns_names(ctx, pod)
+    else:
+        dns_names = [f"{common_name}.{service_host(ctx, peers_service_name(ctx.name))}"]
+    bundle = ca.issue(common_name, dns_names=dns_names)
+    return {
+        "apiVersion": "v1",
+        "kind": "Secret",
+        "type": "kubernetes.io/tls",
+        "metadata": _metadata(ctx, tls_secret_name(pod), role_labels(ctx.name, role, index)),
+        "stringData": {
+            "ca.crt": bundle.ca_pem.decode(),
+            "tls.crt": bundle.cert_pem.decode(),
+            "tls.key": bundle.key_pem.decode(),
+        },
+    }
+
+
+def _dns_names(ctx: RunContext, service: str) -> list[str]:
+    return [
+        service,
+        f"{service}.{ctx.namespace}",
+        service_host(ctx, service),
+        f"{service_host(ctx, service)}.cluster.local",
+    ]
+
+
+# ------------------------------------------------------------------------------------- RBAC
+
+
+def service_accounts(ctx: RunContext) -> list[Object]:
+    """One ServiceAccount per role; only the server's token is mounted (to patch status)."""
+    roles = (["kdc"] if ctx.needs_kdc else []) + ["server", "client"]
+    return [
+        {
+            "apiVersion": "v1",
+            "kind": "ServiceAccount",
+            "metadata": _metadata(
+                ctx, service_account_name(ctx.name, role), role_labels(ctx.name, role)
+            ),
+            "automountServiceAccountToken": role == "server",
+        }
+        for role in roles
+    ]
+
+
+def server_status_role(ctx: RunContext) -> Object:
+    """A Role that allows reading and patching this run's status and nothing else."""
+    return {
+        "apiVersion": "rbac.authorization.k8s.io/v1",
+        "kind": "Role",
+        "metadata": _metadata(ctx, server_role_name(ctx.name), role_labels(ctx.name, "server")),
+        "rules": [
+            {
+                "apiGroups": [GROUP],
+                "resources": [f"{PLURAL}/status"],
+                "resourceNames": [ctx.name],
+                "verbs": ["get", "patch"],
+            }
+        ],
+    }
+
+
+def server_status_role_binding(ctx: RunContext) -> Object:
+    """Binds ``server_status_role`` to the server's ServiceAccount."""
+    return {
+        "apiVersion": "rbac.authorization.k8s.io/v1",
+        "kind": "RoleBinding",
+        "metadata": _metadata(ctx, server_role_name(ctx.name), role_labels(ctx.name, "server")),
+        "roleRef": {
+            "apiGroup": "rbac.authorization.k8s.io",
+            "kind": "Role",
+            "name": server_role_name(ctx.name),
+        },
+        "subjects": [
+            {
+                "kind": "ServiceAccount",
+                "name": service_account_name(ctx.name, "server"),
+                "namespace": ctx.namespace,
+            }
+        ],
+    }
+
+
+# --------------------------------------------------------------------------------- Services
+
+
+def services(ctx: RunContext) -> list[Object]:
+    """The server's and KDC's Services, and the clients' headless Service for peer links."""
+    settings = ctx.settings
+    result = [
+        _service(
+            ctx, "server", [("grpc", settings.server_port), ("metrics", settings.metrics_port)]
+        )
+    ]
+    if ctx.needs_kdc:
+        result.append(
+            _service(ctx, "kdc", [("grpc", settings.kdc_port), ("metrics", settings.metrics_port)])
+        )
+    peers = _service(
+        ctx, "client", [("peer", settings.peer_port), ("metrics", settings.metrics_port)]
+    )
+    peers["metadata"]["name"] = peers_service_name(ctx.name)
+    peers["spec"]["clusterIP"] = "None"
+    peers["spec"]["publishNotReadyAddresses"] = True
+    result.append(peers)
+    return result
+
+
+def _service(ctx: RunContext, role: str, ports: list[tuple[str, int]]) -> Object:
+    return {
+        "apiVersion": "v1",
+        "kind": "Service",
+        "metadata": _metadata(ctx, pod_name(ctx.name, role), role_labels(ctx.name, role)),
+        "spec": {
+            "selector": selector(ctx.name, role),
+            "ports": [
+                {"name": name, "port": port, "targetPort": name, "protocol": "TCP"}
+                for name, port in ports
+            ],
+        },
+    }
+
+
+# -------------------------------------------------------------------------- NetworkPolicies
+
+
+def network_policies(ctx: RunContext) -> list[Object]:
+    """One policy per role: each pod may reach only what its role needs.
+
+    Every policy names both directions, so anything not listed is denied: clients reach the
+    server and (when there is one) the KDC, and each other only when the protocol is
+    decentralized; only the run's clients reach the KDC; the server reaches the API server
+    (its status) and the checkpoint store; every pod resolves DNS and serves /metrics.
+    """
+    settings = ctx.settings
+    dns: dict[str, Any] = {
+        "ports": [{"protocol": "UDP", "port": 53}, {"protocol": "TCP", "port": 53}],
+    }
+    metrics_in: dict[str, Any] = {"ports": [{"protocol": "TCP", "port": settings.metrics_port}]}
+    clients: dict[str, Any] = {"podSelector": {"matchLabels": selector(ctx.name, "client")}}
+
+    def to_role(role: str, port: int) -> dict[str, Any]:
+        return {
+            "to": [{"podSelector": {"matchLabels": selector(ctx.name, role)}}],
+            "ports": [{"protocol": "TCP", "port": port}],
+        }
+
+    store = _store_egress(ctx)
+    server_egress = [dns, _anywhere(settings.api_ports), *store]
+    client_egress = [dns, to_role("server", settings.server_port)]
+    client_ingress = [metrics_in]
+    policies = [
+        _policy(
+            ctx,
+            "server",
+            ingress=[
+                {"from": [clients], "ports": [{"protocol": "TCP", "port": settings.server_port}]},
+                metrics_in,
+            ],
+            egress=server_egress,
+        )
+    ]
+    if ctx.needs_kdc:
+        client_egress.append(to_role("kdc", settings.kdc_port))
+        policies.append(
+            _policy(
+                ctx,
+                "kdc",
+                ingress=[
+                    {"from": [clients], "ports": [{"protocol": "TCP", "port": settings.kdc_port}]},
+                    metrics_in,
+                ],
+                egress=[dns, *store],
+            )
+        )
+    if ctx.decentralized:
+        client_egress.append(to_role("client", settings.peer_port))
+        client_ingress.append(
+            {"from": [clients], "ports": [{"protocol": "TCP", "port": settings.peer_port}]}
+        )
+    policies.append(_policy(ctx, "client", ingress=client_ingress, egress=client_egress))
+    return policies
+
+
+def _anywhere(ports: tuple[int, ...]) -> dict[str, Any]:
+    return {
+        "to": [{"ipBlock": {"cidr": "0.0.0.0/0"}}, {"ipBlock": {"cidr": "::/0"}}],
+        "ports": [{"protocol": "TCP", "port": port} for port in ports],
+    }
+
+
+def _store_egress(ctx: RunContext) -> list[dict[str, Any]]:
+    """Egress to the S3 endpoint's port, when checkpoints go to S3."""
+    s3 = ctx.run.spec.checkpoint.s3
+    if s3 is None:
+        return []
+    if s3.endpoint is None:
+        return [_anywhere((443,))]
+    url = urlparse(s3.endpoint)
+    port = url.port or (443 if url.scheme == "https" else 80)
+    return [_anywhere((port,))]
+
+
+def _policy(
+    ctx: RunContext, role: str, *, ingress: list[dict[str, Any]], egress: list[dict[str, Any]]
+) -> Object:
+    return {
+        "apiVersion": "networking.k8s.io/v1",
+        "kind": "NetworkPolicy",
+        "metadata": _metadata(ctx, pod_name(ctx.name, role), role_labels(ctx.name, role)),
+        "spec": {
+            "podSelector": {"matchLabels": selector(ctx.name, role)},
+            "policyTypes": ["Ingress", "Egress"],
+            "ingress": ingress,
+            "egress": egress,
+        },
+    }
+
+
+# ------------------------------------------------------------------------------------- pods
+
+
+def kdc_pod(ctx: RunContext, *, resume: bool) -> Object:
+    """The KDC's pod (only for protocols that need one); ``resume`` reloads its saved keys."""
+    settings = ctx.settings
+    env = _listen_env(settings.kdc_port)
+    if resume:
+        env.append({"name": "FEDCORE_RESUME", "value": "1"})
+    pod = _pod(
+        ctx,
+        "kdc",
+        None,
+        ctx.run.spec.roles.kdc,
+        env=env,
+        ports=[("grpc", settings.kdc_port)],
+        ready_port="grpc",
+    )
+    pod["metadata"].setdefault("annotations", {})[RESUME_ANNOTATION] = str(resume).lower()
+    return pod
+
+
+def server_pod(ctx: RunContext, *, resume: bool) -> Object:
+    """The server's pod; ``resume`` starts it from the latest checkpoint (a recreated pod)."""
+    settings = ctx.settings
+    env = _listen_env(settings.server_port)
+    env += [
+        {"name": "FEDCORE_STATUS_RUN", "value": ctx.name},
+        {
+            "name": "FEDCORE_STATUS_NAMESPACE",
+            "valueFrom": {"fieldRef": {"fieldPath": "metadata.namespace"}},
+        },
+    ]
+    if resume:
+        env.append({"name": "FEDCORE_RESUME", "value": "1"})
+    pod = _pod(
+        ctx,
+        "server",
+        None,
+        ctx.run.spec.roles.server,
+        env=env,
+        ports=[("grpc", settings.server_port)],
+        ready_port="grpc",
+    )
+    pod["metadata"].setdefault("annotations", {})[RESUME_ANNOTATION] = str(resume).lower()
+    return pod
+
+
+def client_pod(ctx: RunContext, index: int) -> Object:
+    """Client ``index``'s pod, with a stable DNS name under the headless Service."""
+    settings = ctx.settings
+    env: list[dict[str, Any]] = [
+        {"name": "FEDCORE_CLIENT_INDEX", "value": str(index)},
+        {
+            "name": "FEDCORE_SERVER",
+            "value": f"{service_host(ctx, pod_name(ctx.name, 'server'))}:{settings.server_port}",
+        },
+    ]
+    if ctx.needs_kdc:
+        env.append(
+            {
+                "name": "FEDCORE_KDC",
+                "value": f"{service_host(ctx, pod_name(ctx.name, 'kdc'))}:{settings.kdc_port}",
+            }
+        )
+    env += _metrics_env()
+    ports = [("peer", settings.peer_port)] if ctx.decentralized else []
+    pod = _pod(ctx, "client", index, ctx.run.spec.roles.clients, env=env, ports=ports)
+    pod["spec"]["hostname"] = f"client-{index}"
+    pod["spec"]["subdomain"] = peers_service_name(ctx.name)
+    return pod
+
+
+def _listen_env(port: int) -> list[dict[str, Any]]:
+    return [
+        {"name": "POD_IP", "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}},
+        {"name": "FEDCORE_LISTEN", "value": f"$(POD_IP):{port}"},
+        *_metrics_env(include_pod_ip=False),
+    ]
+
+
+def _metrics_env(include_pod_ip: bool = True) -> list[dict[str, Any]]:
+    env = []
+    if include_pod_ip:
+        env.append({"name": "POD_IP", "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}})
+    env.append({"name": "FEDCORE_METRICS_ADDRESS", "value": "$(POD_IP)"})
+    return env
+
+
+def _pod(
+    ctx: RunContext,
+    role: str,
+    index: int | None,
+    placement: RoleSpec,
+    *,
+    env: list[dict[str, Any]],
+    ports: list[tuple[str, int]],
+    ready_port: str | None = None,
+) -> Object:
+    settings = ctx.settings
+    name = pod_name(ctx.name, role, index)
+    s3 = ctx.run.spec.checkpoint.s3
+    common_env: list[dict[str, Any]] = [
+        {"name": "FEDCORE_MANIFEST", "value": f"{MANIFEST_DIR}/{MANIFEST_FILE}"},
+        {"name": "FEDCORE_TLS_DIR", "value": TLS_DIR},
+        {"name": "FEDCORE_WORKDIR", "value": WORK_DIR},
+        {"name": "FEDCORE_METRICS_PORT", "value": str(settings.metrics_port)},
+        {"name": "HOME", "value": "/tmp"},
+        {"name": "TMPDIR", "value": "/tmp"},
+        {"name": "PYTHONDONTWRITEBYTECODE", "value": "1"},
+        *({"name": key, "value": value} for key, value in sorted(settings.extra_env.items())),
+    ]
+    container: dict[str, Any] = {
+        "name": CONTAINER,
+        "image": placement.image or settings.image,
+        "imagePullPolicy": settings.image_pull_policy,
+        "command": [settings.python, "-m", "fedcore", role],
+        "env": common_env + env,
+        "ports": [
+            {"name": port_name, "containerPort": port, "protocol": "TCP"}
+            for port_name, port in [*ports, ("metrics", settings.metrics_port)]
+        ],
+        "resources": _resources(placement),
+        "securityContext": {
+            "allowPrivilegeEscalation": False,
+            "readOnlyRootFilesystem": True,
+            "runAsNonRoot": True,
+            "privileged": False,
+            "capabilities": {"drop": ["ALL"]},
+        },
+        "volumeMounts": [
+            {"name": "tls", "mountPath": TLS_DIR, "readOnly": True},
+            {"name": "manifest", "mountPath": MANIFEST_DIR, "readOnly": True},
+            {"name": "work", "mountPath": WORK_DIR},
+            {"name": "tmp", "mountPath": "/tmp"},
+        ],
+    }
+    if s3 is not None and s3.credentials_secret and role in ("server", "kdc"):
+        container["envFrom"] = [{"secretRef": {"name": s3.credentials_secret}}]
+    if ready_port is not None:
+        container["readinessProbe"] = {
+            "tcpSocket": {"port": ready_port},
+            "periodSeconds": 2,
+            "failureThreshold": 3,
+        }
+    spec: dict[str, Any] = {
+        "restartPolicy": "Never",
+        "serviceAccountName": service_account_name(ctx.name, role),
+        "automountServiceAccountToken": role == "server",
+        "enableServiceLinks": False,
+        "terminationGracePeriodSeconds": 30,
+        "securityContext": {
+            "runAsNonRoot": True,
+            "runAsUser": settings.run_as_user,
+            "runAsGroup": settings.run_as_user,
+            "fsGroup": settings.run_as_user,
+            "seccompProfile": {"type": "RuntimeDefault"},
+        },
+        "containers": [container],
+        "volumes": [
+            {"name": "tls", "secret": {"secretName": tls_secret_name(name), "defaultMode": 0o440}},
+            {"name": "manifest", "configMap": {"name": manifest_name(ctx.name)}},
+            {"name": "work", "emptyDir": {}},
+            {"name": "tmp", "emptyDir": {}},
+        ],
+    }
+    if placement.node_selector:
+        spec["nodeSelector"] = dict(placement.node_selector)
+    if placement.tolerations:
+        spec["tolerations"] = [
+            toleration.model_dump(by_alias=True, exclude_none=True)
+            for toleration in placement.tolerations
+        ]
+    if placement.affinity:
+        spec["affinity"] = copy.deepcopy(placement.affinity)
+    pod = {
+        "apiVersion": "v1",
+        "kind": "Pod",
+        "metadata": _metadata(ctx, name, role_labels(ctx.name, role, index)),
+        "spec": spec,
+    }
+    return apply_pod_template(pod, placement.pod_template)
+
+
+def _resources(placement: RoleSpec) -> dict[str, dict[str, str]]:
+    resources: dict[str, dict[str, str]] = {}
+    if placement.resources.requests:
+        resources["requests"] = dict(placement.resources.requests)
+    if placement.resources.limits:
+        resources["limits"] = dict(placement.resources.limits)
+    if placement.gpus:
+        resources.setdefault("limits", {})["nvidia.com/gpu"] = str(placement.gpus)
+    return resources
+
+
+LOCKED_CONTAINER_SECURITY = {
+    "allowPrivilegeEscalation": False,
+    "readOnlyRootFilesystem": True,
+    "runAsNonRoot": True,
+    "privileged": False,
+}
+"""Container security settings a podTemplate cannot change."""
+
+
+def apply_pod_template(pod: Object, template: dict[str, Any]) -> Object:
+    """Merges a role's ``podTemplate`` over a built pod; the security settings stay locked.
+
+    Labels and annotations are added (the operator's own labels win), spec fields are set
+    (maps merged, lists replaced), containers merge by name (unknown names are added as
+    sidecars), and the pod- and container-level security settings that keep pods non-root
+    with a read-only root filesystem are put back afterwards.
+    """
+    if not template:
+        return pod
+    merged = copy.deepcopy(pod)
+    meta = template.get("metadata") or {}
+    for key in ("labels", "annotations"):
+        extra = meta.get(key) or {}
+        merged["metadata"][key] = {**extra, **merged["metadata"].get(key, {})}
+    spec_template = copy.deepcopy(template.get("spec") or {})
+    containers = spec_template.pop("containers", None)
+    merged["spec"] = _merge_maps(merged["spec"], spec_template)
+    if containers:
+        by_name = {container["name"]: container for container in merged["spec"]["containers"]}
+        for override in containers:
+            name = override.get("name", CONTAINER)
+            if name in by_name:
+                by_name[name].update(_merge_maps(by_name[name], override))
+            else:
+                merged["spec"]["containers"].append(override)
+    merged["spec"]["securityContext"]["runAsNonRoot"] = True
+    merged["spec"]["restartPolicy"] = "Never"
+    for container in merged["spec"]["containers"]:
+        security = container.setdefault("securityContext", {})
+        security.update(LOCKED_CONTAINER_SECURITY)
+    return merged
+
+
+def _merge_maps(base: dict[str, Any], override: dict[str, Any]) -> dict[str, Any]:
+    result = dict(base)
+    for key, value in override.items():
+        if isinstance(value, dict) and isinstance(result.get(key), dict):
+            result[key] = _merge_maps(result[key], value)
+        else:
+            result[key] = copy.deepcopy(value)
+    return result
+
+
+def static_objects(ctx: RunContext) -> list[Object]:
+    """Every owned object but the Secrets and the pods, in the order they are created."""
+    return [
+        manifest_config_map(ctx),
+        *service_accounts(ctx),
+        server_status_role(ctx),
+        server_status_role_binding(ctx),
+        *services(ctx),
+        *network_policies(ctx),
+    ]
+
+
+def run_resource_path(namespace: str, name: str) -> str:
+    """The API path of a FederatedRun."""
+    return f"/apis/{GROUP}/{VERSION}/namespaces/{namespace}/{PLURAL}/{name}"

@@ -1,0 +1,278 @@
+"""FederatedRuns that train for real: ``kubectl apply`` -> operator -> pods run by the fake kubelet.
+
+The fake kubelet runs each pod's command as a local process (its own 127.x address, its
+Secrets and ConfigMap written to files), so these runs go through the same code as on a
+cluster: the operator's objects, the roles' mutual TLS, the server's status reports.
+"""
+
+from __future__ import annotations
+
+import json
+import signal
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+from tests.integration._s3 import ACCESS_KEY, SECRET_KEY, S3Server, start_s3
+from tests.kube._operator import (
+    OperatorProcess,
+    install_crd,
+    running_operator,
+    start_operator,
+    wait_for_run,
+)
+from tests.kube.cluster import ControlPlane
+from tests.kube.kubelet import FakeKubelet
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+@pytest.fixture
+def operator(
+    control_plane: ControlPlane, kubelet: FakeKubelet, tmp_path: Path
+) -> Iterator[OperatorProcess]:
+    """A fresh operator per test (no webhook: test_operator.py covers it)."""
+    install_crd(control_plane)
+    with running_operator(control_plane, tmp_path / "operator", webhook=False) as op:
+        yield op
+
+
+def phase_is(*phases: str) -> Any:
+    return lambda run: (run.get("status") or {}).get("phase") in phases
+
+
+def debug(plane: ControlPlane, kubelet: FakeKubelet, op: OperatorProcess, ns: str, run: str) -> Any:
+    def text() -> str:
+        parts = [f"--- operator\n{op.tail(40)}"]
+        failed = [
+            pod.metadata.name
+            for pod in plane.core().list_namespaced_pod(ns).items
+            if pod.status and pod.status.phase == "Failed"
+        ]
+        for pod in dict.fromkeys([f"{run}-server", f"{run}-client-0", *failed]):
+            try:
+                parts.append(f"--- {pod}\n{kubelet.log_of(ns, pod)[-3000:]}")
+            except Exception as exc:
+                parts.append(f"--- {pod}: no log ({exc})")
+        return "\n".join(parts)
+
+    return text
+
+
+def test_quickstart_manifest_trains_to_completion_through_kubectl_apply(
+    control_plane: ControlPlane, kubelet: FakeKubelet, operator: OperatorProcess, namespace: str
+) -> None:
+    control_plane.kubectl("apply", "-n", namespace, "-f", str(ROOT / "examples/digits-fedavg.yaml"))
+    run = wait_for_run(
+        control_plane,
+        namespace,
+        "digits-fedavg",
+        phase_is("Succeeded", "Failed"),
+        timeout=240,
+        what="end",
+        debug=debug(control_plane, kubelet, operator, namespace, "digits-fedavg"),
+    )
+    status = run["status"]
+    assert status["phase"] == "Succeeded", status
+    assert status["round"] == 20 and status["progress"] == "20/20"
+    assert status["finalMetrics"]["accuracy"] > 0.8
+    assert status["finalMetrics"]["roundsCompleted"] == 20
+    assert status["lastCheckpoint"]["round"] == 20
+    assert status["roles"]["clients"]["desired"] == 10
+    assert status["restarts"] == 0
+    conditions = {c["type"]: c["status"] for c in status["conditions"]}
+    assert conditions["Complete"] == "True" and conditions["Failed"] == "False"
+    # Finished runs keep the server pod (its log) and remove what still ran.
+    assert control_plane.pod(namespace, "digits-fedavg-server") is not None
+
+
+def s3_run(name: str, s3: S3Server, bucket: str, rounds: int) -> dict[str, Any]:
+    return {
+        "apiVersion": "fedcore.dev/v1alpha1",
+        "kind": "FederatedRun",
+        "metadata": {"name": name},
+        "spec": {
+            "protocol": {"name": "fedavg"},
+            "clients": {"count": 3},
+            "rounds": rounds,
+            # Slow enough rounds that a test acts while the run is still going.
+            "training": {"batchSize": 16, "localEpochs": 4},
+            "checkpoint": {
+                "everyRounds": 1,
+                "s3": {
+                    "bucket": bucket,
+                    "endpoint": s3.endpoint,
+                    "credentialsSecret": "s3-credentials",
+                    "retrySeconds": 30,
+                },
+            },
+            "failurePolicy": {"connectTimeoutSeconds": 120},
+            "backoffLimit": 2,
+        },
+    }
+
+
+@pytest.fixture
+def s3(tmp_path: Path) -> Iterator[S3Server]:
+    server = start_s3(tmp_path / "s3")
+    try:
+        yield server
+    finally:
+        server.stop()
+
+
+def create_credentials(plane: ControlPlane, namespace: str) -> None:
+    secret = {
+        "apiVersion": "v1",
+        "kind": "Secret",
+        "metadata": {"name": "s3-credentials"},
+        "stringData": {"AWS_ACCESS_KEY_ID": ACCESS_KEY, "AWS_SECRET_ACCESS_KEY": SECRET_KEY},
+    }
+    plane.kubectl("apply", "-n", namespace, "-f", "-", input=json.dumps(secret))
+
+
+def test_killed_server_pod_is_recreated_and_resumes_from_its_checkpoint(
+    control_plane: ControlPlane,
+    kubelet: FakeKubelet,
+    operator: OperatorProcess,
+    namespace: str,
+    s3: S3Server,
+) -> None:
+    s3.client().create_bucket(Bucket="runs")  # type: ignore[attr-defined]
+    create_credentials(control_plane, namespace)
+    body = s3_run("phoenix", s3, "runs", rounds=30)
+    control_plane.kubectl("apply", "-n", namespace, "-f", "-", input=yaml.safe_dump(body))
+    show = debug(control_plane, kubelet, operator, namespace, "phoenix")
+    wait_for_run(
+        control_plane,
+        namespace,
+        "phoenix",
+        lambda r: ((r.get("status") or {}).get("lastCheckpoint") or {}).get("round", 0) >= 3,
+        timeout=180,
+        what="a checkpoint of round 3",
+        debug=show,
+    )
+    kubelet.kill(namespace, "phoenix-server", signal.SIGKILL)
+    run = wait_for_run(
+        control_plane,
+        namespace,
+        "phoenix",
+        phase_is("Succeeded", "Failed"),
+        timeout=240,
+        what="end",
+        debug=show,
+    )
+    status = run["status"]
+    assert status["phase"] == "Succeeded", (status, show())
+    assert status["restarts"] == 1
+    assert status["roles"]["server"]["failed"] == 1
+    assert status["round"] == 30
+    log = kubelet.log_of(namespace, "phoenix-server")
+    assert "Resumed from the checkpoint of round" in log, log[-2000:]
+
+
+def test_operator_killed_mid_run_comes_back_without_duplicates_or_lost_status(
+    control_plane: ControlPlane, kubelet: FakeKubelet, namespace: str, tmp_path: Path
+) -> None:
+    install_crd(control_plane)
+    first = start_operator(control_plane, tmp_path / "op", webhook=False)
+    body = yaml.safe_load((ROOT / "examples/digits-fedavg.yaml").read_text())
+    body["metadata"]["name"] = "sturdy"
+    body["spec"]["clients"]["count"] = 4
+    body["spec"]["rounds"] = 15
+    try:
+        control_plane.kubectl("apply", "-n", namespace, "-f", "-", input=yaml.safe_dump(body))
+        wait_for_run(
+            control_plane,
+            namespace,
+            "sturdy",
+            lambda r: ((r.get("status") or {}).get("round") or 0) >= 2,
+            timeout=180,
+            what="round 2",
+            debug=lambda: first.tail(),
+        )
+    finally:
+        first.stop(signal.SIGKILL)
+    time.sleep(2)
+    with running_operator(control_plane, tmp_path / "op2", webhook=False) as second:
+        run = wait_for_run(
+            control_plane,
+            namespace,
+            "sturdy",
+            phase_is("Succeeded", "Failed"),
+            timeout=240,
+            what="end",
+            debug=debug(control_plane, kubelet, second, namespace, "sturdy"),
+        )
+        status = run["status"]
+        assert status["phase"] == "Succeeded", status
+        show = debug(control_plane, kubelet, second, namespace, "sturdy")
+        assert status["restarts"] == 0, (status["roles"], show(), first.tail())
+    assert status["round"] == 15
+    pods = control_plane.core().list_namespaced_pod(namespace).items
+    names = sorted(pod.metadata.name for pod in pods)
+    assert len(names) == len(set(names))
+    assert all(name.startswith("sturdy-") for name in names)
+
+
+def test_failed_client_pod_is_recreated_and_a_suspended_run_resumes(
+    control_plane: ControlPlane,
+    kubelet: FakeKubelet,
+    operator: OperatorProcess,
+    namespace: str,
+    s3: S3Server,
+) -> None:
+    s3.client().create_bucket(Bucket="runs")  # type: ignore[attr-defined]
+    create_credentials(control_plane, namespace)
+    body = s3_run("pause", s3, "runs", rounds=40)
+    body["spec"]["clients"]["quorum"] = 2
+    control_plane.kubectl("apply", "-n", namespace, "-f", "-", input=yaml.safe_dump(body))
+    show = debug(control_plane, kubelet, operator, namespace, "pause")
+
+    def checkpoint_at_least(round_: int) -> Any:
+        return lambda r: (
+            ((r.get("status") or {}).get("lastCheckpoint") or {}).get("round", 0) >= round_
+        )
+
+    wait_for_run(control_plane, namespace, "pause", checkpoint_at_least(2), timeout=180,
+                 what="a checkpoint of round 2", debug=show)  # fmt: skip
+    kubelet.kill(namespace, "pause-client-1", signal.SIGKILL)
+    run = wait_for_run(
+        control_plane,
+        namespace,
+        "pause",
+        lambda r: (
+            ((r.get("status") or {}).get("roles") or {}).get("clients", {}).get("failed") == 1
+        ),
+        timeout=60,
+        what="the failed client counted",
+        debug=show,
+    )
+    assert run["status"]["restarts"] == 1
+    wait_for_run(control_plane, namespace, "pause", checkpoint_at_least(5), timeout=180,
+                 what="a checkpoint of round 5", debug=show)  # fmt: skip
+    patch = '{"spec": {"suspend": true}}'
+    control_plane.kubectl("patch", "-n", namespace, "frun", "pause", "--type=merge", "-p", patch)
+    run = wait_for_run(control_plane, namespace, "pause", phase_is("Suspended"), timeout=60,
+                       what="phase Suspended", debug=show)  # fmt: skip
+    deadline = time.monotonic() + 30
+    while control_plane.core().list_namespaced_pod(namespace).items:
+        assert time.monotonic() < deadline, "the suspended run's pods were not removed"
+        time.sleep(0.5)
+    suspended_round = run["status"]["lastCheckpoint"]["round"]
+    assert suspended_round < 40
+    patch = '{"spec": {"suspend": false}}'
+    control_plane.kubectl("patch", "-n", namespace, "frun", "pause", "--type=merge", "-p", patch)
+    run = wait_for_run(control_plane, namespace, "pause", phase_is("Succeeded", "Failed"),
+                       timeout=240, what="end", debug=show)  # fmt: skip
+    status = run["status"]
+    assert status["phase"] == "Succeeded", (status, show())
+    assert status["round"] == 40
+    assert status["restarts"] == 1
+    assert status["activeSeconds"] > 0
+    log = kubelet.log_of(namespace, "pause-server")
+    assert "Resumed from the checkpoint of round" in log, log[-2000:]

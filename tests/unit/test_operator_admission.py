@@ -1,0 +1,117 @@
+"""The validating webhook's rules, as pure functions (the real webhook is tested in tests/kube)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from fedcore_operator import admission
+from fedcore_operator.conditions import differs, set_condition
+
+
+def run(name: str = "demo", **spec: Any) -> dict[str, Any]:
+    body: dict[str, Any] = {
+        "apiVersion": "fedcore.dev/v1alpha1",
+        "kind": "FederatedRun",
+        "metadata": {"name": name, "namespace": "ns"},
+        "spec": {"protocol": {"name": "fedavg"}, "clients": {"count": 4}, "rounds": 3},
+    }
+    body["spec"].update(spec)
+    return body
+
+
+def test_a_valid_run_is_admitted() -> None:
+    assert admission.check(run(), None, "CREATE") == []
+
+
+@pytest.mark.parametrize(
+    ("body", "expected"),
+    [
+        (run(protocol={"name": "perturb"}), "spec.model"),
+        (run(clients={"count": 4, "quorum": 9}), "spec.clients.quorum"),
+        (run("9lives"), "metadata.name: '9lives' must start with a letter"),
+        (run("a" * 50, clients={"count": 1000}), "is too long for 1000 clients"),
+        (
+            run(roles={"server": {"podTemplate": {"spec": {"hostNetwork": True}}}}),
+            "spec.roles.server.podTemplate.spec.hostNetwork",
+        ),
+        (
+            run(
+                roles={
+                    "clients": {
+                        "podTemplate": {
+                            "spec": {
+                                "containers": [
+                                    {"name": "fedcore", "securityContext": {"privileged": True}}
+                                ]
+                            }
+                        }
+                    }
+                }
+            ),
+            "spec.roles.clients.podTemplate.spec.containers[0].securityContext.privileged",
+        ),
+        (
+            run(roles={"kdc": {"podTemplate": {"spec": {"securityContext": {"runAsUser": 0}}}}}),
+            "runAsUser 0",
+        ),
+    ],
+)
+def test_invalid_runs_are_refused_naming_the_field(body: dict[str, Any], expected: str) -> None:
+    problems = admission.check(body, None, "CREATE")
+    assert any(expected in problem for problem in problems), problems
+
+
+def with_status(body: dict[str, Any], phase: str) -> dict[str, Any]:
+    return {**body, "status": {"phase": phase}}
+
+
+def test_running_run_may_only_change_suspend_deadline_and_backoff() -> None:
+    old = with_status(run(), "Running")
+    assert admission.check(run(suspend=True, backoffLimit=2), old, "UPDATE") == []
+    problems = admission.check(run(rounds=9), old, "UPDATE")
+    assert len(problems) == 1
+    assert problems[0].startswith("spec.rounds: cannot change while the run is Running")
+    assert "suspend it first" in problems[0]
+
+
+def test_suspended_run_may_change_resume_insensitive_fields_only() -> None:
+    old = with_status(run(suspend=True), "Suspended")
+    assert admission.check(run(suspend=True, rounds=9), old, "UPDATE") == []
+    problems = admission.check(run(suspend=True, clients={"count": 5}), old, "UPDATE")
+    assert problems and problems[0].startswith("spec.clients: cannot change")
+
+
+def test_finished_run_spec_is_frozen_but_metadata_may_change() -> None:
+    old = with_status(run(), "Succeeded")
+    assert admission.check(run(), old, "UPDATE") == []
+    assert admission.check(run(rounds=4), old, "UPDATE") == [
+        "spec.rounds: the run has succeeded; its spec can no longer change (create a new run)."
+    ]
+
+
+def test_condition_time_changes_only_with_its_status() -> None:
+    first = set_condition([], "Ready", False, "Waiting", "x", 1)
+    same = set_condition(
+        [{**first[0], "lastTransitionTime": "2020-01-01T00:00:00Z"}], "Ready", False, "W", "y", 2
+    )
+    assert same[0]["lastTransitionTime"] == "2020-01-01T00:00:00Z"
+    assert same[0]["observedGeneration"] == 2
+    flipped = set_condition(same, "Ready", True, "Up", "z", 2)
+    assert flipped[0]["lastTransitionTime"] != "2020-01-01T00:00:00Z"
+    assert flipped[0]["status"] == "True"
+
+
+def test_differs_ignores_fields_the_server_added() -> None:
+    desired = {"spec": {"ports": [{"port": 1, "name": "a"}], "selector": {"x": "1"}}}
+    actual = {
+        "spec": {
+            "ports": [{"port": 1, "name": "a", "targetPort": 1}],
+            "selector": {"x": "1"},
+            "clusterIP": "10.0.0.3",
+        }
+    }
+    assert not differs(desired, actual)
+    assert differs(desired, {"spec": {"ports": [], "selector": {"x": "1"}}})
+    assert differs({"data": {"a": "1"}}, {"data": {"a": "2"}})
