@@ -6,27 +6,23 @@ import hashlib
 import json
 import logging
 import os
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from fedcore.spec import FederatedRun, FederatedRunSpec, RoleSpec, load_manifest
+from fedcore.checkpoint import Checkpointer, open_store
+from fedcore.spec import (
+    RESUME_INSENSITIVE_FIELDS,
+    FederatedRun,
+    FederatedRunSpec,
+    RoleSpec,
+    load_manifest,
+)
 from fedcore.transport import Limits, RetryPolicy, TlsBundle
 
 SERVER_SERVICE = "Server"
 KDC_SERVICE = "Kdc"
 
-RESUME_INSENSITIVE_FIELDS = (
-    "rounds",
-    "checkpoint",
-    "roles",
-    "failurePolicy",
-    "evaluation",
-    "transport",
-    "suspend",
-    "activeDeadlineSeconds",
-    "backoffLimit",
-)
-"""Spec fields a resumed run may change; every other field must match its checkpoint."""
 
 
 @dataclass(frozen=True)
@@ -106,3 +102,25 @@ def configure_logging(role: str, level: str = "INFO") -> None:
         format=f"%(asctime)s {role} %(levelname)s %(name)s: %(message)s",
         force=True,
     )
+
+
+def role_checkpointer(
+    run: FederatedRun,
+    config: RoleConfig,
+    *,
+    resume: bool,
+    on_failure: Callable[[], None],
+    factory: Callable[..., Checkpointer],
+) -> Checkpointer | None:
+    """Opens a role's checkpoints in the run's store (None: checkpoints off and no resume).
+
+    Args:
+        factory: builds the role's Checkpointer from the store, e.g. ``server_checkpointer``.
+        on_failure: counts each failed store request (the checkpoint-failure metric).
+    """
+    spec = run.spec.checkpoint
+    if spec.every_rounds == 0 and not resume:
+        return None
+    name = run.metadata.name
+    store = open_store(spec, name=name, workdir=config.workdir, on_failure=on_failure)
+    return factory(store, spec, run=name, fingerprint=spec_fingerprint(run))

@@ -21,14 +21,13 @@ from fedcore.checkpoint import (
     Checkpointer,
     S3ObjectStore,
     kdc_checkpointer,
-    open_store,
     split_tensors,
 )
 from fedcore.errors import CheckpointError, FedcoreError, MessageRejected, NotReady, RunAborted
 from fedcore.events import EventLog
 from fedcore.metrics import RoleMetrics
 from fedcore.protocols import KdcProtocol, create_protocol
-from fedcore.roles._common import KDC_SERVICE, RoleConfig, limits_of, spec_fingerprint
+from fedcore.roles._common import KDC_SERVICE, RoleConfig, limits_of, role_checkpointer
 from fedcore.spec import FederatedRun
 from fedcore.transport import CallContext, Identity, Payload, RpcServer, TlsBundle
 
@@ -119,17 +118,13 @@ class Kdc:
     # -------------------------------------------------------------------- checkpoints
 
     def _checkpointer(self) -> Checkpointer | None:
-        spec = self.run.spec.checkpoint
-        if spec.every_rounds == 0 and not self.resume:
-            return None
-        name = self.run.metadata.name
-        store = open_store(
-            spec,
-            name=name,
-            workdir=self.config.workdir,
+        return role_checkpointer(
+            self.run,
+            self.config,
+            resume=self.resume,
             on_failure=self.metrics.checkpoint_failures.inc,
+            factory=kdc_checkpointer,
         )
-        return kdc_checkpointer(store, spec, run=name, fingerprint=spec_fingerprint(self.run))
 
     def _prepare_state(self) -> None:
         """Checks the store, then resumes the latest good state or saves the initial one.

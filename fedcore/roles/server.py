@@ -18,7 +18,7 @@ from typing import Any
 
 from safetensors.numpy import save_file
 
-from fedcore.checkpoint import Checkpointer, S3ObjectStore, open_store, server_checkpointer
+from fedcore.checkpoint import Checkpointer, S3ObjectStore, server_checkpointer
 from fedcore.data import dataset_info, test_dataset
 from fedcore.errors import (
     CheckpointError,
@@ -39,7 +39,7 @@ from fedcore.roles._common import (
     choose_device,
     limit_threads,
     limits_of,
-    spec_fingerprint,
+    role_checkpointer,
 )
 from fedcore.sampling import sample_clients
 from fedcore.spec import FederatedRun, protocol_facts
@@ -471,17 +471,13 @@ class Server:
     # ------------------------------------------------------------------- checkpoints
 
     def _checkpointer(self) -> Checkpointer | None:
-        spec = self.spec.checkpoint
-        if spec.every_rounds == 0 and not self.resume:
-            return None
-        name = self.run.metadata.name
-        store = open_store(
-            spec,
-            name=name,
-            workdir=self.config.workdir,
+        return role_checkpointer(
+            self.run,
+            self.config,
+            resume=self.resume,
             on_failure=self.metrics.checkpoint_failures.inc,
+            factory=server_checkpointer,
         )
-        return server_checkpointer(store, spec, run=name, fingerprint=spec_fingerprint(self.run))
 
     def _check_store(self) -> None:
         """Fails the run before round 1 when the checkpoint store cannot be used."""

@@ -2,7 +2,13 @@
 
 from typing import TYPE_CHECKING, Any
 
-from fedcore.spec._facts import PROTOCOL_FACTS, DropoutPolicy, ProtocolFacts, protocol_facts
+from fedcore.spec._facts import (
+    PROTOCOL_FACTS,
+    RESUME_INSENSITIVE_FIELDS,
+    DropoutPolicy,
+    ProtocolFacts,
+    protocol_facts,
+)
 from fedcore.spec._models import (
     API_VERSION,
     KIND,
@@ -36,6 +42,7 @@ __all__ = [
     "API_VERSION",
     "KIND",
     "PROTOCOL_FACTS",
+    "RESUME_INSENSITIVE_FIELDS",
     "CheckpointSpec",
     "ClientsSpec",
     "DataSourceSpec",

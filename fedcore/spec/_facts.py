@@ -95,3 +95,18 @@ def protocol_facts(name: str) -> ProtocolFacts:
     except KeyError:
         known = ", ".join(sorted(PROTOCOL_FACTS))
         raise KeyError(f"Unknown protocol {name!r}; known protocols: {known}.") from None
+
+
+RESUME_INSENSITIVE_FIELDS = (
+    "rounds",
+    "checkpoint",
+    "roles",
+    "failurePolicy",
+    "evaluation",
+    "transport",
+    "suspend",
+    "activeDeadlineSeconds",
+    "backoffLimit",
+)
+"""Spec fields a resumed run may change; every other field must match its checkpoint (the
+fingerprint leaves them out, and a suspended run on Kubernetes may change them)."""

@@ -12,6 +12,7 @@ from __future__ import annotations
 from typing import Any
 
 from fedcore.errors import SpecError
+from fedcore.spec import RESUME_INSENSITIVE_FIELDS
 from fedcore_operator import objects
 from fedcore_operator.reconcile import manifest_of
 
@@ -19,13 +20,8 @@ Object = dict[str, Any]
 
 ALWAYS_MUTABLE = ("suspend", "activeDeadlineSeconds", "backoffLimit")
 """Spec fields any unfinished run may change."""
-MUTABLE_WHEN_SUSPENDED = (
-    "rounds",
-    "checkpoint",
-    "roles",
-    "failurePolicy",
-    "evaluation",
-    "transport",
+MUTABLE_WHEN_SUSPENDED = tuple(
+    field for field in RESUME_INSENSITIVE_FIELDS if field not in ALWAYS_MUTABLE
 )
 """Spec fields a suspended run may change too (they are outside the resume fingerprint)."""
 FORBIDDEN_POD_FIELDS = {

@@ -23,7 +23,6 @@ import json
 import os
 import shutil
 import signal
-import socket
 import ssl
 import subprocess
 import tempfile
@@ -42,6 +41,8 @@ from cryptography.hazmat.primitives.asymmetric import ec, rsa
 from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 from kubernetes.client.rest import ApiException
 
+from tests.integration._s3 import free_ports
+
 BIN_ENV = "FEDCORE_K8S_BIN"
 KUBECONFIG_ENV = "FEDCORE_TEST_KUBECONFIG"
 DEFAULT_BIN = Path.home() / ".cache" / "k8s-1.20.2"
@@ -52,20 +53,6 @@ NODE_LABEL = "fedcore.dev/fake-node"
 
 class ControlPlaneError(RuntimeError):
     """The control plane could not be started or used."""
-
-
-def free_ports(count: int) -> list[int]:
-    """``count`` distinct TCP ports on loopback that were free a moment ago."""
-    sockets = []
-    try:
-        for _ in range(count):
-            sock = socket.socket()
-            sock.bind(("127.0.0.1", 0))
-            sockets.append(sock)
-        return [sock.getsockname()[1] for sock in sockets]
-    finally:
-        for sock in sockets:
-            sock.close()
 
 
 def now_rfc3339() -> str:
