@@ -69,7 +69,19 @@ def test_ctrl_c_stops_every_role_and_exits_130(tmp_path: Path, spawn: str) -> No
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
+        # As from a terminal: a shell running this suite in the background makes its children
+        # ignore SIGINT, and Python keeps an inherited "ignore" (no KeyboardInterrupt at all).
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
     )
+    try:
+        _interrupt_and_check(runner, work)
+    finally:
+        if runner.poll() is None:  # never leave a 100,000-round run behind
+            runner.kill()
+            runner.communicate()
+
+
+def _interrupt_and_check(runner: subprocess.Popen[str], work: Path) -> None:
     deadline = time.monotonic() + 180
     events = work / "events.jsonl"
     while time.monotonic() < deadline and not (events.exists() and '"round"' in events.read_text()):
