@@ -4,9 +4,12 @@ Every protocol runs the same job with ``fedcore run`` (server and 10 client proc
 mutual-TLS gRPC; mpdp adds its KDC): digits, a bias-free ReLU MLP 64-64-10 in float64 with MSE
 loss (the model the perturbation protocols require), 10 IID clients, the same rounds and
 learning rate. Runs alternate protocol by protocol, ``--repeats`` times; medians are reported
-with ratios to fedsgd: median round time, bytes on the wire (the server's sent + received),
-peak memory of all processes (PSS), accuracy after the same rounds, and epsilon where the
-protocol claims DP. ``--write`` replaces the protocols section of docs/benchmarks.md.
+with ratios to fedsgd: median round time, CPU time per round of all the roles together (and of
+the server, one client and the KDC), bytes on the wire (the server's sent + received), peak
+memory of all processes (PSS), accuracy after the same rounds, and epsilon where the protocol
+claims DP. On a machine with fewer cores than processes a round is CPU-bound, so the CPU per
+round says what the round time is made of. ``--write`` replaces the protocols section of
+docs/benchmarks.md.
 """
 
 from __future__ import annotations
@@ -14,11 +17,16 @@ from __future__ import annotations
 import argparse
 import copy
 import datetime as dt
+import json
 import os
 import platform
+import re
 import statistics
+import subprocess
 import sys
 import tempfile
+import threading
+import time
 from pathlib import Path
 from typing import Any
 
@@ -26,7 +34,7 @@ import yaml
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks.spine import run_measured, write_section
+from benchmarks.spine import ROOT, tree_pss_bytes, write_section
 
 BEGIN = "<!-- protocols:begin -->"
 END = "<!-- protocols:end -->"
@@ -67,9 +75,121 @@ def manifest_for(protocol: str, folder: Path) -> Path:
     return path
 
 
+TICK = os.sysconf("SC_CLK_TCK")
+ROLE_LOG = re.compile(r"/logs/(server|kdc|client)(?:-\d+)?\.log$")
+
+
+def role_pids(workdir: Path) -> dict[int, str]:
+    """The role processes of the run in ``workdir``: pid -> server, client or kdc.
+
+    A role is recognised by the log file it holds open (``<workdir>/logs/<role>.log``), which
+    works for forked roles too, whose command line is the forkserver's.
+    """
+    found: dict[int, str] = {}
+    prefix = str(workdir)
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            for fd in os.listdir(f"/proc/{entry}/fd"):
+                target = os.readlink(f"/proc/{entry}/fd/{fd}")
+                match = ROLE_LOG.search(target)
+                if match and target.startswith(prefix):
+                    found[int(entry)] = match.group(1)
+                    break
+        except OSError:
+            continue
+    return found
+
+
+def cpu_seconds(pids: dict[int, str]) -> dict[int, float]:
+    """CPU seconds (user + system) so far of each process still alive."""
+    found: dict[int, float] = {}
+    for pid in pids:
+        try:
+            with open(f"/proc/{pid}/stat") as handle:
+                fields = handle.read().rsplit(")", 1)[1].split()
+            found[pid] = (int(fields[11]) + int(fields[12])) / TICK
+        except (OSError, IndexError, ValueError):
+            continue
+    return found
+
+
+def rounds_done(events: Path) -> int:
+    """The number of ``round`` events written so far."""
+    try:
+        with events.open(encoding="utf-8") as handle:
+            return sum(1 for line in handle if '"event": "round"' in line)
+    except OSError:
+        return 0
+
+
+def run_with_cpu(command: list[str], workdir: Path) -> tuple[dict[str, Any], float, int, dict]:
+    """Runs ``command``; returns its last-line JSON, wall seconds, peak tree PSS, and the CPU
+    seconds per round of the server, the clients (summed) and the KDC.
+
+    The CPU is read from /proc when the first round event appears and then until a role exits,
+    so start-up and shutdown are not counted: per round = difference / rounds in between.
+    """
+    started = time.perf_counter()
+    process = subprocess.Popen(
+        command, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, cwd=ROOT
+    )
+    peak = 0
+    roles: dict[int, str] = {}
+    marks: dict[str, tuple[int, dict[int, float]]] = {}
+    done = threading.Event()
+
+    def sample_memory() -> None:
+        nonlocal peak
+        while not done.is_set():
+            peak = max(peak, tree_pss_bytes(process.pid))
+            done.wait(0.05)
+
+    def sample_cpu() -> None:
+        nonlocal roles
+        events = workdir / "events.jsonl"
+        while not done.is_set() and rounds_done(events) < 1:
+            done.wait(0.01)
+        roles = role_pids(workdir)
+        marks["first"] = (rounds_done(events), cpu_seconds(roles))
+        rounds = int(BASE["spec"]["rounds"])
+        while not done.is_set():
+            count = rounds_done(events)
+            now = cpu_seconds(roles)
+            if count >= rounds or len(now) < len(roles):  # the run is finishing
+                return
+            marks["last"] = (count, now)
+            done.wait(0.02)
+
+    samplers = [
+        threading.Thread(target=sample_memory, daemon=True),
+        threading.Thread(target=sample_cpu, daemon=True),
+    ]
+    for sampler in samplers:
+        sampler.start()
+    stdout, _ = process.communicate()
+    wall = time.perf_counter() - started
+    done.set()
+    for sampler in samplers:
+        sampler.join()
+    if process.returncode != 0:
+        raise RuntimeError(f"{command} exited with {process.returncode}:\n{stdout}")
+    cpu: dict[str, float] = {}
+    if "first" in marks and "last" in marks and marks["last"][0] > marks["first"][0]:
+        (first_count, first), (last_count, last) = marks["first"], marks["last"]
+        for pid, seconds in last.items():
+            if pid in first:
+                role = roles[pid]
+                cpu[role] = cpu.get(role, 0.0) + seconds - first[pid]
+        cpu = {role: value / (last_count - first_count) for role, value in cpu.items()}
+    return json.loads(stdout.strip().splitlines()[-1]), wall, peak, cpu
+
+
 def measure(protocol: str, folder: Path, repeat: int) -> dict[str, Any]:
     """One run of ``protocol``."""
-    result, wall, peak = run_measured(
+    workdir = folder / f"{protocol}-{repeat}"
+    result, wall, peak, cpu = run_with_cpu(
         [
             sys.executable,
             "-m",
@@ -79,13 +199,19 @@ def measure(protocol: str, folder: Path, repeat: int) -> dict[str, Any]:
             "--json",
             "--quiet",
             "--workdir",
-            str(folder / f"{protocol}-{repeat}"),
-        ]
+            str(workdir),
+        ],
+        workdir,
     )
     sent = result.get("server_bytes_sent") or 0
     received = result.get("server_bytes_received") or 0
+    clients = int(BASE["spec"]["clients"]["count"])
     return {
         "median_round": result["median_round_seconds"],
+        "cpu_round": sum(cpu.values()) if cpu else None,
+        "cpu_server": cpu.get("server"),
+        "cpu_client": None if "client" not in cpu else cpu["client"] / clients,
+        "cpu_kdc": cpu.get("kdc"),
         "bytes_per_round": (sent + received) / BASE["spec"]["rounds"],
         "peak_bytes": peak,
         "accuracy": result["accuracy"],
@@ -102,14 +228,28 @@ def render(medians: dict[str, dict[str, Any]], repeats: int) -> str:
 
     base = medians["fedsgd"]
     rows = []
+    cpu_rows = []
+
+    def ms(value: float | None) -> str:
+        return "-" if value is None else f"{value * 1000:.1f}"
+
     for protocol, m in medians.items():
         epsilon = "-" if m["epsilon"] is None else f"{m['epsilon']:.3g}"
+        cpu_ratio = (
+            "-"
+            if m["cpu_round"] is None or not base["cpu_round"]
+            else f"{m['cpu_round'] / base['cpu_round']:.2f}x"
+        )
         rows.append(
             f"| {protocol} | {m['median_round'] * 1000:.1f} | "
             f"{m['median_round'] / base['median_round']:.2f}x | "
+            f"{ms(m['cpu_round'])} | {cpu_ratio} | "
             f"{m['bytes_per_round'] / 2**20:.2f} | "
             f"{m['bytes_per_round'] / base['bytes_per_round']:.1f}x | "
             f"{m['peak_bytes'] / 2**20:.0f} | {m['accuracy']:.4f} | {epsilon} |"
+        )
+        cpu_rows.append(
+            f"| {protocol} | {ms(m['cpu_server'])} | {ms(m['cpu_client'])} | {ms(m['cpu_kdc'])} |"
         )
     return "\n".join(
         [
@@ -132,13 +272,28 @@ def render(medians: dict[str, dict[str, Any]], repeats: int) -> str:
             "and dp-fedavg (local epochs like fedavg, learning rate 0.5) with clippingNorm 1 and "
             "noiseMultiplier 0.1. See the protocol pages for accuracy at meaningful budgets.",
             "",
-            "| protocol | median round (ms) | vs fedsgd | MiB per round | vs fedsgd | peak memory, "
-            "PSS (MiB) | accuracy | epsilon (delta 1e-5) |",
-            "|---|---|---|---|---|---|---|---|",
+            "| protocol | median round (ms) | vs fedsgd | CPU per round, all roles (ms) | "
+            "vs fedsgd | MiB per round | vs fedsgd | peak memory, PSS (MiB) | accuracy | "
+            "epsilon (delta 1e-5) |",
+            "|---|---|---|---|---|---|---|---|---|---|",
             *rows,
+            "",
+            "CPU per round is user plus system time of every role process between the first "
+            "and the last round event (start-up excluded), divided by the rounds in between. Per "
+            "role:",
+            "",
+            "| protocol | server (ms) | one client, mean (ms) | KDC (ms) |",
+            "|---|---|---|---|",
+            *cpu_rows,
             END,
         ]
     )
+
+
+def _median(values: list[Any]) -> Any:
+    """The median of the values that are not None (None if all are)."""
+    present = [value for value in values if value is not None]
+    return statistics.median(present) if present else None
 
 
 def main() -> None:
@@ -160,12 +315,7 @@ def main() -> None:
                     file=sys.stderr,
                 )
     medians = {
-        name: {
-            key: (
-                statistics.median(r[key] for r in results) if results[0][key] is not None else None
-            )
-            for key in results[0]
-        }
+        name: {key: _median([r[key] for r in results]) for key in results[0]}
         for name, results in runs.items()
     }
     section = render(medians, args.repeats)

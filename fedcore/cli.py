@@ -292,6 +292,73 @@ def _simulate(run: Any, *, as_json: bool) -> None:
         )
 
 
+@main.command()
+@click.argument("manifest", type=click.Path(exists=True, dir_okay=False, path_type=Path))
+@click.option(
+    "--out",
+    type=click.Path(file_okay=False, path_type=Path),
+    default=None,
+    help="The report's folder (default: runs/<name>/audit).",
+)
+@click.option(
+    "--attacks",
+    default=None,
+    help="Comma-separated attack names (default: all; see docs/audit.md).",
+)
+@click.option(
+    "--seed",
+    type=click.IntRange(0),
+    default=0,
+    show_default=True,
+    help="The attacker's randomness.",
+)
+@click.option(
+    "--rounds", type=click.IntRange(1), default=None, help="Simulate only the first ROUNDS rounds."
+)
+@click.option("--json", "as_json", is_flag=True, help="Print the report as one JSON object.")
+def audit(
+    manifest: Path,
+    out: Path | None,
+    attacks: str | None,
+    seed: int,
+    rounds: int | None,
+    as_json: bool,
+) -> None:
+    """Simulates MANIFEST with an attacker attached; writes a privacy report (Markdown, PNG)."""
+    from fedcore.audit import registered_attacks, run_audit
+    from fedcore.roles._common import limit_threads
+    from fedcore.spec import load_manifest
+
+    spec_run = load_manifest(manifest)
+    names = None if attacks is None else [a.strip() for a in attacks.split(",") if a.strip()]
+    unknown = sorted(set(names or []) - set(registered_attacks()))
+    if unknown:
+        raise click.BadParameter(
+            f"unknown attack(s) {', '.join(unknown)}; known: {', '.join(registered_attacks())}.",
+            param_hint="--attacks",
+        )
+    limit_threads(1)
+    folder = out or Path("runs") / spec_run.metadata.name / "audit"
+    report = run_audit(
+        spec_run, folder, attacks=names, seed=seed, rounds=rounds, source=str(manifest)
+    )
+    if as_json:
+        click.echo(json.dumps(report.as_json()))
+        return
+    for result in report.results:
+        verdict = result.verdict
+        if verdict is None:
+            line = f"skipped ({result.skipped})"
+        else:
+            beats = {True: "beats blind guessing", False: "does not beat blind guessing"}
+            line = (
+                f"{verdict.name} {verdict.value:.3g} [{verdict.low:.3g}, {verdict.high:.3g}]: "
+                f"{beats.get(bool(verdict.beats_chance), '')}"
+            )
+        stderr.print(f"{result.attack}: {line}", highlight=False, soft_wrap=True)
+    stderr.print(f"Report: {report.markdown}", highlight=False, soft_wrap=True)
+
+
 def _raise_interrupt(*_: Any) -> None:
     raise KeyboardInterrupt
 
@@ -308,14 +375,35 @@ def _raise_interrupt(*_: Any) -> None:
 @click.option(
     "--resume", is_flag=True, envvar="FEDCORE_RESUME", help="Start from the latest good checkpoint."
 )
-def server(listen: str, resume: bool, **options: Any) -> None:
+@click.option(
+    "--kdc",
+    "kdc_address",
+    default=None,
+    envvar="FEDCORE_KDC",
+    help="host:port of the KDC, for protocols whose server calls it (ebscfl).",
+)
+@click.option(
+    "--kdc-name",
+    default=None,
+    envvar="FEDCORE_KDC_NAME",
+    help="The name on the KDC's certificate when it differs from the host.",
+)
+def server(
+    listen: str, resume: bool, kdc_address: str | None, kdc_name: str | None, **options: Any
+) -> None:
     """Runs the server role of one run."""
     from fedcore.roles import run_server
     from fedcore.roles._common import configure_logging
 
     configure_logging("server", options["log_level"])
     with role_errors("server"):
-        run_server(role_config(options), listen=listen, resume=resume)
+        run_server(
+            role_config(options),
+            listen=listen,
+            resume=resume,
+            kdc=kdc_address,
+            server_name=kdc_name,
+        )
 
 
 @main.command()
@@ -347,25 +435,60 @@ def server(listen: str, resume: bool, **options: Any) -> None:
     envvar="FEDCORE_SERVER_NAME",
     help="The name on the server's certificate when it differs from the host.",
 )
+@click.option(
+    "--peer-listen",
+    default=None,
+    envvar="FEDCORE_PEER_LISTEN",
+    help="host:port to serve peer links on (decentralized protocols).",
+)
+@click.option(
+    "--peer",
+    "peer_addresses",
+    multiple=True,
+    metavar="INDEX=HOST:PORT",
+    help="An out-neighbour's peer address (repeat per neighbour; decentralized protocols).",
+)
+@click.option(
+    "--peer-template",
+    default=None,
+    envvar="FEDCORE_PEER_TEMPLATE",
+    help="Peer address of any client, with {index} (e.g. client-{index}.run-clients.ns.svc:7072).",
+)
 def client(
     index: int,
     server_address: str,
     kdc_address: str | None,
     server_name: str | None,
+    peer_listen: str | None,
+    peer_addresses: tuple[str, ...],
+    peer_template: str | None,
     **options: Any,
 ) -> None:
     """Runs one client role of one run."""
     from fedcore.roles import run_client
     from fedcore.roles._common import configure_logging
+    from fedcore.roles._peer_duties import PeerSettings
 
     configure_logging(f"client-{index}", options["log_level"])
     with role_errors(f"client-{index}"):
+        peers = None
+        if peer_listen is not None:
+            addresses: dict[int, str] = {}
+            for item in peer_addresses:
+                key, sep, address = item.partition("=")
+                if not sep or not key.isdigit() or not address:
+                    raise click.BadParameter(
+                        f"{item!r} is not INDEX=HOST:PORT.", param_hint="--peer"
+                    )
+                addresses[int(key)] = address
+            peers = PeerSettings(peer_listen, addresses, peer_template)
         run_client(
             role_config(options),
             index=index,
             server=server_address,
             kdc=kdc_address,
             server_name=server_name,
+            peers=peers,
         )
 
 

@@ -5,10 +5,12 @@
     FedcoreError                 root of everything fedcore raises on purpose
     ├── SpecError                a manifest is invalid (carries every issue found)
     ├── ProtocolError            a protocol's maths or preconditions failed
-    │   └── RecoveryError        a lossless protocol's recovery residual passed its bound
+    │   ├── RecoveryError        a lossless protocol's recovery residual passed its bound
+    │   └── EncodingRejected     an upload's encoding failed the protocol's verification
     ├── TransportError           a message could not be sent, received or decoded
     │   ├── MessageRejected      a peer sent a malformed, truncated or oversized message
-    │   └── NotReady             the peer cannot answer yet (e.g. keys not all registered)
+    │   ├── NotReady             the peer cannot answer yet (e.g. keys not all registered)
+    │   └── PeerLost             a decentralized protocol's neighbour went away mid-run
     ├── CheckpointError          a checkpoint could not be written or read
     ├── RoleFailed               a role process (kdc, server, client) exited with an error
     └── RunAborted               a run stopped before its last round (quorum lost, budget, ...)
@@ -66,6 +68,11 @@ class RecoveryError(ProtocolError):
         super().__init__(message)
 
 
+class EncodingRejected(ProtocolError):
+    """An upload's encoding failed the protocol's verification (e.g. ebscfl's norm or mask
+    check); the server refuses it, counts it under reason ``encoding`` and goes on."""
+
+
 class TransportError(FedcoreError):
     """A message could not be sent, received or decoded."""
 
@@ -76,6 +83,14 @@ class MessageRejected(TransportError):
 
 class NotReady(TransportError):
     """The peer cannot answer yet; the caller retries with backoff (e.g. keys still missing)."""
+
+
+class PeerLost(TransportError):
+    """A client's neighbour on the peer graph went away (or went silent) mid-run."""
+
+    def __init__(self, message: str, *, peer: int | None = None) -> None:
+        self.peer = peer
+        super().__init__(message)
 
 
 class CheckpointError(FedcoreError):

@@ -29,7 +29,7 @@ from typing import Any
 from fedcore._launch import RoleProcess, SpawnMode, start_role
 from fedcore.errors import RoleFailed, RunAborted
 from fedcore.events import EventLog, read_events
-from fedcore.spec import FederatedRun, protocol_facts
+from fedcore.spec import FederatedRun, FederatedRunSpec, peer_graph, protocol_facts
 from fedcore.transport import issue_run_bundles
 
 LOOPBACK = "127.0.0.1"
@@ -113,6 +113,25 @@ def free_port() -> int:
         return int(sock.getsockname()[1])
 
 
+def peer_arguments(spec: FederatedRunSpec) -> dict[int, list[str]]:
+    """Each client's peer options on loopback: a free port to listen on, and the address of
+    every out-neighbour (``--peer-listen``, ``--peer INDEX=HOST:PORT``)."""
+    graph, _ = peer_graph(spec)
+    ports = [free_port() for _ in range(spec.clients.count)]
+    return {
+        index: [
+            "--peer-listen",
+            f"{LOOPBACK}:{ports[index]}",
+            *(
+                item
+                for to in graph.out_neighbours(index)
+                for item in ("--peer", f"{to}={LOOPBACK}:{ports[to]}")
+            ),
+        ]
+        for index in range(spec.clients.count)
+    }
+
+
 class LocalRun:
     """Runs one FederatedRun as local processes.
 
@@ -163,9 +182,15 @@ class LocalRun:
         pki = self.workdir / "pki"
         if pki.exists():
             shutil.rmtree(pki)  # a fresh CA for every start, resumed or not
-        _, bundles = issue_run_bundles(
-            self.run.metadata.name, num_clients=self.run.spec.clients.count
+        count = self.run.spec.clients.count
+        # A decentralized run's clients also serve peer links: each certificate names its
+        # client, which is what a peer dials (fedcore.roles._peers).
+        hosts = (
+            {f"client-{i}": [f"client-{i}"] for i in range(count)}
+            if protocol_facts(self.run.spec.protocol.name).decentralized
+            else None
         )
+        _, bundles = issue_run_bundles(self.run.metadata.name, num_clients=count, hosts=hosts)
         for common_name, bundle in bundles.items():
             bundle.write(pki / common_name)
         shutil.copyfile(self.manifest, self.workdir / "manifest.yaml")
@@ -239,15 +264,19 @@ class LocalRun:
             self._ports["kdc"], self._kdc_offset = self._wait_ready(child, events)
             kdc_address = f"{LOOPBACK}:{self._ports['kdc']}"
         args, port = self._role_args("server", "server", self.events_path)
+        if kdc_address and protocol_facts(spec.protocol.name).server_uses_kdc:
+            args += ["--kdc", kdc_address, "--kdc-name", TLS_NAME]
         self._launch["server"] = (args, port, self.events_path)
         server = self._spawn("server", [*args, "--listen", f"{LOOPBACK}:0", *resume], port)
         self._ports["server"], _ = self._wait_ready(server, self.events_path)
         server_address = f"{LOOPBACK}:{self._ports['server']}"
+        peers = peer_arguments(spec) if protocol_facts(spec.protocol.name).decentralized else {}
         for index in range(spec.clients.count):
             args, port = self._role_args("client", f"client-{index}", None)
             args += ["--index", str(index), "--server", server_address, "--server-name", TLS_NAME]
             if kdc_address:
                 args += ["--kdc", kdc_address]
+            args += peers.get(index, [])
             self._spawn(f"client-{index}", args, port)
 
     # ------------------------------------------------------------------------ running
@@ -425,4 +454,6 @@ class LocalRun:
             )
         model = self.workdir / "model.safetensors"
         result.model = str(model) if model.exists() else None
+        if result.model is None and (self.workdir / "models").is_dir():
+            result.model = str(self.workdir / "models")  # each client's own (decentralized)
         return result

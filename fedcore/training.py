@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+import itertools
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -267,11 +268,14 @@ class Evaluator:
         self._batch_size = batch_size
         self._x, self._y, self._targets = _as_tensors(model, data, self._device)
 
-    def evaluate(self, weights: dict[str, np.ndarray]) -> EvalResult:
+    def evaluate(
+        self, weights: dict[str, np.ndarray], *, rows: tuple[int, int] | None = None
+    ) -> EvalResult:
         """Scores ``weights`` on the data set.
 
         Args:
             weights: the weights to score; not changed.
+            rows: score only rows [start, stop) (default: all).
 
         Returns:
             The mean loss, the accuracy and the number of examples.
@@ -281,12 +285,13 @@ class Evaluator:
         """
         set_weights(self._model, weights)
         self._model.eval()
-        n = int(self._y.shape[0])
+        first, last = (0, int(self._y.shape[0])) if rows is None else rows
+        n = last - first
         total = torch.zeros((), dtype=torch.float64, device=self._device)
         correct = torch.zeros((), dtype=torch.int64, device=self._device)
         with torch.no_grad():
-            for start in range(0, n, self._batch_size):
-                stop = start + self._batch_size
+            for start in range(first, last, self._batch_size):
+                stop = min(start + self._batch_size, last)
                 logits = self._model(self._x[start:stop])
                 labels = self._y[start:stop]
                 if self._training.loss == "MSE":
@@ -298,6 +303,30 @@ class Evaluator:
                 total += batch.to(torch.float64)
                 correct += (logits.argmax(dim=1) == labels).sum()
         return EvalResult(float(total.item()) / n, int(correct.item()) / n, n)
+
+    def evaluate_models(
+        self, models: Sequence[dict[str, np.ndarray]], parts: int = 1
+    ) -> EvalResult:
+        """Scores a protocol's models (``ServerProtocol.models()``).
+
+        One model: as ``evaluate``. Several (a clustered protocol's): the data set is ``parts``
+        equal consecutive blocks (one per data cluster, ``spec.data.clusters``); each block is
+        scored by the model with the lowest loss on it (IFCA's rule), and the result is the
+        mean over the blocks, weighted by their sizes.
+        """
+        if len(models) == 1:
+            return self.evaluate(models[0])
+        n = int(self._y.shape[0])
+        bounds = np.linspace(0, n, max(1, parts) + 1).astype(int)
+        loss = accuracy = 0.0
+        for first, last in itertools.pairwise(bounds):
+            if last <= first:
+                continue
+            scores = [self.evaluate(w, rows=(int(first), int(last))) for w in models]
+            best = min(scores, key=lambda r: r.loss)
+            loss += best.loss * best.num_examples
+            accuracy += best.accuracy * best.num_examples
+        return EvalResult(loss / n, accuracy / n, n)
 
 
 def _as_tensors(

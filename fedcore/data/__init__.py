@@ -1,5 +1,6 @@
 """Examples of a run: data sources, the train/test split and the clients' partition."""
 
+from fedcore.data._clusters import cluster_of, root_shards
 from fedcore.data._partition import (
     DIRICHLET_ATTEMPTS,
     client_dataset,
@@ -13,9 +14,11 @@ __all__ = [
     "DIRICHLET_ATTEMPTS",
     "ArrayDataset",
     "client_dataset",
+    "cluster_of",
     "dataset_info",
     "load_client_file",
     "load_split",
     "partition_indices",
+    "root_shards",
     "test_dataset",
 ]

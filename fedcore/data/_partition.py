@@ -6,6 +6,7 @@ import functools
 
 import numpy as np
 
+from fedcore.data._clusters import clustered_test, experiment_shard
 from fedcore.data._sources import ArrayDataset, load_client_file, load_split
 from fedcore.spec import DataSpec, FederatedRunSpec, PartitionSpec
 
@@ -148,18 +149,20 @@ def client_dataset(spec: FederatedRunSpec, index: int) -> ArrayDataset:
                 f"Client {index}'s file client-{index}.npz holds {len(own)} examples, fewer "
                 f"than spec.data.partition.minExamples {partition.min_examples}."
             )
-        return own
+        return experiment_shard(spec, index, own)
     train, _ = load_split(spec.data)
-    return train.subset(_shards(spec.data, count, spec.seed)[index])
+    return experiment_shard(spec, index, train.subset(_shards(spec.data, count, spec.seed)[index]))
 
 
 def test_dataset(spec: FederatedRunSpec) -> ArrayDataset:
     """Returns the held-out test split the server evaluates on.
 
+    With ``spec.data.clusters``, one relabelled copy per cluster, in cluster order.
+
     Raises:
         ValueError: if the data cannot be loaded.
     """
-    return load_split(spec.data)[1]
+    return clustered_test(spec, load_split(spec.data)[1])
 
 
 def dataset_info(spec: FederatedRunSpec) -> tuple[tuple[int, ...], int]:

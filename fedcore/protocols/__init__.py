@@ -4,15 +4,20 @@ from fedcore.protocols._base import (
     ClientProtocol,
     KdcProtocol,
     KeyChannel,
+    PeerChannel,
+    PeerClientProtocol,
     Protocol,
     RoundResult,
     ServerProtocol,
     Weights,
 )
 from fedcore.protocols._registry import create_protocol, register_protocol, registered_protocols
+from fedcore.protocols.adaptive import Adaptive
 from fedcore.protocols.dp_fedavg import DpFedAvg
+from fedcore.protocols.ebscfl import Ebscfl
 from fedcore.protocols.fedavg import FedAvg
 from fedcore.protocols.fedsgd import FedSgd
+from fedcore.protocols.lppa import Lppa
 from fedcore.protocols.mpdp import Mpdp
 from fedcore.protocols.perturb import Perturb
 
@@ -21,15 +26,23 @@ register_protocol(FedSgd.name, FedSgd)
 register_protocol(Mpdp.name, Mpdp)
 register_protocol(Perturb.name, Perturb)
 register_protocol(DpFedAvg.name, DpFedAvg)
+register_protocol(Ebscfl.name, Ebscfl)
+register_protocol(Lppa.name, Lppa)
+register_protocol(Adaptive.name, Adaptive)
 
 __all__ = [
+    "Adaptive",
     "ClientProtocol",
     "DpFedAvg",
+    "Ebscfl",
     "FedAvg",
     "FedSgd",
     "KdcProtocol",
     "KeyChannel",
+    "Lppa",
     "Mpdp",
+    "PeerChannel",
+    "PeerClientProtocol",
     "Perturb",
     "Protocol",
     "RoundResult",

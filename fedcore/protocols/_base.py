@@ -88,6 +88,22 @@ class ServerProtocol(ABC):
     def global_weights(self) -> Weights:
         """Returns the current global model, for evaluation and release (never mutated)."""
 
+    def models(self) -> list[Weights]:
+        """Returns every model the server keeps: one, or one per cluster (clustered protocols).
+
+        The server evaluates each on the data clusters where its loss is lowest and releases
+        all of them; the default is ``[global_weights()]``.
+        """
+        return [self.global_weights()]
+
+    def setup(self, kdc: KeyChannel | None) -> None:  # noqa: B027 - an optional hook
+        """Called once before the first round (again after a restart, after any restore).
+
+        Args:
+            kdc: the server's own channel to the KDC for protocols whose facts say
+                ``server_uses_kdc``, else None.
+        """
+
     @abstractmethod
     def state_dict(self) -> dict[str, Any]:
         """Returns the state an exact resume needs: JSON-able values and numpy arrays only."""
@@ -133,6 +149,68 @@ class ClientProtocol(ABC):
 
         Returns:
             The upload; its ``meta`` carries ``num_examples`` and ``loss``.
+        """
+
+
+class PeerChannel(ABC):
+    """A client protocol's direct links to its neighbours on the run's peer graph.
+
+    The role (or the simulation) provides it to decentralized protocols only; links are
+    mutually authenticated, and a client accepts messages only from its in-neighbours.
+    """
+
+    @property
+    @abstractmethod
+    def index(self) -> int:
+        """This client's index."""
+
+    @abstractmethod
+    def send(self, to: int, tag: str, payload: Payload) -> None:
+        """Queues ``payload`` for out-neighbour ``to`` under ``tag`` (returns at once).
+
+        Raises:
+            PeerLost: the link to ``to`` is gone.
+        """
+
+    @abstractmethod
+    def receive(self, sender: int, tag: str) -> Payload:
+        """Blocks for the message in-neighbour ``sender`` sent under ``tag``.
+
+        Raises:
+            PeerLost: a neighbour went away, or nothing came within the round's deadline.
+        """
+
+
+class PeerClientProtocol(ClientProtocol):
+    """The client side of a decentralized protocol: it holds the model, not the server.
+
+    Its state lives on the client, so the role checkpoints it (each client its own), restores
+    it when the coordinator resumes from an earlier round, and evaluates and releases its
+    model; the server (a coordinator) never sees a tensor of it.
+    """
+
+    @abstractmethod
+    def setup_peers(self, peers: PeerChannel) -> None:
+        """Called once before the first task, with this client's links."""
+
+    @abstractmethod
+    def completed_round(self) -> int:
+        """The last round this client's state includes (0: fresh)."""
+
+    @abstractmethod
+    def local_weights(self) -> Weights:
+        """This client's current model (evaluated and released by the role)."""
+
+    @abstractmethod
+    def state_dict(self) -> dict[str, Any]:
+        """The state an exact resume needs: JSON-able values and numpy arrays only."""
+
+    @abstractmethod
+    def load_state_dict(self, state: Mapping[str, Any] | None) -> None:
+        """Restores ``state_dict()``'s output; None starts afresh (round 0).
+
+        Raises:
+            ValueError: the state is of another protocol or does not fit the model.
         """
 
 

@@ -25,13 +25,36 @@ def weighted_mean(tensors: Sequence[Weights], weights: Sequence[float]) -> Weigh
     total = float(sum(weights))
     if not total > 0:
         raise ProtocolError(f"The averaging weights sum to {total}; a positive sum is needed.")
+    scales = [weight / total for weight in weights]
+    if len(scales) != len(tensors):
+        raise ValueError(f"{len(tensors)} uploads but {len(scales)} weights were given.")
     result: Weights = {}
+    acc = np.empty(_BLOCK, dtype=np.float64)
+    term = np.empty(_BLOCK, dtype=np.float64)
     for name, first in tensors[0].items():
-        acc = np.zeros(first.shape, dtype=np.float64)
-        for values, weight in zip(tensors, weights, strict=True):
-            acc += (weight / total) * values[name].astype(np.float64, copy=False)
-        result[name] = acc.astype(first.dtype, copy=False)
+        flats = [np.ascontiguousarray(values[name]).reshape(-1) for values in tensors]
+        out = np.empty(first.size, dtype=first.dtype)
+        # Block by block, so that the float64 accumulator and term stay in the CPU cache: the
+        # inputs are read once and the result written once (a whole-tensor float64 temporary
+        # per upload moved several times the input bytes through memory). Same operations per
+        # element, same order, so the result is bit-identical to accumulating whole tensors.
+        for start in range(0, first.size, _BLOCK):
+            stop = min(start + _BLOCK, first.size)
+            a, t = acc[: stop - start], term[: stop - start]
+            a.fill(0.0)
+            for flat, scale in zip(flats, scales, strict=True):
+                # Widen, then scale in float64: numpy's multiply with a casting input runs
+                # several times slower than this plain cast followed by a float64 multiply.
+                np.copyto(t, flat[start:stop], casting="unsafe")
+                np.multiply(t, scale, out=t)
+                np.add(a, t, out=a)
+            out[start:stop] = a
+        result[name] = out.reshape(first.shape)
     return result
+
+
+_BLOCK = 1 << 15
+"""Elements per block of weighted_mean: 2 x 256 KiB of float64 scratch, well inside L2."""
 
 
 def check_like(reference: Weights, upload: Payload, *, what: str) -> None:

@@ -68,11 +68,25 @@ def pair_seed(
     Raises:
         ProtocolError: the peer's key is invalid (e.g. of low order: an all-zero secret).
     """
-    low, high = sorted(pair)
+    shared = shared_secret(key, peer_public, pair=pair)
+    return seed_from_shared(shared, run=run, round=round, pair=pair)
+
+
+def shared_secret(key: X25519PrivateKey, peer_public: bytes, *, pair: tuple[int, int]) -> bytes:
+    """The X25519 secret of ``key`` and a peer's public key (the same for every round).
+
+    Raises:
+        ProtocolError: the peer's key is invalid (e.g. of low order: an all-zero secret).
+    """
     try:
-        shared = key.exchange(X25519PublicKey.from_public_bytes(peer_public))
+        return key.exchange(X25519PublicKey.from_public_bytes(peer_public))
     except ValueError as exc:
         raise ProtocolError(f"Key agreement with client {pair} failed: {exc}") from exc
+
+
+def seed_from_shared(shared: bytes, *, run: str, round: int, pair: tuple[int, int]) -> bytes:
+    """The pair's seed for ``round``: HKDF-SHA256 of their X25519 secret (see ``pair_seed``)."""
+    low, high = sorted(pair)
     salt = hashlib.sha256(f"{PROTOCOL_LABEL} run={run}".encode()).digest()
     info = f"{PROTOCOL_LABEL} pair-seed run={run} round={round} pair={low}-{high}".encode()
     return HKDF(algorithm=hashes.SHA256(), length=KEY_BYTES, salt=salt, info=info).derive(shared)
@@ -94,8 +108,29 @@ def keystream(key: bytes, stream: int, count: int) -> np.ndarray:
         return np.zeros(0, dtype=np.uint64)
     nonce = stream.to_bytes(8, "big") + bytes(8)
     encryptor = Cipher(algorithms.AES(key), modes.CTR(nonce)).encryptor()
-    data = encryptor.update(bytes(8 * count)) + encryptor.finalize()
-    return np.frombuffer(data, dtype="<u8").astype(np.uint64)
+    size = 8 * count
+    # CTR encrypts zeros into the keystream itself, straight into the result's buffer.
+    out = np.empty(size + _BLOCK_SLACK, dtype=np.uint8)
+    written = encryptor.update_into(_zeros(size), out.data)
+    encryptor.finalize()
+    if written != size:  # pragma: no cover - CTR is a stream mode
+        raise ProtocolError(f"AES-CTR produced {written} bytes of keystream, not {size}.")
+    return out[:size].view("<u8").astype(np.uint64, copy=False)
+
+
+_BLOCK_SLACK = 15
+"""``update_into`` needs room for one AES block less a byte beyond the data."""
+_ZEROS = np.zeros(0, dtype=np.uint8)
+
+
+def _zeros(size: int) -> memoryview:
+    """``size`` zero bytes from one shared read-only buffer, grown as needed."""
+    global _ZEROS
+    if _ZEROS.size < size:
+        zeros = np.zeros(max(size, 2 * _ZEROS.size), dtype=np.uint8)
+        zeros.flags.writeable = False
+        _ZEROS = zeros
+    return _ZEROS.data[:size]
 
 
 def mask_graph(
@@ -118,9 +153,13 @@ def mask_graph(
             json.dumps([PROTOCOL_LABEL, "graph", run, round, members]).encode()
         ).digest()
         rng = np.random.default_rng(np.frombuffer(digest, dtype="<u4").tolist())
-        for k in members:
-            others = [v for v in members if v != k]
-            for pick in rng.choice(len(others), size=degree, replace=False):
+        # Each member's picks: the ``degree`` others with the smallest uniform scores, a
+        # uniformly random subset of that size, all members drawn in one call.
+        scores = rng.random((len(members), len(members) - 1))
+        picks = np.argpartition(scores, degree - 1, axis=1)[:, :degree]
+        for row, k in enumerate(members):
+            others = members[:row] + members[row + 1 :]
+            for pick in picks[row]:
                 v = others[int(pick)]
                 neighbours[k].add(v)
                 neighbours[v].add(k)

@@ -19,6 +19,7 @@ import numpy as np
 import torch
 
 from fedcore.errors import ProtocolError
+from fedcore.protocols import _relu_mlp
 
 FRACTION_BITS = 32
 """Fractional bits of the fixed-point encoding of masked correction tensors (Hardened mode)."""
@@ -75,6 +76,22 @@ def gaussian_from_bits(bits: np.ndarray, std: float) -> np.ndarray:
     u1 = uniform_open(bits[:half])
     u2 = uniform_open(bits[half : 2 * half])
     return std * np.sqrt(-2.0 * np.log(u1)) * np.cos(2.0 * math.pi * u2)
+
+
+def gaussian_pairs_from_bits(bits: np.ndarray, std: float) -> np.ndarray:
+    """N(0, std^2) draws by Box-Muller using both of its outputs: one uint64 word per draw.
+
+    The first half of the words gives the radii, the second the angles; each pair yields the
+    independent normals radius cos(angle) and radius sin(angle). len(bits) must be even.
+    """
+    half = len(bits) // 2
+    radius = std * np.sqrt(-2.0 * np.log(uniform_open(bits[:half])))
+    angle = torch.from_numpy((2.0 * math.pi) * uniform_open(bits[half : 2 * half]))
+    draws = np.empty(2 * half)
+    # torch's vectorised cos and sin are several times faster than numpy's here.
+    np.multiply(radius, torch.cos(angle).numpy(), out=draws[:half])
+    np.multiply(radius, torch.sin(angle).numpy(), out=draws[half:])
+    return draws
 
 
 # --------------------------------------------------------------------------- MP_Server
@@ -187,12 +204,16 @@ class LocalTerms:
         psi: Psi^(2j+1), shape (n_L, *layer shape): the gradients of the Q_i scalars.
         phi: Phi^(2j+1): the gradient of the P scalar.
         terms: the n_L + 2 scalars [L^, Q_1..Q_nL, P]; the true loss is L^ - r.Q + upsilon P.
+        last_row: u = c mean(alpha h), the row that makes up the last layer's Psi:
+            Psi^(2L-1)[i] = e_i u^T (Q_i reaches the last layer through its row i only), so an
+            upload carries u alone for it; that layer's Phi is 0.
     """
 
     gradient: list[np.ndarray]
     psi: list[np.ndarray]
     phi: list[np.ndarray]
     terms: np.ndarray
+    last_row: np.ndarray
 
     def scaled(self, factor: float) -> LocalTerms:
         """Returns the terms whose recovery is ``factor`` times this one's (terms unchanged)."""
@@ -201,18 +222,28 @@ class LocalTerms:
             [factor * p for p in self.psi],
             [factor * p for p in self.phi],
             self.terms,
+            factor * self.last_row,
         )
+
+
+def last_layer_psi(row: np.ndarray, outputs: int) -> np.ndarray:
+    """Psi of the last layer from its row u: entry [i, i, :] is u, every other row is 0."""
+    psi = np.zeros((outputs, outputs, row.shape[0]), dtype=row.dtype)
+    psi[np.arange(outputs), np.arange(outputs)] = row
+    return psi
 
 
 def local_terms(
     odd: Sequence[np.ndarray], diagonals: Sequence[np.ndarray], x: torch.Tensor, y: torch.Tensor
 ) -> LocalTerms:
-    """LMT with the efficient form (digest §2.4): n_L + 2 vector-Jacobian products.
+    """LMT with the efficient form (digest §2.4): n_L + 2 vector-Jacobian products, batched.
 
     The loss is torch's ``mse_loss`` (mean over examples and outputs), as the clients' training
     loss; with c = 2 / n_L the scalars are L^ = mse(y^, t), Q_i = c mean_s(alpha_s (y^_si -
     t_si)) and P = c mean_s(alpha_s^2 / 2), and the true loss is L^ - r.Q + upsilon P as a
     function of the perturbed weights, so the true gradient is R o (dL^ - r.dQ + upsilon dP).
+    The n_L + 2 reverse passes go back through the hidden layers together
+    (``_relu_mlp.noise_term_gradients`` with one cell per output).
 
     Args:
         odd: the perturbed odd layers, float64.
@@ -221,35 +252,25 @@ def local_terms(
         y: the one-hot targets, (n, n_L).
     """
     device = x.device
-    params = [torch.tensor(w, dtype=torch.float64, device=device, requires_grad=True) for w in odd]
-    diags = [torch.tensor(d, dtype=torch.float64, device=device) for d in diagonals]
-    h = x.reshape(x.shape[0], -1).to(torch.float64)
-    targets = y.to(torch.float64)
-    for weight, diag in zip(params[:-1], diags, strict=True):
-        h = torch.relu(h @ weight.T) * diag  # the transitional layer's ReLU is a no-op (h >= 0)
-    alpha = h.sum(dim=1)
-    out = h @ params[-1].T
-    outputs = out.shape[1]
-    c = 2.0 / outputs
-    loss = torch.nn.functional.mse_loss(out, targets)
-    q = c * (alpha[:, None] * (out - targets)).mean(dim=0)
-    p = c * (alpha * alpha / 2.0).mean()
-    scalars = [loss, *q.unbind(), p]
-    grads: list[list[np.ndarray]] = []
-    for scalar in scalars:
-        # alpha does not depend on the last layer: its gradient there is zero (allow_unused).
-        parts = torch.autograd.grad(scalar, params, retain_graph=True, allow_unused=True)
-        grads.append(
-            [
-                np.zeros(w.shape) if g is None else g.detach().to("cpu").numpy()
-                for g, w in zip(parts, odd, strict=True)
-            ]
-        )
-    gradient = grads[0]
-    psi = [np.stack([grads[1 + i][j] for i in range(outputs)]) for j in range(len(odd))]
-    phi = grads[-1]
-    terms = torch.stack([t.detach() for t in scalars]).to("cpu").numpy()
-    return LocalTerms(gradient, psi, phi, terms)
+    params = [_relu_mlp.as_tensor(w, device) for w in odd]
+    diags = [_relu_mlp.as_tensor(d, device) for d in diagonals]
+    with torch.no_grad():
+        passed = _relu_mlp.forward(params, x.to(torch.float64), diags)
+        found = _relu_mlp.noise_term_gradients(params, passed, y.to(torch.float64), None)
+    outputs = int(odd[-1].shape[0])
+    last_row = _numpy(found.cell_row)
+    gradient = [_numpy(g) for g in found.loss_grads]
+    psi = [*(_numpy(g) for g in found.cell_grads), last_layer_psi(last_row, outputs)]
+    phi = [*(_numpy(g) for g in found.beta_grads), np.zeros(odd[-1].shape)]
+    terms = _numpy(
+        torch.cat([found.loss.reshape(1), found.cell_values, found.beta_value.reshape(1)])
+    )
+    return LocalTerms(gradient, psi, phi, terms, last_row)
+
+
+def _numpy(tensor: torch.Tensor) -> np.ndarray:
+    """A float64 numpy array on the CPU (a view when the tensor already is one)."""
+    return tensor.detach().to("cpu", torch.float64).numpy()
 
 
 # ------------------------------------------------------------------------- clipping, MU

@@ -15,7 +15,8 @@ from dataclasses import dataclass
 
 import numpy as np
 import torch
-import torch.nn.functional as F
+
+from fedcore.protocols import _relu_mlp
 
 
 @dataclass
@@ -172,6 +173,59 @@ def recover_gradient(
     return recovered
 
 
+def recover_upload(
+    perturbed: Sequence[np.ndarray],
+    cells: Sequence[np.ndarray],
+    cell_row: np.ndarray,
+    beta: Sequence[np.ndarray],
+    secrets: RoundSecrets,
+    *,
+    factors: Sequence[np.ndarray] | None = None,
+) -> list[np.ndarray]:
+    """``recover_gradient`` for the stacked form a client uploads (``PerturbedTerms``).
+
+    Hidden layers: R o (G^^ - sum_s gamma_s cells[s] + v beta). The last layer's cell terms are
+    C[:, s] u^T and sum_s gamma_s C[:, s] = r, so there it is R o (G^^ - r u^T).
+
+    Args:
+        perturbed: G^^(l) for l = 1..L.
+        cells: the cell terms of the hidden layers, each (m, n_l, n_(l-1)).
+        cell_row: u, shape (n_(L-1),).
+        beta: beta^(l) for l = 1..L-1.
+        secrets: the round's secrets.
+        factors: ``secrets.scale_factors()``, when the caller already has them.
+
+    Raises:
+        ValueError: the counts or shapes do not match the secrets.
+    """
+    factors = secrets.scale_factors() if factors is None else factors
+    _check_layers(perturbed, factors)
+    hidden = len(factors) - 1
+    expected = [(secrets.cells, *factor.shape) for factor in factors[:-1]]
+    if (
+        [tuple(c.shape) for c in cells] != expected
+        or cell_row.shape != (factors[-1].shape[1],)
+        or len(beta) != hidden
+    ):
+        raise ValueError(
+            f"The recovery needs cell terms of shapes {expected}, a row of "
+            f"{factors[-1].shape[1]} and {hidden} beta terms."
+        )
+    v = secrets.shift_norm_sq()
+    recovered = []
+    for layer in range(hidden):
+        terms = cells[layer]
+        mixed = (secrets.cell_scales @ terms.reshape(terms.shape[0], -1)).reshape(terms.shape[1:])
+        inner = perturbed[layer] - mixed
+        inner += v * beta[layer]
+        inner *= factors[layer]
+        recovered.append(inner)
+    last = perturbed[-1] - np.outer(secrets.output_shift(), cell_row)
+    last *= factors[-1]
+    recovered.append(last)
+    return recovered
+
+
 def recover_value(
     perturbed: float, cell_values: Sequence[float], beta_value: float, secrets: RoundSecrets
 ) -> float:
@@ -240,7 +294,11 @@ class PerturbedTerms:
         loss_grad: dF^/dW^^(l) for l = 1..L.
         cell_values: f_s = k * mean(alpha * c_s) for s = 1..m, with k = 2/n_L the factor that
             turns the per-sample ½||.||² into ``F.mse_loss``.
-        cell_grads: df_s/dW^^(l), indexed [s][l] (sigma~_s scaled by k).
+        cells: df_s/dW^^(l) for the hidden layers l = 1..L-1, each of shape (m, n_l, n_(l-1))
+            (sigma~_s scaled by k, stacked over the cells).
+        cell_row: u = k mean(alpha h^(L-1)), shape (n_(L-1),): the last layer's cell terms are
+            rank one, df_s/dW^^(L) = C[:, s] u^T with C[i, s] = r^(a)_i if s(i) = s, else 0.
+        contraction: C, shape (n_L, m).
         beta_value: f_beta = k * mean(alpha² / 2).
         beta_grads: df_beta/dW^^(l) for l = 1..L-1 (beta scaled by k; 0 on the last layer).
     """
@@ -248,9 +306,22 @@ class PerturbedTerms:
     loss: float
     loss_grad: list[np.ndarray]
     cell_values: list[float]
-    cell_grads: list[list[np.ndarray]]
+    cells: list[np.ndarray]
+    cell_row: np.ndarray
+    contraction: np.ndarray
     beta_value: float
     beta_grads: list[np.ndarray]
+
+    @property
+    def cell_grads(self) -> list[list[np.ndarray]]:
+        """df_s/dW^^(l) indexed [s][l], every layer written out (the hidden ones are views)."""
+        return [
+            [
+                *(layer[cell] for layer in self.cells),
+                np.outer(self.contraction[:, cell], self.cell_row),
+            ]
+            for cell in range(self.contraction.shape[1])
+        ]
 
 
 def perturbed_terms(
@@ -261,13 +332,13 @@ def perturbed_terms(
     cell_of_output: torch.Tensor,
     cells: int,
 ) -> PerturbedTerms:
-    """Computes a client's upload maths with m+2 reverse passes (digest 001, §2.3).
+    """Computes a client's upload maths: the m+2 reverse passes, batched (digest 001, §2.3).
 
     With c_s = sum_{i in I_s} r^(a)_i (y^_i - y_i) per sample, sigma~_s = d(alpha c_s)/dW^^ and
     beta = d(alpha²/2)/dW^^, so each is one vector-Jacobian product over the whole batch; no
-    per-sample or per-output Jacobian is formed. alpha and c_s are not detached: the product
-    rule needs both. All three kinds are scaled alike (k = 2/n_L), so the recovery returns the
-    gradient of ``F.mse_loss`` itself.
+    per-sample or per-output Jacobian is formed, and the m+2 products go back through the
+    hidden layers together (``_relu_mlp.noise_term_gradients``). All three kinds are scaled
+    alike (k = 2/n_L), so the recovery returns the gradient of ``F.mse_loss`` itself.
 
     Args:
         weights: W^^(l) for l = 1..L, of shape (n_l, n_{l-1}); not changed.
@@ -280,34 +351,28 @@ def perturbed_terms(
     Returns:
         The values and gradients, as float64 numpy arrays on the CPU.
     """
-    params = [weight.detach().clone().requires_grad_(True) for weight in weights]
-    hidden = features.flatten(1)
-    for weight in params[:-1]:
-        hidden = torch.relu(F.linear(hidden, weight))
-    alpha = hidden.sum(dim=1)
-    outputs = F.linear(hidden, params[-1])
-    factor = 2.0 / outputs.shape[1]
-    loss = F.mse_loss(outputs, targets)
-    contraction = torch.zeros((outputs.shape[1], cells), dtype=outputs.dtype, device=outputs.device)
-    contraction[torch.arange(outputs.shape[1], device=outputs.device), cell_of_output] = (
-        output_noise
-    )
-    cell_residuals = (outputs - targets) @ contraction
-    cell_values = factor * (alpha[:, None] * cell_residuals).mean(dim=0)
-    beta_value = factor * 0.5 * (alpha * alpha).mean()
-
-    def grad(value: torch.Tensor, inputs: Sequence[torch.Tensor]) -> list[np.ndarray]:
-        found = torch.autograd.grad(value, list(inputs), retain_graph=True)
-        return [tensor.detach().to("cpu", torch.float64).numpy() for tensor in found]
-
+    outputs = int(weights[-1].shape[0])
+    table = np.zeros((outputs, cells))
+    table[np.arange(outputs), cell_of_output.cpu().numpy()] = output_noise.cpu().numpy()
+    contraction = torch.from_numpy(table).to(weights[-1].device)
+    with torch.no_grad():
+        passed = _relu_mlp.forward(weights, features)
+        terms = _relu_mlp.noise_term_gradients(weights, passed, targets, contraction)
     return PerturbedTerms(
-        loss=float(loss.item()),
-        loss_grad=grad(loss, params),
-        cell_values=[float(value) for value in cell_values.detach().cpu()],
-        cell_grads=[grad(cell_values[cell], params) for cell in range(cells)],
-        beta_value=float(beta_value.item()),
-        beta_grads=grad(beta_value, params[:-1]),
+        loss=float(terms.loss),
+        loss_grad=[_numpy(g) for g in terms.loss_grads],
+        cell_values=[float(value) for value in _numpy(terms.cell_values)],
+        cells=[_numpy(g) for g in terms.cell_grads],
+        cell_row=_numpy(terms.cell_row),
+        contraction=table,
+        beta_value=float(terms.beta_value),
+        beta_grads=[_numpy(g) for g in terms.beta_grads],
     )
+
+
+def _numpy(tensor: torch.Tensor) -> np.ndarray:
+    """A float64 numpy array on the CPU (a view when the tensor already is one)."""
+    return tensor.detach().to("cpu", torch.float64).numpy()
 
 
 def _check_layers(layers: Sequence[np.ndarray], factors: Sequence[np.ndarray]) -> None:

@@ -103,7 +103,22 @@ class FedAvg(Protocol):
     name = "fedavg"
 
     def create_server(self, spec: FederatedRunSpec, initial: Weights) -> ServerProtocol:
-        return ModelAveragingServer(initial, weighting=spec.protocol.fedavg.weighting)
+        options = spec.protocol.fedavg
+        if options.aggregator == "Mean" and options.clusters == 1:
+            return ModelAveragingServer(initial, weighting=options.weighting)
+        from fedcore.protocols.robust import RobustAveragingServer, root_learner
+
+        fltrust = options.aggregator == "FLTrust"
+        root = root_learner(spec, options.root_examples) if fltrust else None
+        return RobustAveragingServer(initial, options=options, root=root, seed=spec.seed)
 
     def create_client(self, spec: FederatedRunSpec, index: int) -> ClientProtocol:
-        return LocalTrainingClient()
+        from fedcore.poisoning import attack_of
+
+        attack = attack_of(spec, index)
+        if spec.protocol.fedavg.clusters == 1 and attack not in {"SignFlip", "Scale"}:
+            return LocalTrainingClient()
+        from fedcore.protocols.robust import RobustTrainingClient
+
+        scale = 1.0 if spec.attack is None else spec.attack.scale
+        return RobustTrainingClient(attack=attack, scale=scale)

@@ -53,15 +53,23 @@ PUBLIC_KEY_KIND = "x25519-public-key"
 
 
 def _layout(widths: Sequence[int], hardened: bool) -> dict[str, tuple[tuple[int, ...], str]]:
-    """The upload's tensors: name -> (shape, dtype), per odd layer j and the loss scalars."""
+    """The upload's tensors: name -> (shape, dtype), per odd layer j and the loss scalars.
+
+    The last layer's Psi travels as its row u (``LocalTerms.last_row``), its Phi (always 0) not
+    at all: the server rebuilds both.
+    """
     masked = "uint64" if hardened else "float64"
     outputs = widths[-1]
+    layers = len(widths) - 1
     layout: dict[str, tuple[tuple[int, ...], str]] = {}
-    for j in range(len(widths) - 1):
+    for j in range(layers):
         shape = (widths[j + 1], widths[j])
         layout[f"g.{j}"] = (shape, "float64")
-        layout[f"psi.{j}"] = ((outputs, *shape), masked)
-        layout[f"phi.{j}"] = (shape, masked)
+        if j < layers - 1:
+            layout[f"psi.{j}"] = ((outputs, *shape), masked)
+            layout[f"phi.{j}"] = (shape, masked)
+        else:
+            layout[f"psi.{j}"] = ((widths[j],), masked)
     layout["terms"] = ((outputs + 2,), masked)
     return layout
 
@@ -227,10 +235,14 @@ class MpdpServer(ServerProtocol):
             for name, (_, dtype) in self._layout.items()
         }
         layers = len(self._names)
+        last = layers - 1
         gradients = maths.recover(
             [means[f"g.{j}"] for j in range(layers)],
-            [means[f"psi.{j}"] for j in range(layers)],
-            [means[f"phi.{j}"] for j in range(layers)],
+            [
+                *(means[f"psi.{j}"] for j in range(last)),
+                maths.last_layer_psi(means[f"psi.{last}"], self._widths[-1]),
+            ],
+            [*(means[f"phi.{j}"] for j in range(last)), np.zeros(means[f"g.{last}"].shape)],
             secret,
         )
         step = self._learning_rate
@@ -271,6 +283,11 @@ class MpdpClient(ClientProtocol):
         self._hardened = options.mode == "Hardened"
         self._key: X25519PrivateKey | None = None
         self._secret: bytes | None = None
+        self._public = b""
+        self._checked: set[bytes] = set()
+        """Public keys already found valid (checked once, not every round)."""
+        self._shared: dict[bytes, bytes] = {}
+        """X25519 secrets with the peers' public keys: one exchange per peer key, not per round."""
 
     def setup(self, kdc: KeyChannel | None) -> None:
         """Makes this client's X25519 key pair and noise secret; registers the public key.
@@ -282,6 +299,9 @@ class MpdpClient(ClientProtocol):
             raise ProtocolError("mpdp needs a KDC to relay the clients' public keys.")
         self._key = keys_.new_private_key()
         self._secret = os.urandom(keys_.KEY_BYTES)
+        self._public = keys_.public_bytes(self._key)
+        self._checked = set()
+        self._shared = {}
         public = np.frombuffer(keys_.public_bytes(self._key), dtype=np.uint8).copy()
         kdc.submit(Payload(meta={"kind": PUBLIC_KEY_KIND}, tensors={"public_key": public}))
 
@@ -312,11 +332,17 @@ class MpdpClient(ClientProtocol):
             )
             if bound > options.clipping_norm:
                 terms = terms.scaled(options.clipping_norm / bound)
-        sizes = [g.size for g in terms.gradient]
+        hidden = len(terms.gradient) - 1
         gradient = np.concatenate([g.ravel() for g in terms.gradient])
-        gradient = gradient + self._own_noise(run, round, gradient.size)
+        if options.client_noise_std > 0:
+            gradient += self._own_noise(run, round, gradient.size)
         corrections = np.concatenate(
-            [*(p.ravel() for p in terms.psi), *(f.ravel() for f in terms.phi), terms.terms]
+            [
+                *(p.ravel() for p in terms.psi[:hidden]),
+                terms.last_row,
+                *(f.ravel() for f in terms.phi[:hidden]),
+                terms.terms,
+            ]
         )
         words = (
             maths.encode_fixed(corrections, parties=len(participants))
@@ -331,20 +357,20 @@ class MpdpClient(ClientProtocol):
             round=round,
         )
         for peer in graph[self._index]:
-            seed = keys_.pair_seed(
-                self._key,
-                public_keys[peer],
-                run=run,
-                round=round,
-                pair=(self._index, peer),
-            )
-            sign = 1.0 if self._index < peer else -1.0
+            seed = self._pair_seed(public_keys[peer], run=run, round=round, peer=peer)
+            adds = self._index < peer  # the lower index adds the masks, the higher subtracts
             delta = self._noise(seed, keys_.STREAM_DELTA, gradient.size, options.pairwise_noise_std)
-            gradient = gradient + sign * delta
+            if adds:
+                gradient += delta
+            else:
+                gradient -= delta
             if self._hardened:
                 mask = keys_.keystream(seed, keys_.STREAM_CORRECTIONS, words.size)
-                words = words + mask if sign > 0 else words - mask
-        tensors = _unpack(gradient, sizes, words, terms)
+                if adds:
+                    words += mask  # wraps mod 2^64, as the server's sum does
+                else:
+                    words -= mask
+        tensors = _unpack(gradient, words, terms)
         return Payload(
             meta={
                 "num_examples": learner.num_examples,
@@ -375,12 +401,23 @@ class MpdpClient(ClientProtocol):
             if not 0 <= k < table.shape[0]:
                 raise ProtocolError(f"The KDC sent no public key for client {k}.")
             found[k] = bytes(table[k].astype(np.uint8))
-            keys_.check_public_key(found[k])
-        if found[self._index] != keys_.public_bytes(self._key):
+            if found[k] not in self._checked:
+                keys_.check_public_key(found[k])
+                self._checked.add(found[k])
+        if found[self._index] != self._public:
             raise ProtocolError(
                 f"The KDC relays another public key for client {self._index} than its own."
             )
         return session, found
+
+    def _pair_seed(self, peer_public: bytes, *, run: str, round: int, peer: int) -> bytes:
+        """The pair seed with ``peer`` for ``round`` (its X25519 secret computed once per key)."""
+        assert self._key is not None
+        shared = self._shared.get(peer_public)
+        if shared is None:
+            shared = keys_.shared_secret(self._key, peer_public, pair=(self._index, peer))
+            self._shared[peer_public] = shared
+        return keys_.seed_from_shared(shared, run=run, round=round, pair=(self._index, peer))
 
     def _own_noise(self, run: str, round: int, size: int) -> np.ndarray:
         """eta: this client's DP noise, the same in every attempt of a round."""
@@ -394,7 +431,8 @@ class MpdpClient(ClientProtocol):
     def _noise(self, key: bytes, stream: int, size: int, std: float) -> np.ndarray:
         """Faithful: DN(std, 1) (uniform magnitude, random sign); Hardened: N(0, std^2)."""
         if self._hardened:
-            return maths.gaussian_from_bits(keys_.keystream(key, stream, 2 * size), std)
+            bits = keys_.keystream(key, stream, size + size % 2)
+            return maths.gaussian_pairs_from_bits(bits, std)[:size]
         return maths.dn_from_bits(keys_.keystream(key, stream, size), std)
 
 
@@ -541,7 +579,12 @@ def _check_tensors(
                 f"The {what}'s tensor {name!r} is {got.dtype}{list(got.shape)}; expected "
                 f"{dtype}{list(shape)}."
             )
-        if got.dtype.kind == "f" and not np.all(np.isfinite(got)):
+        # A finite sum proves every entry finite; only an overflowing or bad one is scanned.
+        if (
+            got.dtype.kind == "f"
+            and not math.isfinite(float(got.sum()))
+            and not np.all(np.isfinite(got))
+        ):
             raise ProtocolError(f"The {what}'s tensor {name!r} holds NaN or infinite values.")
 
 
@@ -559,19 +602,23 @@ def _mean(name: str, dtype: str, uploads: Sequence[Payload]) -> np.ndarray:
 
 
 def _unpack(
-    gradient: np.ndarray, sizes: Sequence[int], words: np.ndarray, terms: maths.LocalTerms
+    gradient: np.ndarray, words: np.ndarray, terms: maths.LocalTerms
 ) -> dict[str, np.ndarray]:
     """Cuts the flat masked vectors back into the upload's named tensors (``_layout``'s order).
 
-    ``words`` holds every Psi, then every Phi, then the loss scalars, as the client packed them.
+    ``words`` holds every hidden layer's Psi, the last layer's row u, every hidden layer's Phi,
+    then the loss scalars, as the client packed them.
     """
-    offsets = np.cumsum([0, *sizes])
-    psi_at = np.cumsum([0, *(p.size for p in terms.psi)])
-    phi_at = psi_at[-1] + np.cumsum([0, *(f.size for f in terms.phi)])
+    hidden = len(terms.gradient) - 1
+    offsets = np.cumsum([0, *(g.size for g in terms.gradient)])
+    psi_shapes = [*(p.shape for p in terms.psi[:hidden]), terms.last_row.shape]
+    psi_at = np.cumsum([0, *(math.prod(shape) for shape in psi_shapes)])
+    phi_at = psi_at[-1] + np.cumsum([0, *(f.size for f in terms.phi[:hidden])])
     tensors: dict[str, np.ndarray] = {}
-    for j, (g, psi, phi) in enumerate(zip(terms.gradient, terms.psi, terms.phi, strict=True)):
+    for j, g in enumerate(terms.gradient):
         tensors[f"g.{j}"] = gradient[offsets[j] : offsets[j + 1]].reshape(g.shape)
-        tensors[f"psi.{j}"] = words[psi_at[j] : psi_at[j + 1]].reshape(psi.shape)
-        tensors[f"phi.{j}"] = words[phi_at[j] : phi_at[j + 1]].reshape(phi.shape)
+        tensors[f"psi.{j}"] = words[psi_at[j] : psi_at[j + 1]].reshape(psi_shapes[j])
+        if j < hidden:
+            tensors[f"phi.{j}"] = words[phi_at[j] : phi_at[j + 1]].reshape(terms.phi[j].shape)
     tensors["terms"] = words[phi_at[-1] :]
     return tensors

@@ -33,6 +33,7 @@ import torch
 
 from fedcore.errors import ProtocolError, RecoveryError
 from fedcore.privacy import noise_generator
+from fedcore.protocols import _relu_mlp
 from fedcore.protocols._base import ClientProtocol, Protocol, RoundResult, ServerProtocol, Weights
 from fedcore.protocols._maths import check_like, example_count
 from fedcore.protocols._perturb_maths import (
@@ -41,7 +42,7 @@ from fedcore.protocols._perturb_maths import (
     draw_secrets,
     perturb_weights,
     perturbed_terms,
-    recover_gradient,
+    recover_upload,
     recover_value,
 )
 from fedcore.protocols.fedsgd import GradientStepServer
@@ -61,9 +62,13 @@ def grad_name(weight: str) -> str:
     return f"grad/{weight}"
 
 
-def cell_name(cell: int, weight: str) -> str:
-    """The upload's name for the cell term sigma~_s of ``weight`` (cells from 0)."""
-    return f"cell/{cell}/{weight}"
+def cells_name(weight: str) -> str:
+    """The upload's name for the cell terms of ``weight``.
+
+    For a hidden layer, sigma~_s for every cell s, stacked: shape (m, *weight's shape). For the
+    last layer, whose cell terms are rank one (C[:, s] u^T), only the row u (``PerturbedTerms``).
+    """
+    return f"cells/{weight}"
 
 
 def beta_name(weight: str) -> str:
@@ -135,12 +140,7 @@ class PerturbServer(GradientStepServer):
         self._secure_secrets = secure_secrets
         self._seed = seed
         self._round: _Round | None = None
-        names = list(initial)
-        template: Weights = {grad_name(n): initial[n] for n in names}
-        for cell in range(self._cells):
-            template.update({cell_name(cell, n): initial[n] for n in names})
-        template.update({beta_name(n): initial[n] for n in names[:-1]})
-        self._upload_template = template
+        self._upload_template = _upload_layout(initial, self._cells)
         if not secure_secrets:
             warnings.warn(
                 "perturb draws its secrets from a generator seeded by spec.seed "
@@ -205,7 +205,7 @@ class PerturbServer(GradientStepServer):
             raise ProtocolError(f"The {what} is for a round that is not open.")
         if client not in planned.clients:
             raise ProtocolError(f"The {what} comes from a client that was not planned.")
-        check_like(self._upload_template, upload, what=what)
+        _check_tensors(self._upload_template, upload, what=what)
         example_count(upload, what=what)
         _finite(upload.meta.get("loss"), f"The {what} reports loss")
         _finite(upload.meta.get("beta_value"), f"The {what} reports beta_value")
@@ -245,46 +245,68 @@ class PerturbServer(GradientStepServer):
         unplanned = sorted(set(uploads) - planned.clients)
         if unplanned:
             raise ProtocolError(f"Round {round} has uploads of unplanned clients {unplanned}.")
-        secrets = planned.secrets
         names = list(self._weights)
         true = [self._weights[n] for n in names]
         recovered: dict[int, Payload] = {}
         worst = 0.0
-        for client in sorted(uploads):
-            upload = uploads[client]
-            tensors = upload.tensors
-            gradient = recover_gradient(
-                [tensors[grad_name(n)] for n in names],
-                [[tensors[cell_name(s, n)] for n in names] for s in range(self._cells)],
-                [tensors[beta_name(n)] for n in names[:-1]],
-                secrets,
-            )
-            residual = balance_residual(true, gradient)
-            if not residual <= self._residual_bound:
-                raise RecoveryError(
-                    f"Round {round}: the gradient recovered from client {client}'s upload fails "
-                    f"the neuron-balance check: residual {residual:.3e} is over the bound "
-                    f"{self._residual_bound:.3e} (spec.protocol.perturb.residualBound). The "
-                    f"secrets or the upload are wrong, or precision was lost; the run stops.",
-                    round=round,
-                    residual=residual,
-                    bound=self._residual_bound,
+        factors = planned.secrets.scale_factors()  # secret too: zeroised below
+        try:
+            for client in sorted(uploads):
+                recovered[client], residual = self._recover_one(
+                    round, client, uploads[client], true, factors
                 )
-            worst = max(worst, residual)
-            loss = recover_value(
-                float(upload.meta["loss"]),
-                [float(value) for value in upload.meta["cell_values"]],
-                float(upload.meta["beta_value"]),
-                secrets,
-            )
-            recovered[client] = Payload(
-                meta={
-                    "num_examples": example_count(upload, what=f"upload of client {client}"),
-                    "loss": loss,
-                },
-                tensors=dict(zip(names, gradient, strict=True)),
-            )
+                worst = max(worst, residual)
+        finally:
+            for factor in factors:
+                factor.fill(0.0)
         return recovered, worst
+
+    def _recover_one(
+        self,
+        round: int,
+        client: int,
+        upload: Payload,
+        true: Sequence[np.ndarray],
+        factors: Sequence[np.ndarray],
+    ) -> tuple[Payload, float]:
+        """Recovers and checks one upload; returns fedsgd's upload and the residual."""
+        assert self._round is not None
+        secrets = self._round.secrets
+        names = list(self._weights)
+        tensors = upload.tensors
+        gradient = recover_upload(
+            [tensors[grad_name(n)] for n in names],
+            [tensors[cells_name(n)] for n in names[:-1]],
+            tensors[cells_name(names[-1])],
+            [tensors[beta_name(n)] for n in names[:-1]],
+            secrets,
+            factors=factors,
+        )
+        residual = balance_residual(true, gradient)
+        if not residual <= self._residual_bound:
+            raise RecoveryError(
+                f"Round {round}: the gradient recovered from client {client}'s upload fails "
+                f"the neuron-balance check: residual {residual:.3e} is over the bound "
+                f"{self._residual_bound:.3e} (spec.protocol.perturb.residualBound). The "
+                f"secrets or the upload are wrong, or precision was lost; the run stops.",
+                round=round,
+                residual=residual,
+                bound=self._residual_bound,
+            )
+        loss = recover_value(
+            float(upload.meta["loss"]),
+            [float(value) for value in upload.meta["cell_values"]],
+            float(upload.meta["beta_value"]),
+            secrets,
+        )
+        payload = Payload(
+            meta={
+                "num_examples": example_count(upload, what=f"upload of client {client}"),
+                "loss": loss,
+            },
+            tensors=dict(zip(names, gradient, strict=True)),
+        )
+        return payload, residual
 
     def combine(
         self, round: int, uploads: Mapping[int, Payload], failures: Sequence[int]
@@ -316,6 +338,10 @@ class PerturbServer(GradientStepServer):
 class PerturbClient(ClientProtocol):
     """Computes the gradient and the noise terms at the perturbed model it receives."""
 
+    def __init__(self) -> None:
+        self._shapes: tuple[object, dict[str, tuple[int, ...]]] | None = None
+        """The model's weight shapes, read once per model (``state_dict`` is slow)."""
+
     def compute_upload(
         self, round: int, instruction: Payload, learner: LocalLearner, keys: Payload | None
     ) -> Payload:
@@ -325,7 +351,10 @@ class PerturbClient(ClientProtocol):
             ProtocolError: the instruction does not fit the learner's model, or the model is
                 not float64.
         """
-        weights, noise, cell_of_output, cells = _read_instruction(instruction, learner)
+        if self._shapes is None or self._shapes[0] is not learner.model:
+            shapes = {name: tuple(t.shape) for name, t in learner.model.state_dict().items()}
+            self._shapes = (learner.model, shapes)
+        weights, noise, cell_of_output, cells = _read_instruction(instruction, self._shapes[1])
         device = learner.features.device
         dtype = learner.features.dtype
         if dtype != torch.float64:
@@ -333,7 +362,7 @@ class PerturbClient(ClientProtocol):
                 f"perturb computes in float64, but the client's data and model are {dtype}."
             )
         terms = perturbed_terms(
-            [torch.from_numpy(np.array(w, copy=True)).to(device) for w in weights.values()],
+            [_relu_mlp.as_tensor(w, device) for w in weights.values()],
             learner.features,
             learner.targets,
             torch.from_numpy(noise).to(device),
@@ -344,8 +373,8 @@ class PerturbClient(ClientProtocol):
         tensors: dict[str, np.ndarray] = {
             grad_name(n): g for n, g in zip(names, terms.loss_grad, strict=True)
         }
-        for cell, grads in enumerate(terms.cell_grads):
-            tensors.update({cell_name(cell, n): g for n, g in zip(names, grads, strict=True)})
+        tensors.update({cells_name(n): g for n, g in zip(names[:-1], terms.cells, strict=True)})
+        tensors[cells_name(names[-1])] = terms.cell_row
         tensors.update({beta_name(n): g for n, g in zip(names[:-1], terms.beta_grads, strict=True)})
         return Payload(
             meta={
@@ -381,6 +410,34 @@ class Perturb(Protocol):
         return PerturbClient()
 
 
+def _upload_layout(initial: Weights, cells: int) -> Weights:
+    """Arrays of the shapes and dtype of an upload's tensors, in its order (see ``cells_name``)."""
+    names = list(initial)
+    layout: Weights = {grad_name(n): np.zeros_like(initial[n]) for n in names}
+    layout.update({cells_name(n): np.zeros((cells, *initial[n].shape)) for n in names[:-1]})
+    layout[cells_name(names[-1])] = np.zeros(initial[names[-1]].shape[1])
+    layout.update({beta_name(n): np.zeros_like(initial[n]) for n in names[:-1]})
+    return layout
+
+
+def _check_tensors(layout: Weights, upload: Payload, *, what: str) -> None:
+    """``check_like``, with finiteness read off one sum per tensor on the way that passes.
+
+    A NaN or an infinity makes the sum non-finite; a finite sum therefore proves every entry
+    finite, and anything else goes to ``check_like``, which names the first fault (or passes
+    an upload whose finite entries merely overflow the sum).
+    """
+    tensors = upload.tensors
+    if list(tensors) == list(layout) and all(
+        tensors[name].shape == ref.shape
+        and tensors[name].dtype == ref.dtype
+        and math.isfinite(float(np.sum(tensors[name])))
+        for name, ref in layout.items()
+    ):
+        return
+    check_like(layout, upload, what=what)
+
+
 def _layer_widths(weights: Weights) -> list[int]:
     """Returns n_0..n_L of a chain of float64 matrices, or raises ProtocolError."""
     shapes = {name: (value.dtype, value.shape) for name, value in weights.items()}
@@ -402,12 +459,12 @@ def _layer_widths(weights: Weights) -> list[int]:
 
 
 def _read_instruction(
-    instruction: Payload, learner: LocalLearner
+    instruction: Payload, expected: Mapping[str, tuple[int, ...]]
 ) -> tuple[dict[str, np.ndarray], np.ndarray, np.ndarray, int]:
-    """Splits an instruction into W^^, r^(a), the partition and m, checked against the model."""
+    """Splits an instruction into W^^, r^(a), the partition and m, checked against the model's
+    weight shapes ``expected``."""
     tensors = dict(instruction.tensors)
     noise = tensors.pop(OUTPUT_NOISE, None)
-    expected = {name: tuple(t.shape) for name, t in learner.model.state_dict().items()}
     got = {name: tuple(t.shape) for name, t in tensors.items()}
     if got != expected or noise is None:
         raise ProtocolError(

@@ -21,6 +21,7 @@ from fedcore.roles._common import (
     limits_of,
     retry_of,
 )
+from fedcore.roles._peer_duties import PeerDuties, PeerSettings
 from fedcore.spec import FederatedRun, protocol_facts
 from fedcore.training import LocalLearner
 from fedcore.transport import Identity, Payload, RemoteError, RpcClient, TlsBundle
@@ -42,6 +43,7 @@ class Client:
         server: ``host:port`` of the server.
         kdc: ``host:port`` of the KDC, for protocols that need one.
         server_name: the name on the server's (and KDC's) certificate, if not the host.
+        peers: where to serve and find peer links (decentralized protocols only).
     """
 
     def __init__(
@@ -54,6 +56,7 @@ class Client:
         server: str,
         kdc: str | None = None,
         server_name: str | None = None,
+        peers: PeerSettings | None = None,
     ) -> None:
         spec = run.spec
         if not 0 <= index < spec.clients.count:
@@ -83,6 +86,20 @@ class Client:
         limits = limits_of(spec)
         retry = retry_of(spec)
         self.retry = retry
+        self.duties: PeerDuties | None = None
+        if protocol_facts(spec.protocol.name).decentralized:
+            self.duties = PeerDuties(
+                run,
+                config,
+                tls,
+                index=index,
+                protocol=self.protocol,
+                settings=peers,
+                metrics=self.metrics,
+                limits=limits,
+                retry=retry,
+                device=device,
+            )
         self.server = RpcClient(
             server,
             tls,
@@ -117,6 +134,8 @@ class Client:
         """
         self.metrics.serve(self.config.metrics_port, self.config.metrics_address)
         self.protocol.setup(None if self.kdc is None else RpcKeyChannel(self.kdc))
+        if self.duties is not None:
+            self.duties.start()
         delays = self.retry.delays(random.Random())
         last = (0, 0)
         rounds = 0
@@ -163,6 +182,8 @@ class Client:
             self.server.close()
             if self.kdc is not None:
                 self.kdc.close()
+            if self.duties is not None:
+                self.duties.close()
 
     def _upload(self, task_id: tuple[int, int], task: Payload) -> Payload:
         round_, attempt = task_id
@@ -170,8 +191,12 @@ class Client:
         keys = None
         if self.kdc is not None:
             keys = self.kdc.call("IssueKeys", Payload(meta={"round": round_}), timeout=CALL_SECONDS)
+        if self.duties is not None:
+            self.duties.before(round_, instruction)
         with self.metrics.round_duration.time():
             upload = self.protocol.compute_upload(round_, instruction, self.learner, keys)
+        if self.duties is not None:
+            upload = self.duties.after(round_, instruction, upload)
         self.metrics.rounds_completed.inc()
         self.metrics.round.set(round_)
         return Payload(
@@ -191,11 +216,24 @@ class RpcKeyChannel(KeyChannel):
 
 
 def run_client(
-    config: RoleConfig, *, index: int, server: str, kdc: str | None, server_name: str | None
+    config: RoleConfig,
+    *,
+    index: int,
+    server: str,
+    kdc: str | None,
+    server_name: str | None,
+    peers: PeerSettings | None = None,
 ) -> dict[str, Any]:
     """The ``fedcore client`` entry point: takes part in one run to its end."""
     run, tls = config.load()
     limit_threads(config.threads)
     return Client(
-        run, config, tls, index=index, server=server, kdc=kdc, server_name=server_name
+        run,
+        config,
+        tls,
+        index=index,
+        server=server,
+        kdc=kdc,
+        server_name=server_name,
+        peers=peers,
     ).serve()

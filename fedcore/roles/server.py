@@ -22,6 +22,7 @@ from fedcore.checkpoint import Checkpointer, S3ObjectStore, server_checkpointer
 from fedcore.data import dataset_info, test_dataset
 from fedcore.errors import (
     CheckpointError,
+    EncodingRejected,
     MessageRejected,
     ProtocolError,
     RecoveryError,
@@ -34,19 +35,23 @@ from fedcore.models import build_model, get_weights
 from fedcore.privacy import PrivacyLedger
 from fedcore.protocols import ServerProtocol, create_protocol
 from fedcore.roles._common import (
+    KDC_SERVICE,
     SERVER_SERVICE,
     RoleConfig,
     choose_device,
     limit_threads,
     limits_of,
+    retry_of,
     role_checkpointer,
 )
+from fedcore.roles.client import RpcKeyChannel
 from fedcore.sampling import sample_clients
 from fedcore.spec import FederatedRun, protocol_facts
 from fedcore.training import Evaluator
 from fedcore.transport import (
     Identity,
     Payload,
+    RpcClient,
     RpcServer,
     ServerSession,
     SessionHandler,
@@ -167,12 +172,13 @@ class RoundBoard(SessionHandler):
                     attempt.failed[client] = "absent"
             self.cond.notify_all()
 
-    def wait_settled(self, deadline: float) -> Attempt:
-        """Blocks until the current attempt is settled or ``deadline`` passes."""
+    def wait_settled(self, deadline: float, *, stop_on_failure: bool = False) -> Attempt:
+        """Blocks until the current attempt is settled or ``deadline`` passes (or, with
+        ``stop_on_failure``, until a planned client fails)."""
         with self.cond:
             attempt = self.current
             assert attempt is not None
-            while not attempt.settled():
+            while not attempt.settled() and not (stop_on_failure and attempt.failed):
                 left = deadline - time.monotonic()
                 if left <= 0:
                     for client in attempt.plans:
@@ -208,10 +214,20 @@ class Server:
         config: how this process was started.
         listen: the ``host:port`` to serve on.
         resume: whether to start from the latest checkpoint.
+        kdc: ``host:port`` of the KDC, for protocols whose server calls it.
+        server_name: the name on the KDC's certificate, if not its host.
     """
 
     def __init__(
-        self, run: FederatedRun, config: RoleConfig, tls: TlsBundle, *, listen: str, resume: bool
+        self,
+        run: FederatedRun,
+        config: RoleConfig,
+        tls: TlsBundle,
+        *,
+        listen: str,
+        resume: bool,
+        kdc: str | None = None,
+        server_name: str | None = None,
     ) -> None:
         self.run = run
         self.spec = run.spec
@@ -230,6 +246,22 @@ class Server:
         self.evaluator = Evaluator(
             model.to(device), test_dataset(self.spec), self.spec.training, device=device
         )
+        self.kdc: RpcClient | None = None
+        if self.facts.server_uses_kdc:
+            if kdc is None:
+                raise RunAborted(
+                    f"Protocol {self.spec.protocol.name!r}'s server needs the KDC: pass --kdc.",
+                    reason="ProtocolFailed",
+                )
+            self.kdc = RpcClient(
+                kdc,
+                tls,
+                service=KDC_SERVICE,
+                limits=limits_of(self.spec),
+                retry=retry_of(self.spec),
+                server_name=server_name,
+                on_bytes=self.metrics.count_bytes,
+            )
         self.checkpointer = self._checkpointer()
         self.board = RoundBoard(self)
         self._check_lock = threading.Lock()
@@ -277,7 +309,7 @@ class Server:
             with self._check_lock:  # protocols need not be thread-safe
                 self.protocol.check_upload(attempt.round, index, upload)
         except ProtocolError as exc:
-            self.metrics.rejected("upload")
+            self.metrics.rejected("encoding" if isinstance(exc, EncodingRejected) else "upload")
             log.warning(
                 "Refused the upload of client %d in round %d: %s", index, attempt.round, exc
             )
@@ -306,6 +338,7 @@ class Server:
         try:
             self._check_store()
             start_round = self._restore() + 1
+            self._setup_protocol()
         except RunAborted as exc:
             # Reported, so that a runner or operator does not restart a server that cannot start.
             self.events.emit("failed", reason=exc.reason, message=str(exc), round=exc.round)
@@ -365,16 +398,21 @@ class Server:
             result = self._run_round(round_)
             result["epsilon"] = self.privacy.record_round()
             completed = round_
-            evaluation = self._maybe_evaluate(round_)
+            evaluation = (
+                self._reported_evaluation(result)
+                if self.facts.decentralized
+                else self._maybe_evaluate(round_)
+            )
             if evaluation:
                 last_eval = evaluation
             seconds = time.monotonic() - started
             self._record_round(round_, result, evaluation, seconds)
             self._maybe_checkpoint(round_)
         if stop_reason is not None and completed >= start_round:
-            last_eval = self._evaluate()
+            if not self.facts.decentralized:  # its clients evaluate themselves
+                last_eval = self._evaluate()
             self._maybe_checkpoint(completed, force=True)
-        if not last_eval:
+        if not last_eval and not self.facts.decentralized:
             last_eval = self._evaluate()
         self._release_model()
         summary = {
@@ -405,7 +443,10 @@ class Server:
             # A redo exists to reach the quorum: it waits for dropped clients to reconnect.
             self.board.open_attempt(attempt, wait_for_absent=attempt_no > 0)
             opened = time.monotonic()
-            attempt = self.board.wait_settled(opened + spec.failure_policy.round_timeout_seconds)
+            attempt = self.board.wait_settled(
+                opened + spec.failure_policy.round_timeout_seconds,
+                stop_on_failure=self.facts.dropout_policy == "Fail",
+            )
             settled = time.monotonic()
             failures = sorted(attempt.failed)
             if failures:
@@ -417,6 +458,8 @@ class Server:
                     failures,
                     ", ".join(sorted(set(attempt.failed.values()))),
                 )
+            if failures and self.facts.dropout_policy == "Fail":
+                raise self._client_lost(round_, attempt)
             if len(attempt.uploads) >= quorum:
                 if not failures or self.facts.dropout_policy == "Skip":
                     result = self.protocol.combine(round_, attempt.uploads, failures)
@@ -445,14 +488,46 @@ class Server:
             round=round_,
         )
 
+    def _client_lost(self, round_: int, attempt: Attempt) -> RunAborted:
+        """The error that ends a run whose protocol cannot lose a client (policy Fail)."""
+        lost = ", ".join(f"client {k} ({why})" for k, why in sorted(attempt.failed.items()))
+        name = self.spec.protocol.name
+        if self.facts.decentralized:
+            return RunAborted(
+                f"Round {round_} lost {lost}. Protocol {name!r} runs on a fixed peer graph: "
+                f"every neighbour's state holds noise and mixing weights that assume the lost "
+                f"client, so the run stops (it does not go on without it). `fedcore run "
+                f"--resume` restarts every client from its checkpoint of the latest round they "
+                f"all saved.",
+                reason="PeerLost",
+                round=round_,
+            )
+        return RunAborted(
+            f"Round {round_} lost {lost}; protocol {name!r} cannot go on without a client.",
+            reason="ClientLost",
+            round=round_,
+        )
+
     def _maybe_evaluate(self, round_: int) -> dict[str, float]:
         every = self.spec.evaluation.every_rounds
         if round_ == self.spec.rounds or (every and round_ % every == 0):
             return self._evaluate()
         return {}
 
+    def _reported_evaluation(self, result: dict[str, Any]) -> dict[str, float]:
+        """A decentralized round's evaluation: the clients' own, reported as scalars."""
+        metrics = result.get("metrics") or {}
+        found = {k: float(metrics[k]) for k in ("accuracy", "loss") if k in metrics}
+        if "accuracy" in found:
+            self.metrics.accuracy.set(found["accuracy"])
+        if "loss" in found:
+            self.metrics.loss.set(found["loss"])
+        return found
+
     def _evaluate(self) -> dict[str, float]:
-        result = self.evaluator.evaluate(self.protocol.global_weights())
+        result = self.evaluator.evaluate_models(
+            self.protocol.models(), self.spec.data.clusters.count
+        )
         self.metrics.accuracy.set(result.accuracy)
         self.metrics.loss.set(result.loss)
         return {"accuracy": result.accuracy, "loss": result.loss}
@@ -557,21 +632,51 @@ class Server:
         return int(round_)
 
     def _release_model(self) -> None:
-        if not self.spec.evaluation.release_final_model:
-            return
+        if not self.spec.evaluation.release_final_model or self.facts.decentralized:
+            return  # a decentralized run's clients release their own models
         path = self.config.workdir / "model.safetensors"
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.with_suffix(".tmp")
         save_file({k: v for k, v in self.protocol.global_weights().items()}, str(tmp))
         tmp.replace(path)
+        models = self.protocol.models()
+        for j, weights in enumerate(models if len(models) > 1 else []):
+            clustered = path.with_name(f"model-cluster-{j}.safetensors")
+            save_file(dict(weights), str(tmp))
+            tmp.replace(clustered)
+
+    def _setup_protocol(self) -> None:
+        """Gives the protocol its KDC channel (after any restore).
+
+        Raises:
+            RunAborted: the protocol could not set up (e.g. the KDC is unreachable).
+        """
+        channel = None if self.kdc is None else RpcKeyChannel(self.kdc)
+        try:
+            self.protocol.setup(channel)
+        except ProtocolError as exc:
+            raise RunAborted(
+                f"The protocol could not set up: {exc}", reason="ProtocolFailed"
+            ) from exc
 
 
-def run_server(config: RoleConfig, *, listen: str, resume: bool) -> dict[str, Any]:
+def run_server(
+    config: RoleConfig,
+    *,
+    listen: str,
+    resume: bool,
+    kdc: str | None = None,
+    server_name: str | None = None,
+) -> dict[str, Any]:
     """The ``fedcore server`` entry point: serves one run to its end."""
     run, tls = config.load()
     limit_threads(config.threads)
-    server = Server(run, config, tls, listen=listen, resume=resume)
+    server = Server(
+        run, config, tls, listen=listen, resume=resume, kdc=kdc, server_name=server_name
+    )
     try:
         return server.serve()
     finally:
         server.events.close()
+        if server.kdc is not None:
+            server.kdc.close()

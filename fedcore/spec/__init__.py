@@ -33,6 +33,7 @@ from fedcore.spec._models import (
     resolve_share,
 )
 from fedcore.spec._openapi import openapi_schema
+from fedcore.spec._peers import peer_graph
 from fedcore.spec._validate import load_manifest, parse_manifest, semantic_issues
 
 if TYPE_CHECKING:
@@ -67,6 +68,7 @@ __all__ = [
     "manifest_reference",
     "openapi_schema",
     "parse_manifest",
+    "peer_graph",
     "protocol_facts",
     "resolve_share",
     "semantic_issues",

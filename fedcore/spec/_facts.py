@@ -25,6 +25,8 @@ class ProtocolFacts:
         claims_dp: whether the protocol claims differential privacy (may take a budget).
         dropout_policy: what the server does when a sampled client does not upload.
         summary: one line for docs and ``fedcore validate``.
+        server_uses_kdc: whether the server also calls the KDC (for its own keys); the runner
+            and the operator then give the server the KDC's address.
     """
 
     name: str
@@ -33,6 +35,7 @@ class ProtocolFacts:
     claims_dp: bool
     dropout_policy: DropoutPolicy
     summary: str
+    server_uses_kdc: bool = False
 
 
 PROTOCOL_FACTS: dict[str, ProtocolFacts] = {
@@ -71,6 +74,36 @@ PROTOCOL_FACTS: dict[str, ProtocolFacts] = {
             dropout_policy="Redo",
             summary="MP_Server model perturbation plus DDP_Client noise with pairwise masks "
             "agreed over the KDC (seed 000).",
+        ),
+        ProtocolFacts(
+            name="lppa",
+            needs_kdc=False,
+            decentralized=True,
+            claims_dp=False,
+            dropout_policy="Fail",
+            summary="Gradient tracking (DSGT) over a peer graph whose trackers start with "
+            "zero-sum noise exchanged between neighbours; the server only paces rounds and "
+            "gathers scalar metrics (seed 002).",
+        ),
+        ProtocolFacts(
+            name="adaptive",
+            needs_kdc=False,
+            decentralized=False,
+            claims_dp=False,
+            dropout_policy="Skip",
+            summary="FedSGD where each client adds a distortion learned under a PL or DP "
+            "budget, or the static Identical baseline (seed 003).",
+        ),
+        ProtocolFacts(
+            name="ebscfl",
+            needs_kdc=True,
+            decentralized=False,
+            claims_dp=False,
+            dropout_policy="Redo",
+            summary="Secure clustered FL: clients encode unit updates into a hidden cluster's "
+            "slot with KDC keys; the server filters negatively correlated updates and verifies "
+            "encodings under encoding, decoding only weighted per-cluster sums (seed 004).",
+            server_uses_kdc=True,
         ),
         ProtocolFacts(
             name="fedsgd",

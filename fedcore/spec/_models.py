@@ -14,7 +14,15 @@ from pydantic import ConfigDict, Field, PlainValidator, WithJsonSchema
 from pydantic.alias_generators import to_camel
 
 from fedcore.spec._base import SpecModel
-from fedcore.spec._options import DpFedAvgOptions, MpdpOptions, PerturbOptions
+from fedcore.spec._options import (
+    AdaptiveOptions,
+    DpFedAvgOptions,
+    EbscflOptions,
+    LppaOptions,
+    MpdpOptions,
+    PerturbOptions,
+)
+from fedcore.spec._robust import AttackSpec, DataClustersSpec
 
 API_GROUP = "fedcore.dev"
 API_VERSION = f"{API_GROUP}/v1alpha1"
@@ -63,6 +71,45 @@ class FedAvgOptions(SpecModel):
         description="weighting of each client's model in the mean: ShardSize (default) weighs "
         "by the number of local training examples; Uniform weighs every client alike.",
     )
+    aggregator: Literal["Mean", "Median", "TrimmedMean", "Krum", "FLTrust"] = Field(
+        "Mean",
+        description="aggregator combines the clients' updates (model minus global model). Mean "
+        "(default): the weighted mean (plain FedAvg). Median: coordinate-wise median. "
+        "TrimmedMean: coordinate-wise mean without the trimFraction largest and smallest. "
+        "Krum: the update closest to its n-f-2 nearest others (f = krumByzantine). FLTrust: "
+        "updates weighted by ReLU of their cosine with the server's own update on rootExamples "
+        "clean examples, each rescaled to its norm (fedcore/aggregators).",
+    )
+    trim_fraction: float = Field(
+        0.1,
+        ge=0,
+        lt=0.5,
+        description="trimFraction: the share of updates TrimmedMean drops at each end, per "
+        "coordinate (floor(trimFraction * n) each). Default 0.1.",
+    )
+    krum_byzantine: int = Field(
+        0,
+        ge=0,
+        le=10_000,
+        description="krumByzantine is Krum's f, the Byzantine clients it tolerates; rounds need "
+        "at least f + 3 uploads. Default 0.",
+    )
+    root_examples: int = Field(
+        100,
+        ge=1,
+        le=1_000_000,
+        description="rootExamples is the size of FLTrust's clean root data set on the server, a "
+        "seeded sample of the training split. Default 100. Only for aggregator FLTrust.",
+    )
+    clusters: int = Field(
+        1,
+        ge=1,
+        le=16,
+        description="clusters > 1 runs IFCA (Ghosh et al., NeurIPS 2020), the clustered "
+        "baseline: the server keeps that many models, each client trains the one with the "
+        "lowest loss on its shard and says which, and each model aggregates its own clients' "
+        "updates with the aggregator. Default 1 (plain fedavg).",
+    )
 
 
 class FedSgdOptions(SpecModel):
@@ -75,7 +122,9 @@ class FedSgdOptions(SpecModel):
     )
 
 
-ProtocolName = Literal["fedavg", "fedsgd", "dp-fedavg", "perturb", "mpdp"]
+ProtocolName = Literal[
+    "fedavg", "fedsgd", "dp-fedavg", "perturb", "mpdp", "lppa", "adaptive", "ebscfl"
+]
 
 
 class ProtocolSpec(SpecModel):
@@ -86,7 +135,10 @@ class ProtocolSpec(SpecModel):
         "fedsgd: one gradient step per round, weighted gradient mean. dp-fedavg: fedavg with "
         "per-client clipping and central Gaussian noise (DP). perturb: accuracy-lossless model "
         "perturbation (seed 001). mpdp: model perturbation on the server and distributed DP "
-        "noise on the clients (seed 000). Required."
+        "noise on the clients (seed 000). lppa: gradient tracking over a peer graph with "
+        "zero-sum noise; no server sees model data (seed 002). adaptive: each client's learned "
+        "distortion under a privacy budget (seed 003). ebscfl: secure clustered FL with a KDC "
+        "and Byzantine filtering (seed 004). Required."
     )
     fedavg: FedAvgOptions = Field(
         default_factory=FedAvgOptions,
@@ -107,6 +159,18 @@ class ProtocolSpec(SpecModel):
     mpdp: MpdpOptions = Field(
         default_factory=MpdpOptions,
         description="mpdp holds the options of the mpdp protocol; ignored for others.",
+    )
+    lppa: LppaOptions = Field(
+        default_factory=LppaOptions,
+        description="lppa holds the options of the lppa protocol; ignored for others.",
+    )
+    adaptive: AdaptiveOptions = Field(
+        default_factory=AdaptiveOptions,
+        description="adaptive holds the options of the adaptive protocol; ignored for others.",
+    )
+    ebscfl: EbscflOptions = Field(
+        default_factory=EbscflOptions,
+        description="ebscfl holds the options of the ebscfl protocol; ignored for others.",
     )
 
     def options(self) -> SpecModel:
@@ -214,6 +278,11 @@ class DataSpec(SpecModel):
     split_seed: int = Field(0, ge=0, description="splitSeed seeds the train/test split. Default 0.")
     partition: PartitionSpec = Field(
         default_factory=PartitionSpec, description="partition deals the training split."
+    )
+    clusters: DataClustersSpec = Field(
+        default_factory=DataClustersSpec,
+        description="clusters gives the clients' data a ground-truth cluster structure (for "
+        "clustered protocols and their experiments). Default: one cluster.",
     )
 
 
@@ -588,6 +657,12 @@ class FederatedRunSpec(SpecModel):
     )
     privacy: PrivacySpec | None = Field(
         None, description="privacy budget, for protocols that claim DP. Unset: no budget."
+    )
+    attack: AttackSpec | None = Field(
+        None,
+        description="attack makes a share of the clients Byzantine, for robustness experiments "
+        "only: an experiment knob, never for production. Unset (default): every client is "
+        "honest.",
     )
     evaluation: EvaluationSpec = Field(
         default_factory=EvaluationSpec, description="evaluation on the server's held-out split."

@@ -16,6 +16,10 @@ from fedcore.errors import SpecError, SpecIssue
 from fedcore.spec._facts import protocol_facts
 from fedcore.spec._models import FederatedRun, FederatedRunSpec
 from fedcore.spec._openapi import _model_of, describe_bounds, schema_at
+from fedcore.spec._options.adaptive import adaptive_issues
+from fedcore.spec._options.ebscfl import ebscfl_issues
+from fedcore.spec._options.lppa import lppa_issues
+from fedcore.spec._robust import attack_issues
 
 MAX_MANIFEST_BYTES = 1024 * 1024
 """Manifests larger than this are refused before parsing."""
@@ -232,6 +236,13 @@ def _precondition_issues(run: FederatedRun) -> list[SpecIssue]:
     issues: list[SpecIssue] = []
     if spec.protocol.name in {"perturb", "mpdp"}:
         issues.extend(_lossless_mlp_issues(spec))
+    if spec.protocol.name == "lppa":
+        issues.extend(lppa_issues(spec))
+    if spec.protocol.name == "adaptive":
+        issues.extend(adaptive_issues(spec))
+    if spec.protocol.name == "ebscfl":
+        issues.extend(ebscfl_issues(spec))
+    issues.extend(attack_issues(spec))
     if spec.protocol.name in {"fedsgd", "perturb", "mpdp"}:
         optimizer = spec.training.optimizer
         if optimizer.kind != "SGD":

@@ -4,17 +4,25 @@ Why the cut sits here: roles only ever call ``RpcClient.call(method, payload, ti
 register ``handler(peer, payload) -> payload`` functions; chunking, size limits, deadlines,
 retries with backoff, peer identities and the translation of grpc errors live in this module
 and nowhere else, so a role never sees a grpc type and a protocol never sees a role.
+
+Every method is served in two forms: a stream of chunks each way, and, for a request that fits
+in one chunk, a unary call (service ``<service>.Unary``), which gRPC's Python API makes about
+three times cheaper (no thread per call). A response that does not fit in one chunk cannot
+travel in the unary form: the server then parks it, and the client asks again in the stream
+form, which answers from the park instead of running the handler a second time.
 """
 
 from __future__ import annotations
 
+import hashlib
+import itertools
 import logging
 import queue
 import random
 import threading
 import time
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from concurrent import futures
 from dataclasses import dataclass
 from typing import Any
@@ -22,7 +30,7 @@ from typing import Any
 import grpc
 
 from fedcore.errors import MessageRejected, NotReady, TransportError
-from fedcore.transport._codec import PayloadDecoder, encode_chunks
+from fedcore.transport._codec import PayloadDecoder, decode_chunks, encode_chunks
 from fedcore.transport._payload import Payload
 from fedcore.transport._tls import Identity, TlsBundle
 
@@ -31,6 +39,13 @@ log = logging.getLogger(__name__)
 SERVICE_PREFIX = "/fedcore.v1."
 ENVELOPE_BYTES = 64 * 1024
 """Room for gRPC framing on top of one chunk."""
+
+UNARY_SERVICE_SUFFIX = ".Unary"
+"""Appended to a service's name for the unary form of its methods."""
+OVERSIZED_REPLY = "fedcore: the response is over one chunk; ask again in the stream form"
+"""The details of the OUT_OF_RANGE status that sends a unary call to the stream form."""
+PARK_SECONDS = 120.0
+"""How long a parked response waits for its caller to ask again in the stream form."""
 
 Handler = Callable[[Identity, Payload, "CallContext"], Payload]
 """A method implementation: the caller's identity and request in, the response out."""
@@ -164,14 +179,25 @@ class RpcServer:
             options=limits.channel_options(),
             maximum_concurrent_rpcs=max_workers * 4,
         )
+        self._parked: dict[tuple[str, str, bytes], tuple[float, list[bytes]]] = {}
+        self._parked_lock = threading.Lock()
         method_handlers = {
             name: grpc.stream_stream_rpc_method_handler(self._wrap(name)) for name in self._handlers
         }
         for name in self._sessions:
             method_handlers[name] = grpc.stream_stream_rpc_method_handler(self._wrap_session(name))
-        self._server.add_generic_rpc_handlers(
-            (grpc.method_handlers_generic_handler(f"fedcore.v1.{service}", method_handlers),)
-        )
+        generic = [grpc.method_handlers_generic_handler(f"fedcore.v1.{service}", method_handlers)]
+        if self._handlers:
+            unary = {
+                name: grpc.unary_unary_rpc_method_handler(self._wrap_unary(name))
+                for name in self._handlers
+            }
+            generic.append(
+                grpc.method_handlers_generic_handler(
+                    f"fedcore.v1.{service}{UNARY_SERVICE_SUFFIX}", unary
+                )
+            )
+        self._server.add_generic_rpc_handlers(tuple(generic))
         credentials = grpc.ssl_server_credentials(
             [(tls.key_pem, tls.cert_pem)], root_certificates=tls.ca_pem, require_client_auth=True
         )
@@ -202,44 +228,94 @@ class RpcServer:
         assert peer is not None  # context.abort raises
         return peer
 
+    def _run_handler(
+        self, name: str, peer: Identity, request: Payload, context: grpc.ServicerContext
+    ) -> Payload:
+        """Calls the handler of ``name``; translates its exceptions into statuses (aborts)."""
+        try:
+            return self._handlers[name](peer, request, CallContext(context))
+        except MessageRejected as exc:
+            self._rejected(name, "refused")
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+        except NotReady as exc:
+            context.abort(grpc.StatusCode.UNAVAILABLE, str(exc))
+        except PermissionError as exc:
+            self._rejected(name, "identity")
+            context.abort(grpc.StatusCode.PERMISSION_DENIED, str(exc))
+        except Exception as exc:  # a handler bug must not take the server down
+            log.exception("The %s handler failed for %s.", name, peer)
+            context.abort(grpc.StatusCode.INTERNAL, f"{type(exc).__name__}: {exc}")
+        raise AssertionError("context.abort raises")  # pragma: no cover
+
+    def _park(self, key: tuple[str, str, bytes], chunks: list[bytes] | None) -> list[bytes] | None:
+        """Parks ``chunks`` under ``key``, or (``chunks`` None) takes what is parked there."""
+        now = time.monotonic()
+        with self._parked_lock:
+            for stale in [k for k, (at, _) in self._parked.items() if now - at > PARK_SECONDS]:
+                del self._parked[stale]
+            if chunks is not None:
+                self._parked[key] = (now, chunks)
+                return None
+            found = self._parked.pop(key, None)
+        return None if found is None else found[1]
+
     def _wrap(
         self, name: str
     ) -> Callable[[Iterator[bytes], grpc.ServicerContext], Iterator[bytes]]:
-        handler = self._handlers[name]
         limits = self._limits
 
         def serve(requests: Iterator[bytes], context: grpc.ServicerContext) -> Iterator[bytes]:
             peer = self._require_identity(context, name)
             decoder = PayloadDecoder(max_message_bytes=limits.max_message_bytes)
             received = 0
+            first: list[bytes] = []
             try:
                 for chunk in requests:
                     received += len(chunk)
+                    if len(first) < 2:
+                        first.append(chunk)
                     decoder.feed(chunk)
                 request = decoder.finish()
             except MessageRejected as exc:
                 self._rejected(name, "malformed")
                 log.warning("Rejected a %s request from %s: %s", name, peer, exc)
                 context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
-            try:
-                response = handler(peer, request, CallContext(context))
-            except MessageRejected as exc:
-                self._rejected(name, "refused")
-                context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
-            except NotReady as exc:
-                context.abort(grpc.StatusCode.UNAVAILABLE, str(exc))
-            except PermissionError as exc:
-                self._rejected(name, "identity")
-                context.abort(grpc.StatusCode.PERMISSION_DENIED, str(exc))
-            except Exception as exc:  # a handler bug must not take the server down
-                log.exception("The %s handler failed for %s.", name, peer)
-                context.abort(grpc.StatusCode.INTERNAL, f"{type(exc).__name__}: {exc}")
+            parked = None
+            if len(first) == 1 and self._parked:
+                parked = self._park(_park_key(peer, name, first[0]), None)
+            if parked is None:
+                response = self._run_handler(name, peer, request, context)
+                chunks: Iterable[bytes] = encode_chunks(response, chunk_bytes=limits.chunk_bytes)
+            else:
+                chunks = parked
             sent = 0
-            for chunk in encode_chunks(response, chunk_bytes=limits.chunk_bytes):
+            for chunk in chunks:
                 sent += len(chunk)
                 yield chunk
             if self._on_bytes is not None:
                 self._on_bytes(sent, received)
+
+        return serve
+
+    def _wrap_unary(self, name: str) -> Callable[[bytes, grpc.ServicerContext], bytes]:
+        limits = self._limits
+
+        def serve(raw: bytes, context: grpc.ServicerContext) -> bytes:
+            peer = self._require_identity(context, name)
+            try:
+                request = decode_chunks([raw], max_message_bytes=limits.max_message_bytes)
+            except MessageRejected as exc:
+                self._rejected(name, "malformed")
+                log.warning("Rejected a %s request from %s: %s", name, peer, exc)
+                context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+            response = self._run_handler(name, peer, request, context)
+            chunks = list(encode_chunks(response, chunk_bytes=limits.chunk_bytes))
+            if len(chunks) != 1:
+                self._park(_park_key(peer, name, raw), chunks)
+                context.abort(grpc.StatusCode.OUT_OF_RANGE, OVERSIZED_REPLY)
+            if self._on_bytes is not None:
+                self._on_bytes(len(chunks[0]), len(raw))
+            return chunks[0]
 
         return serve
 
@@ -398,6 +474,11 @@ def _encode_queued(
             on_bytes(sent, 0)
 
 
+def _park_key(peer: Identity, method: str, request: bytes) -> tuple[str, str, bytes]:
+    """Where a response to ``request`` by ``peer`` is parked: the caller, method, request."""
+    return peer.common_name, method, hashlib.sha256(request).digest()
+
+
 def _peer_identity(context: grpc.ServicerContext) -> Identity | None:
     names = context.auth_context().get("x509_common_name") or []
     if len(names) != 1:
@@ -444,6 +525,8 @@ class RpcClient:
         self._retry = retry or RetryPolicy()
         self._rng = random.Random()
         self._stubs: dict[str, Any] = {}
+        self._unary_stubs: dict[str, Any] = {}
+        self._stream_only: set[str] = set()
         self._lock = threading.Lock()
         self._on_bytes = on_bytes
 
@@ -480,12 +563,36 @@ class RpcClient:
                 ) from exc
 
     def _call_once(self, method: str, payload: Payload, *, timeout: float) -> Payload:
+        chunks = encode_chunks(payload, chunk_bytes=self._limits.chunk_bytes)
+        head = list(itertools.islice(chunks, 2))
+        if len(head) == 1 and method not in self._stream_only:
+            try:
+                return self._call_unary(method, head[0], timeout=timeout)
+            except grpc.RpcError as exc:
+                code = exc.code() if hasattr(exc, "code") else None
+                details = exc.details() if hasattr(exc, "details") else None
+                if code == grpc.StatusCode.UNIMPLEMENTED:
+                    self._stream_only.add(method)  # a peer without the unary form
+                elif code != grpc.StatusCode.OUT_OF_RANGE or details != OVERSIZED_REPLY:
+                    raise
+                # Otherwise the response was parked: the stream form fetches it.
+        return self._call_stream(method, itertools.chain(head, chunks), timeout=timeout)
+
+    def _call_unary(self, method: str, request: bytes, *, timeout: float) -> Payload:
+        stub = self._stub(method, unary=True)
+        response = stub(request, timeout=timeout)
+        result = decode_chunks([response], max_message_bytes=self._limits.max_message_bytes)
+        if self._on_bytes is not None:
+            self._on_bytes(len(request), len(response))
+        return result
+
+    def _call_stream(self, method: str, chunks: Iterator[bytes], *, timeout: float) -> Payload:
         stub = self._stub(method)
         sent = 0
 
         def requests() -> Iterator[bytes]:
             nonlocal sent
-            for chunk in encode_chunks(payload, chunk_bytes=self._limits.chunk_bytes):
+            for chunk in chunks:
                 sent += len(chunk)
                 yield chunk
 
@@ -513,12 +620,17 @@ class RpcClient:
             on_bytes=self._on_bytes,
         )
 
-    def _stub(self, method: str) -> Any:
+    def _stub(self, method: str, *, unary: bool = False) -> Any:
         with self._lock:
-            stub = self._stubs.get(method)
+            stubs = self._unary_stubs if unary else self._stubs
+            stub = stubs.get(method)
             if stub is None:
-                stub = self._channel.stream_stream(f"{SERVICE_PREFIX}{self._service}/{method}")
-                self._stubs[method] = stub
+                if unary:
+                    path = f"{SERVICE_PREFIX}{self._service}{UNARY_SERVICE_SUFFIX}/{method}"
+                    stub = self._channel.unary_unary(path)
+                else:
+                    stub = self._channel.stream_stream(f"{SERVICE_PREFIX}{self._service}/{method}")
+                stubs[method] = stub
             return stub
 
     def close(self) -> None:

@@ -56,6 +56,11 @@ class RunContext:
         return protocol_facts(self.run.spec.protocol.name).needs_kdc
 
     @property
+    def server_uses_kdc(self) -> bool:
+        """Whether the protocol's server calls the KDC too (ebscfl)."""
+        return protocol_facts(self.run.spec.protocol.name).server_uses_kdc
+
+    @property
     def decentralized(self) -> bool:
         """Whether clients talk to each other over peer links."""
         return protocol_facts(self.run.spec.protocol.name).decentralized
@@ -222,13 +227,16 @@ def pod_tls_secret(
     """One pod's Secret: the run's CA certificate, the pod's certificate and key.
 
     The server's and KDC's certificates name their Services; a client's names its stable
-    DNS name under the headless Service.
+    DNS name under the headless Service and, for decentralized protocols, its bare common
+    name, which its peers check when they dial it (fedcore.roles._peers).
     """
     role = common_name.split("-")[0]
     if index is None:
         dns_names = _dns_names(ctx, pod)
     else:
         dns_names = [f"{common_name}.{service_host(ctx, peers_service_name(ctx.name))}"]
+        if ctx.decentralized:
+            dns_names.append(common_name)
     bundle = ca.issue(common_name, dns_names=dns_names)
     return {
         "apiVersion": "v1",
@@ -357,8 +365,9 @@ def network_policies(ctx: RunContext) -> list[Object]:
 
     Every policy names both directions, so anything not listed is denied: clients reach the
     server and (when there is one) the KDC, and each other only when the protocol is
-    decentralized; only the run's clients reach the KDC; the server reaches the API server
-    (its status) and the checkpoint store; every pod resolves DNS and serves /metrics.
+    decentralized; only the run's clients (and, for ebscfl, its server) reach the KDC; the
+    server reaches the API server (its status) and the checkpoint store; every pod resolves
+    DNS and serves /metrics.
     """
     settings = ctx.settings
     dns: dict[str, Any] = {
@@ -375,6 +384,8 @@ def network_policies(ctx: RunContext) -> list[Object]:
 
     store = _store_egress(ctx)
     server_egress = [dns, _anywhere(settings.api_ports), *store]
+    if ctx.needs_kdc and ctx.server_uses_kdc:  # the server fetches its own keys (ebscfl)
+        server_egress.append(to_role("kdc", settings.kdc_port))
     client_egress = [dns, to_role("server", settings.server_port)]
     client_ingress = [metrics_in]
     policies = [
@@ -390,18 +401,25 @@ def network_policies(ctx: RunContext) -> list[Object]:
     ]
     if ctx.needs_kdc:
         client_egress.append(to_role("kdc", settings.kdc_port))
+        kdc_callers = [clients]
+        if ctx.server_uses_kdc:
+            kdc_callers.append({"podSelector": {"matchLabels": selector(ctx.name, "server")}})
         policies.append(
             _policy(
                 ctx,
                 "kdc",
                 ingress=[
-                    {"from": [clients], "ports": [{"protocol": "TCP", "port": settings.kdc_port}]},
+                    {
+                        "from": kdc_callers,
+                        "ports": [{"protocol": "TCP", "port": settings.kdc_port}],
+                    },
                     metrics_in,
                 ],
                 egress=[dns, *store],
             )
         )
     if ctx.decentralized:
+        client_egress.extend(store)  # each client writes its own checkpoints
         client_egress.append(to_role("client", settings.peer_port))
         client_ingress.append(
             {"from": [clients], "ports": [{"protocol": "TCP", "port": settings.peer_port}]}
@@ -480,6 +498,13 @@ def server_pod(ctx: RunContext, *, resume: bool) -> Object:
     ]
     if resume:
         env.append({"name": "FEDCORE_RESUME", "value": "1"})
+    if ctx.needs_kdc and ctx.server_uses_kdc:
+        env.append(
+            {
+                "name": "FEDCORE_KDC",
+                "value": f"{service_host(ctx, pod_name(ctx.name, 'kdc'))}:{settings.kdc_port}",
+            }
+        )
     pod = _pod(
         ctx,
         "server",
@@ -511,6 +536,15 @@ def client_pod(ctx: RunContext, index: int) -> Object:
             }
         )
     env += _metrics_env()
+    if ctx.decentralized:
+        peers = service_host(ctx, peers_service_name(ctx.name))
+        env += [
+            {"name": "FEDCORE_PEER_LISTEN", "value": f"$(POD_IP):{settings.peer_port}"},
+            {
+                "name": "FEDCORE_PEER_TEMPLATE",
+                "value": f"client-{{index}}.{peers}:{settings.peer_port}",
+            },
+        ]
     ports = [("peer", settings.peer_port)] if ctx.decentralized else []
     pod = _pod(ctx, "client", index, ctx.run.spec.roles.clients, env=env, ports=ports)
     pod["spec"]["hostname"] = f"client-{index}"
@@ -582,7 +616,9 @@ def _pod(
             {"name": "tmp", "mountPath": "/tmp"},
         ],
     }
-    if s3 is not None and s3.credentials_secret and role in ("server", "kdc"):
+    # Clients of a decentralized protocol write their own checkpoints.
+    writes_checkpoints = role in ("server", "kdc") or (role == "client" and ctx.decentralized)
+    if s3 is not None and s3.credentials_secret and writes_checkpoints:
         container["envFrom"] = [{"secretRef": {"name": s3.credentials_secret}}]
     if ready_port is not None:
         container["readinessProbe"] = {

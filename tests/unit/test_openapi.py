@@ -252,7 +252,11 @@ def test_schema_at_follows_properties_items_and_maps() -> None:
         (["spec", "data", "testFraction"], "more than 0 and less than 1"),
         (["spec", "optimizer"], None),
         (["spec", "training", "optimizer", "momentum"], "at least 0 and less than 1"),
-        (["spec", "protocol", "name"], "one of `fedavg`, `fedsgd`, `dp-fedavg`, `perturb`, `mpdp`"),
+        (
+            ["spec", "protocol", "name"],
+            "one of `fedavg`, `fedsgd`, `dp-fedavg`, `perturb`, `mpdp`, `lppa`, `adaptive`, "
+            "`ebscfl`",
+        ),
         (["spec", "model", "channels"], "1 to 8 items; each item 1 to 4096"),
         (["spec", "data", "partition", "alpha"], "more than 0 and at most 1000000"),
         (["apiVersion"], "`fedcore.dev/v1alpha1`"),

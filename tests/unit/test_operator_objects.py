@@ -276,3 +276,27 @@ def test_manifest_config_map_round_trips_to_the_same_spec(protocol: str) -> None
     again = parse_manifest(yaml.safe_load(text))
     assert again.spec == ctx.run.spec
     assert again.metadata.namespace == "team-a"
+
+
+def test_ebscfl_server_gets_the_kdc_address_and_may_reach_it() -> None:
+    # Prepare: ebscfl's server fetches its own keys from the KDC (server_uses_kdc)
+    ctx = context(manifest("ebscfl"))
+    mpdp = context(manifest("mpdp"))
+    # Execute
+    container = objects.server_pod(ctx, resume=False)["spec"]["containers"][0]
+    env = {item["name"]: item.get("value") for item in container["env"]}
+    mpdp_container = objects.server_pod(mpdp, resume=False)["spec"]["containers"][0]
+    mpdp_env = {item["name"] for item in mpdp_container["env"]}
+    policies = {item["metadata"]["name"]: item["spec"] for item in objects.network_policies(ctx)}
+    # Assert
+    assert env["FEDCORE_KDC"] == "demo-kdc.team-a.svc:7071"
+    assert "FEDCORE_KDC" not in mpdp_env
+    callers = [rule["from"] for rule in policies["demo-kdc"]["ingress"] if "from" in rule]
+    roles = sorted(p["podSelector"]["matchLabels"][objects.ROLE_LABEL] for p in callers[0])
+    assert roles == ["client", "server"]
+    server_targets = [
+        rule["to"][0]["podSelector"]["matchLabels"][objects.ROLE_LABEL]
+        for rule in policies["demo-server"]["egress"]
+        if "to" in rule and "podSelector" in rule["to"][0]
+    ]
+    assert server_targets == ["kdc"]

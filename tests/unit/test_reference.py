@@ -66,7 +66,7 @@ def test_manifest_reference_row_content() -> None:
     assert "| `spec.roles.kdc.nodeSelector` | map of string | `{}` |" in text
     assert (
         "| `spec.protocol.name` | string | required | one of `fedavg`, `fedsgd`, `dp-fedavg`, "
-        "`perturb`, `mpdp` |" in text
+        "`perturb`, `mpdp`" in text
     )
     assert r"`^(100\|[1-9][0-9]?)%$`" in text, "pipes inside cells are escaped"
     assert "| `spec.roles.kdc.tolerations[].effect` |" in text

@@ -97,7 +97,7 @@ INVALID = [
         "unknown-field-spec",
         {("spec", "round"): 3},
         "spec.round",
-        "allowed fields here: activeDeadlineSeconds, backoffLimit, checkpoint, clients, data,",
+        "allowed fields here: activeDeadlineSeconds, attack, backoffLimit, checkpoint, clients,",
     ),
     _case(
         "unknown-field-deep",

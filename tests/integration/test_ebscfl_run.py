@@ -1,0 +1,132 @@
+"""`fedcore run` of ebscfl end to end: a real KDC, server and clients over mutual-TLS gRPC, the
+server fetching its own keys from the KDC; a malformed encoding rejected and counted, and a
+KDC killed mid-run that resumes from its own checkpoint."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+from safetensors.numpy import load_file
+
+from fedcore.checkpoint import kdc_checkpointer, open_store
+from fedcore.poisoning import attackers
+from fedcore.roles._common import spec_fingerprint
+from fedcore.runner import LocalRun
+from fedcore.simulation import simulate
+from fedcore.spec import load_manifest
+from tests.integration._runs import fedcore, last_json, write_manifest
+from tests.integration.test_local_run import scrape, wait_for_event
+
+pytestmark = pytest.mark.integration
+
+EBSCFL_SPEC: dict[str, Any] = {
+    "protocol": {
+        "name": "ebscfl",
+        "ebscfl": {"mode": "Repaired", "clusters": 2, "rootExamples": 60, "rootEpochs": 3},
+    },
+    "model": {"kind": "MLP", "hidden": [16]},
+    "data": {"source": {"kind": "Digits"}, "clusters": {"count": 2}},
+    "clients": {"count": 4, "quorum": "75%"},
+    "rounds": 3,
+}
+
+
+def events_of(path: Path) -> list[dict[str, Any]]:
+    return [json.loads(line) for line in path.read_text(encoding="utf-8").splitlines()]
+
+
+def test_a_malformed_encoding_is_rejected_counted_logged_and_the_rounds_complete(
+    tmp_path: Path,
+) -> None:
+    # Prepare: one client of four tampers with its encoded upload every round
+    manifest = write_manifest(
+        tmp_path / "run.yaml",
+        **{**EBSCFL_SPEC, "checkpoint": {"everyRounds": 0}},
+        attack={"kind": "MalformedEncoding", "fraction": 0.25, "scale": 0.01},
+    )
+    run_spec = load_manifest(manifest)
+    (bad,) = attackers(run_spec.spec)
+    run = LocalRun(run_spec, manifest, workdir=tmp_path / "work")
+    run.start()
+    try:
+        wait_for_event(run, "round", round=2)
+        # Execute
+        metrics = scrape(run.metrics_ports["server"])
+        result = run.wait()
+    finally:
+        run.stop()
+    # Assert
+    counted = re.search(
+        r'fedcore_rejected_messages_total\{reason="encoding",role="server",run="e2e"\} (\S+)',
+        metrics,
+    )
+    log = (tmp_path / "work" / "logs" / "server.log").read_text(encoding="utf-8")
+    rounds = [e for e in events_of(run.events_path) if e["event"] == "round"]
+    assert result.phase == "Succeeded"
+    assert counted is not None and float(counted.group(1)) >= 2
+    assert f"Refused the upload of client {bad} in round 1" in log and "fails the" in log
+    assert [(e["round"], e["participants"], e["attempts"]) for e in rounds] == [
+        (r, 3, 2) for r in (1, 2, 3)
+    ]
+    assert all(e["metrics"]["weight_total"] > 0 for e in rounds)
+    assert (tmp_path / "work" / "model-cluster-1.safetensors").exists()
+
+
+def test_kdc_killed_mid_run_resumes_from_its_checkpoint_and_the_run_finishes(
+    tmp_path: Path,
+) -> None:
+    # Prepare: the aggregate does not depend on the keys (exact to float64 rounding), so the
+    # run must end with the model of the same run simulated in one process
+    manifest = write_manifest(
+        tmp_path / "run.yaml", **{**EBSCFL_SPEC, "rounds": 4, "checkpoint": {"everyRounds": 1}}
+    )
+    work = tmp_path / "work"
+    run = LocalRun(load_manifest(manifest), manifest, workdir=work)
+    run.start()
+    try:
+        wait_for_event(run, "round", round=1)
+        saved = [e for e in events_of(run.kdc_events_path) if e["event"] == "checkpoint"]
+        # Execute
+        os.killpg(run.children["kdc"].process.pid, signal.SIGKILL)
+        result = run.wait()
+    finally:
+        run.stop()
+    # Assert
+    kdc_events = events_of(run.kdc_events_path)
+    resumed = [e for e in kdc_events if e["event"] == "resumed"]
+    rounds = [e for e in events_of(run.events_path) if e["event"] == "round"]
+    assert result.phase == "Succeeded" and result.restarts == {"kdc": 1}
+    assert len(resumed) == 1 and resumed[0]["version"] >= saved[-1]["version"]
+    assert "Resumed the KDC state" in (work / "logs" / "kdc.log").read_text()
+    assert [(e["round"], e["participants"]) for e in rounds] == [(r, 4) for r in (1, 2, 3, 4)]
+    ebscfl = load_manifest(manifest)
+    state = kdc_checkpointer(
+        open_store(ebscfl.spec.checkpoint, name="e2e", workdir=work),
+        ebscfl.spec.checkpoint,
+        run="e2e",
+        fingerprint=spec_fingerprint(ebscfl),
+    ).load_latest()
+    assert state is not None and state[1]["protocol"]["open"]["round"] == 4
+    released = load_file(str(work / "model.safetensors"))
+    reference = simulate(ebscfl).weights
+    for name, weights in reference.items():
+        np.testing.assert_allclose(released[name], weights, rtol=0, atol=1e-5)
+
+
+def test_example_digits_ebscfl_filters_its_attackers(tmp_path: Path) -> None:
+    # Prepare
+    example = Path(__file__).resolve().parents[2] / "examples" / "digits-ebscfl.yaml"
+    # Execute
+    done = fedcore("run", str(example), "--json", "--workdir", str(tmp_path / "work"), cwd=tmp_path)
+    # Assert: measured in docs/protocols/ebscfl.md
+    assert done.returncode == 0, done.stderr[-4000:]
+    summary = last_json(done.stdout)
+    assert summary["phase"] == "Succeeded"
+    assert summary["accuracy"] > 0.5
