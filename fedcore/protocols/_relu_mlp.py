@@ -161,13 +161,23 @@ def noise_term_gradients(
         hidden = part if not hidden else [a.add_(b) for a, b in zip(hidden, part, strict=True)]
     return NoiseTermGradients(
         loss=torch.nn.functional.mse_loss(outputs, targets),
-        cell_values=scale * (alpha @ cells),
-        beta_value=(scale / 2.0) * (alpha @ alpha),
+        cell_values=scale * _sum_rows(alpha[:, None] * cells),
+        beta_value=(scale / 2.0) * (alpha * alpha).sum(),
         loss_grads=[*(layer[0] for layer in hidden), loss_out.T @ last],
         cell_grads=[layer[1:-1] for layer in hidden],
-        cell_row=scaled_alpha @ last,
+        cell_row=_sum_rows(scaled_alpha[:, None] * last),
         beta_grads=[layer[-1] for layer in hidden],
     )
+
+
+def _sum_rows(products: torch.Tensor) -> torch.Tensor:
+    """Sums (N, K) products over the examples, the same bits at any thread count.
+
+    A vector-matrix product (``alpha @ cells``) would be a BLAS gemv, which MKL splits over the
+    examples across threads: its bits would then depend on torch's thread count, and a run's
+    roles (one thread each) would not equal ``simulate()`` in a process with more threads.
+    """
+    return products.sum(dim=0)
 
 
 def _hidden_gradients(

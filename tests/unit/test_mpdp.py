@@ -9,9 +9,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import dp_accounting
 import numpy as np
 import pytest
 import torch
+from dp_accounting import rdp
 from scipy import stats
 
 from fedcore.data import ArrayDataset, client_dataset, test_dataset
@@ -471,20 +473,46 @@ def test_no_seed_or_private_key_reaches_the_server_and_the_kdc_sees_only_public_
     assert set(issued.meta) == {"round", "clients", "session"}
 
 
-def test_instruction_carries_no_true_weights_and_no_server_secret() -> None:
+def server_secret_arrays(secret: maths.Perturbation, true: Mapping[str, np.ndarray]) -> dict:
+    """Every array no client may receive: r, s, the shift, upsilon, R (whole and by row), the
+    products r o s, and the true weights (whole and by row)."""
+    found: dict[str, np.ndarray] = {"shift": secret.shift, "upsilon": np.array([secret.upsilon])}
+    for layer, (r, s) in enumerate(zip(secret.r, secret.s, strict=True)):
+        found[f"r{layer}"], found[f"s{layer}"], found[f"rs{layer}"] = r, s, r * s
+    for (name, weight), multiplier in zip(true.items(), secret.multipliers(), strict=True):
+        whole = np.broadcast_to(multiplier, weight.shape)
+        for what, array in ((f"R of {name}", whole), (f"true {name}", weight)):
+            found[what] = array
+            found.update({f"{what} row {row}": array[row] for row in range(array.shape[0])})
+    return found
+
+
+@pytest.mark.parametrize("mode", ["Faithful", "Hardened"])
+def test_no_server_secret_reaches_any_client_in_any_round(mode: str) -> None:
     # Prepare
-    fed = Federation.of(spec_for(mode="Faithful", clients=2))
-    weights = fed.server.global_weights()
-    # Execute
-    plans = fed.server.plan_round(1, [0, 1])
-    secret = fed.server._secrets
-    wire = b"".join(encode_chunks(plans[0], chunk_bytes=1 << 20))
-    # Assert
-    assert secret is not None
-    for array in [*weights.values(), *secret.r, *secret.s, secret.shift]:
-        assert np.ascontiguousarray(array).tobytes()[:64] not in wire
-    again = fed.server.plan_round(2, [0, 1])  # a new round: fresh noise
-    assert not np.array_equal(again[0].tensors["w.0"], plans[0].tensors["w.0"])
+    fed = Federation.of(spec_for(mode=mode, graph="Complete", noise=0.5, clients=3))
+    previous: dict[int, Payload] = {}
+    for round_ in (1, 2, 3):
+        true = {n: w.copy() for n, w in fed.server.global_weights().items()}
+        # Execute
+        plans = fed.server.plan_round(round_, [0, 1, 2])
+        secret = fed.server._secrets
+        assert secret is not None
+        forbidden = server_secret_arrays(secret, true)
+        uploads = fed.uploads(round_, plans)
+        # Assert: every client-bound message (instruction and the KDC's keys), as on the wire.
+        for k, plan in plans.items():
+            keys = fed.kdc.issue_keys(round_, Identity("client", k))
+            wire = b"".join(
+                chunk for p in (plan, keys) for chunk in encode_chunks(p, chunk_bytes=1 << 20)
+            )
+            for what, array in forbidden.items():
+                raw = np.ascontiguousarray(array, dtype="<f8").tobytes()
+                assert raw not in wire, f"client {k} receives {what} in round {round_}"
+            if previous:  # fresh secrets every round: the perturbed model changes
+                assert not np.array_equal(plan.tensors["w.0"], previous[k].tensors["w.0"])
+        previous = dict(plans)
+        fed.server.combine(round_, uploads, [])
 
 
 def test_faithful_mode_leaks_a_single_example_through_phi_hardened_does_not() -> None:
@@ -637,3 +665,31 @@ def test_example_manifest_is_a_hardened_nout_mpdp_run_with_a_budget() -> None:
     assert spec.training.loss == "MSE"
     assert spec.privacy is not None and spec.privacy.target_epsilon is not None
     assert Mpdp().noise_multiplier(spec) is not None
+
+
+def test_budget_stops_an_mpdp_run_at_the_libraries_epsilon() -> None:
+    # Prepare: sigma_eta 2, B 1, a quorum of all 4 clients: z = 2 sqrt(4) / 1 = 4, q = 1, so
+    # each round is one Gaussian mechanism; the target lies between the epsilon of 2 and 3.
+    def direct(rounds: int) -> float:
+        accountant = rdp.RdpAccountant()
+        accountant.compose(dp_accounting.GaussianDpEvent(4.0), rounds)
+        return float(accountant.get_epsilon(1e-5))
+
+    target = (direct(2) + direct(3)) / 2
+    text = MANIFEST % {
+        "protocol": "mpdp", "mode": "Hardened", "graph": "NOut", "noise": 2.0, "clip": 1.0,
+        "hidden": "[12]", "clients": 4, "quorum": "'100%'", "rounds": 5, "rate": 0.5,
+        "output": 0.01,
+    }  # fmt: skip
+    text += f"  privacy: {{targetEpsilon: {target}, targetDelta: 1.0e-5, accountant: RDP}}\n"
+    run = load_manifest("unit-mpdp", text=text)
+    # Execute
+    result = simulate(run)
+    # Assert
+    assert Mpdp().noise_multiplier(run.spec) == pytest.approx(4.0, rel=0, abs=1e-12)
+    assert result.reason == "BudgetExhausted"
+    assert result.rounds_completed == 2
+    assert result.epsilon == pytest.approx(direct(2), rel=0, abs=1e-9)
+    assert [entry["epsilon"] for entry in result.history] == pytest.approx(
+        [direct(1), direct(2)], rel=0, abs=1e-9
+    )

@@ -684,7 +684,10 @@ def test_perturb_check_upload_rejects_unplanned_client_and_closed_round() -> Non
         ),
     ],
 )
-def test_load_manifest_refuses_perturb_precondition_with_field_path(change, path, fragment):
+@pytest.mark.parametrize("protocol", ["perturb", "mpdp"])
+def test_load_manifest_refuses_lossless_precondition_with_field_path(
+    protocol, change, path, fragment
+):
     # Prepare
     base = {
         "model": "model: {kind: MLP, hidden: [16], bias: false, dtype: float64}",
@@ -693,7 +696,7 @@ def test_load_manifest_refuses_perturb_precondition_with_field_path(change, path
     base[change.split(":")[0]] = change
     text = (
         "apiVersion: fedcore.dev/v1alpha1\nkind: FederatedRun\nmetadata: {name: unit}\nspec:\n"
-        "  protocol: {name: perturb}\n  clients: {count: 2}\n  rounds: 1\n"
+        f"  protocol: {{name: {protocol}}}\n  clients: {{count: 2}}\n  rounds: 1\n"
         f"  {base['model']}\n  {base['training']}\n"
     )
     # Execute
@@ -702,7 +705,7 @@ def test_load_manifest_refuses_perturb_precondition_with_field_path(change, path
     # Assert
     paths = [issue.path for issue in caught.value.issues]
     assert paths == [path]
-    assert "'perturb'" in caught.value.issues[0].message
+    assert f"'{protocol}'" in caught.value.issues[0].message
     assert fragment in caught.value.issues[0].message
 
 
