@@ -10,8 +10,12 @@ setting; docs/audit.md and the protocol pages quote them.
   epsilon about 1.4, and 1e-9 as the control).
 * ``membership``: 2 clients share 500 MNIST images (4,500 held out), MLP 784-64-10, 2 rounds of
   20 local epochs, fedavg and dp-fedavg (clipping 0.5, noise multiplier 3).
+* ``ebscfl``: 4 clients on digits, 2 cluster models, MLP 64-4-10, 3 rounds, Faithful and
+  Repaired (the four leaks of digest 004, as tests/unit/test_audit_leaks.py).
+* ``lppa``: 3 clients of one digit each on a directed ring (DSGT, LPPA at noise 0.025 and 1)
+  and 5 on the complete graph (LPPA at 0.025): the neighbour attack of digest 002.
 
-Usage: ``python benchmarks/audit.py --out /tmp/audit [--figures docs/audit]``.
+Usage: ``python benchmarks/audit.py --out /tmp/audit [--figures docs/audit] [--only TEXT]``.
 """
 
 from __future__ import annotations
@@ -163,6 +167,72 @@ def settings(root: Path) -> dict[str, tuple[FederatedRun, list[str]]]:
     }
 
 
+def ebscfl(mode: str) -> FederatedRun:
+    """4 clients on digits, 2 cluster models, MLP 64-4-10, 3 rounds."""
+    return manifest(
+        {
+            "protocol": {
+                "name": "ebscfl",
+                "ebscfl": {"mode": mode, "clusters": 2, "rootExamples": 40, "rootEpochs": 2},
+            },
+            "model": {"kind": "MLP", "hidden": [4]},
+            "data": {"source": {"kind": "Digits"}},
+            "clients": {"count": 4},
+            "rounds": 3,
+            "training": {"batchSize": 64, "optimizer": {"kind": "SGD", "learningRate": 0.1}},
+        }
+    )
+
+
+def lppa(folder: Path, clients: int, options: dict[str, Any]) -> FederatedRun:
+    """Clients of one digit each (batch 1, cross-entropy) on an LPPA peer graph."""
+    return one_digit(
+        folder,
+        clients,
+        {"name": "lppa", "lppa": {"secureNoise": False, **options}},
+        {"kind": "MLP", "hidden": [32], "dtype": "float64"},
+        loss="CrossEntropy",
+        rate=0.1,
+    )
+
+
+def new_settings(root: Path) -> dict[str, tuple[FederatedRun, list[str]]]:
+    """The EBS-CFL and LPPA settings."""
+    leaks = ["ebscfl-decode-key", "ebscfl-spectral", "ebscfl-differencing", "ebscfl-segment-solve"]
+    ring = {"kind": "Ring", "directed": True}
+    return {
+        "ebscfl Faithful, 4 clients x 3 rounds": (ebscfl("Faithful"), leaks),
+        "ebscfl Repaired, 4 clients x 3 rounds": (ebscfl("Repaired"), leaks),
+        "lppa DSGT (no noise), directed ring of 3": (
+            lppa(root / "dsgt", 3, {"topology": ring, "variant": "DSGT"}),
+            ["lppa-neighbour"],
+        ),
+        "lppa noise 0.025, directed ring of 3": (
+            lppa(root / "ring", 3, {"topology": ring, "noiseScale": 0.025}),
+            ["lppa-neighbour"],
+        ),
+        "lppa noise 0.025, complete graph of 5": (
+            lppa(root / "complete", 5, {"topology": {"kind": "Complete"}, "noiseScale": 0.025}),
+            ["lppa-neighbour"],
+        ),
+        "lppa noise 1, directed ring of 3": (
+            lppa(root / "loud", 3, {"topology": ring, "noiseScale": 1.0}),
+            ["lppa-neighbour"],
+        ),
+    }
+
+
+SHOWN = (
+    "PSNR (dB)",
+    "cosine (absolute)",
+    "PSNR gain over the prior (dB), as received",
+    "cluster identity",
+    "updates recovered (cosine > 0.999)",
+    "filtered or not (sign of w_i)",
+)
+"""The estimates a table shows after the verdict."""
+
+
 def table(title: str, report: AuditReport) -> str:
     """One setting's results as Markdown."""
     epsilon = "" if report.epsilon is None else f", epsilon {report.epsilon:.3g}"
@@ -178,7 +248,7 @@ def table(title: str, report: AuditReport) -> str:
             continue
         shown = [
             r.verdict,
-            *(e for e in r.estimates[1:] if e.name in ("PSNR (dB)", "cosine (absolute)")),
+            *(e for e in r.estimates[1:] if e.name in SHOWN),
         ]
         for e in shown:
             chance = "-" if e.chance is None else f"{e.chance:.3g}"
@@ -195,10 +265,14 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, required=True, help="Reports go here.")
     parser.add_argument("--figures", type=Path, default=None, help="Copy figures here.")
+    parser.add_argument("--only", default="", help="Run the settings whose title has this.")
     args = parser.parse_args()
     torch.set_num_threads(1)
     warnings.simplefilter("ignore", UserWarning)
-    for index, (title, (run, attacks)) in enumerate(settings(args.out / "data").items()):
+    chosen = {**settings(args.out / "data"), **new_settings(args.out / "data")}
+    for index, (title, (run, attacks)) in enumerate(chosen.items()):
+        if args.only not in title:
+            continue
         out = args.out / f"setting-{index}"
         report = run_audit(run, out, attacks=attacks)
         print(table(title, report), end="\n\n", flush=True)

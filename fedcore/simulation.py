@@ -82,6 +82,10 @@ class Observer:
     def on_exchange(self, party: Identity, request: Payload, answer: Payload) -> None:
         """``party`` handed the KDC ``request`` through its key channel; ``answer`` came back."""
 
+    def on_peer_message(self, sender: int, receiver: int, tag: str, message: Payload) -> None:
+        """Decentralized protocols: ``sender`` sent ``receiver`` ``message`` under ``tag`` (shown
+        after the run, in sending order, every message of every round)."""
+
 
 class LocalKeyChannel(KeyChannel):
     """A party's channel to a KDC side in the same process (shown to ``observer``, if any)."""
@@ -110,7 +114,10 @@ def simulate(
     if protocol.facts.decentralized:  # no server model: clients step with their peers
         from fedcore.decentralized import simulate_decentralized
 
-        peers = simulate_decentralized(run, rounds=rounds)
+        peers = simulate_decentralized(run, rounds=rounds, record=observer is not None)
+        if observer is not None and peers.network is not None:
+            for sender, receiver, tag, message in peers.network.messages:
+                observer.on_peer_message(sender, receiver, tag, message)
         return SimulationResult(
             weights=peers.mean,
             accuracy=peers.accuracy,

@@ -15,12 +15,20 @@ from fedcore.audit._attack import (
     registered_attacks,
 )
 from fedcore.audit._client_side import MembershipLoss, MembershipShadow, OutputNoise
+from fedcore.audit._ebscfl import (
+    DecodeKeyLeak,
+    DifferencingLeak,
+    EbscflView,
+    SegmentSolveLeak,
+    SpectralLeak,
+)
 from fedcore.audit._inversion import (
     CorrectionLeak,
     DifferencingInversion,
     DifferencingSubspace,
     GradientInversion,
 )
+from fedcore.audit._lppa import LppaView, NeighbourAttack
 from fedcore.audit._metrics import Estimate
 from fedcore.audit._runner import AuditReport, run_audit
 from fedcore.audit._views import ProtocolView, register_view, view_for
@@ -33,6 +41,13 @@ register_attack(CorrectionLeak())
 register_attack(OutputNoise())
 register_attack(MembershipLoss())
 register_attack(MembershipShadow())
+register_attack(DecodeKeyLeak())
+register_attack(SpectralLeak())
+register_attack(DifferencingLeak())
+register_attack(SegmentSolveLeak())
+register_attack(NeighbourAttack())
+register_view("ebscfl", EbscflView)
+register_view("lppa", LppaView)
 
 __all__ = [
     "Attack",

@@ -61,6 +61,10 @@ class Recording(Observer):
         keys: per kept round, what the KDC issued to each party.
         exchanges: per round (0: set-up), each (party, request, answer) a party had with the
             KDC through its key channel (e.g. a server that fetches keys per upload).
+        peers: decentralized protocols, per kept round: every peer message as (sender,
+            receiver, kind, message). ``instructions[t][k]`` then holds what client k received
+            in round t and ``uploads[t][k]`` what it sent, each tensor named
+            ``<peer>/<kind>/<name>`` (``peer_tensor``).
         before: per kept round, the server's global model before it.
         after: per kept round, the server's global model after it.
     """
@@ -72,6 +76,7 @@ class Recording(Observer):
         self.uploads: dict[int, dict[int, Payload]] = {}
         self.keys: dict[int, dict[str, Payload]] = {}
         self.exchanges: dict[int, list[tuple[str, Payload, Payload]]] = {}
+        self.peers: dict[int, list[tuple[int, int, str, Payload]]] = {}
         self._round = 0
         self.before: dict[int, Weights] = {}
         self.after: dict[int, Weights] = {}
@@ -102,6 +107,36 @@ class Recording(Observer):
         if self._round == 0 or self._round in self.keep:
             entry = (party.common_name, request, answer)
             self.exchanges.setdefault(self._round, []).append(entry)
+
+    def on_peer_message(self, sender: int, receiver: int, tag: str, message: Payload) -> None:
+        round_, kind = peer_round(tag)
+        if round_ is None:
+            return
+        seen = self.participants.setdefault(round_, [])
+        self.participants[round_] = sorted({*seen, sender, receiver})
+        if round_ not in self.keep:
+            return
+        self.peers.setdefault(round_, []).append((sender, receiver, kind, message))
+        received = self.instructions.setdefault(round_, {}).setdefault(receiver, Payload())
+        sent = self.uploads.setdefault(round_, {}).setdefault(sender, Payload())
+        for name, value in message.tensors.items():
+            received.tensors[peer_tensor(sender, kind, name)] = value
+            sent.tensors[peer_tensor(receiver, kind, name)] = value
+
+
+def peer_round(tag: str) -> tuple[int | None, str]:
+    """(round, kind) of a decentralized protocol's peer tag ``<epoch>/<round>/<kind>``; the
+    round is None for a tag of another form."""
+    parts = tag.split("/")
+    if len(parts) < 3 or not parts[-2].isdigit():
+        return None, tag
+    return int(parts[-2]), parts[-1]
+
+
+def peer_tensor(peer: int, kind: str, name: str) -> str:
+    """The name a peer message's tensor gets in ``Recording.instructions`` (``peer``: the
+    sender) or ``Recording.uploads`` (``peer``: the receiver)."""
+    return f"{peer}/{kind}/{name}"
 
 
 @dataclass
@@ -209,7 +244,7 @@ class Attack(ABC):
         """Why it cannot run on this audit's run, or None if it can."""
         if self.protocols is not None and ctx.spec.protocol.name not in self.protocols:
             return f"applies to {', '.join(sorted(self.protocols))} only"
-        return None
+        return ctx.view.skips.get(self.name)
 
     @abstractmethod
     def run(self, ctx: AuditContext) -> AttackResult:

@@ -163,10 +163,16 @@ class _Target:
         self.variants: dict[str, tuple[BroadcastModel, np.ndarray | None]] = {}
         if self.round is None:
             return
-        model = ctx.view.broadcast(ctx.recording.instructions[self.round][ctx.attacker])
+        own = ctx.shard(ctx.attacker)
+        loss = ctx.spec.training.loss
+        model = min(
+            ctx.view.models(ctx.recording.instructions[self.round][ctx.attacker]),
+            key=lambda m: float(
+                _losses(m.outputs(own.x.reshape(len(own), -1))[0], own.y, loss).mean()
+            ),
+        )
         self.variants["as received"] = (model, None)
         if ctx.view.perturbed:
-            own = ctx.shard(ctx.attacker)
             self.variants["fitted"] = (model, fit_output_shift(model, own.x, own.y))
             true = Payload(tensors=ctx.recording.before[self.round])
             self.variants[REFERENCE] = (PlainView(ctx.spec).broadcast(true), None)

@@ -77,6 +77,7 @@ def bars(path: Path, estimates: Sequence[Estimate], title: str) -> None:
     positions = np.arange(len(estimates))
     values = [e.value for e in estimates]
     errors = np.array([[e.value - e.low for e in estimates], [e.high - e.value for e in estimates]])
+    errors = np.maximum(errors, 0.0)  # a bootstrap end can pass the mean by a rounding error
     axis.bar(positions, values, yerr=errors, capsize=4, color="#4878a8")
     for position, estimate in zip(positions, estimates, strict=True):
         if estimate.chance is not None:

@@ -114,6 +114,8 @@ class GradientInversion(Attack):
                 why = "the uploads are trained models, not gradients (see inverting-gradients)"
                 continue
             shard = ctx.shard(client)
+            rows = ctx.view.upload_rows(round_, client, len(shard))
+            shard = shard if rows is None else shard.subset(rows)
             batch = len(shard)
             if batch > ctx.budget.max_batch:
                 why = f"every attacked upload holds more than {ctx.budget.max_batch} examples"

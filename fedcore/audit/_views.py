@@ -14,7 +14,8 @@ import math
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Literal
+from types import MappingProxyType
+from typing import ClassVar, Literal
 
 import numpy as np
 import torch
@@ -75,6 +76,8 @@ class ProtocolView(ABC):
 
     perturbed: bool = False
     """Whether clients receive a perturbed model whose outputs carry a shift alpha * r."""
+    skips: ClassVar[Mapping[str, str]] = MappingProxyType({})
+    """Attacks that cannot apply to the protocol's messages, by name, with the reason."""
 
     def __init__(self, spec: FederatedRunSpec) -> None:
         self.spec = spec
@@ -94,6 +97,16 @@ class ProtocolView(ABC):
     @abstractmethod
     def first_layer(self, instruction: Payload) -> np.ndarray | None:
         """The broadcast's first weight matrix (rows by input), or None if not an MLP."""
+
+    def models(self, instruction: Payload) -> list[BroadcastModel]:
+        """Every model ``instruction`` carries (clustered protocols: one per cluster; a client
+        holds the one with the lowest loss on its shard)."""
+        return [self.broadcast(instruction)]
+
+    def upload_rows(self, round: int, client: int, count: int) -> np.ndarray | None:
+        """The rows of the client's shard (of ``count``) behind its upload of ``round``, or
+        None for the whole shard."""
+        return None
 
     def others_update(
         self,
@@ -228,6 +241,58 @@ class PlainView(ProtocolView):
         return None
 
 
+class AdaptiveView(PlainView):
+    """adaptive: FedSGD uploads W - eta g + delta, g on a minibatch of the client's private
+    rows; the server reads (W - upload) / eta = g - delta / eta as that minibatch's gradient."""
+
+    def server_gradient(
+        self, instruction: Payload, upload: Payload
+    ) -> tuple[dict[str, np.ndarray], UpdateKind] | None:
+        rate = self.spec.training.optimizer.learning_rate
+        step, _ = super().server_gradient(instruction, upload) or ({}, "update")
+        return {n: v / rate for n, v in step.items()}, "gradient"
+
+    def private_rows(self, client: int, count: int) -> np.ndarray:
+        """The client's private rows (the rest of its shard is held out for the distortion)."""
+        from fedcore.protocols.adaptive import AdaptiveClient
+
+        return AdaptiveClient(self.spec, client).split(count)[0]
+
+    def upload_rows(self, round: int, client: int, count: int) -> np.ndarray | None:
+        from fedcore.protocols._batches import BATCH_STREAM, batch_rows
+
+        private = self.private_rows(client, count)
+        spec = self.spec
+        rows = batch_rows(
+            len(private),
+            spec.training.batch_size,
+            seed=spec.seed,
+            step=round,
+            client=client,
+            stream=BATCH_STREAM,
+        )
+        return private if rows is None else private[rows]
+
+    def others_update(
+        self,
+        before: Payload,
+        after: Payload,
+        own: Payload,
+        sizes: Mapping[int, int],
+        attacker: int,
+    ) -> dict[str, np.ndarray] | None:
+        """As fedavg's, the server weighting each upload by its private row count."""
+        private = {k: len(self.private_rows(k, count)) for k, count in sizes.items()}
+        share = private[attacker] / float(sum(private.values()))
+        names = [n for n in self._names if np.issubdtype(before.tensors[n].dtype, np.floating)]
+        out = {}
+        for n in names:
+            w0 = np.asarray(before.tensors[n], np.float64)
+            step = w0 - np.asarray(after.tensors[n], np.float64)
+            out[n] = step + share * (np.asarray(own.tensors[n], np.float64) - w0)
+        return out
+
+
 def _share(weighting: str, sizes: Mapping[int, int], attacker: int) -> float:
     """The attacker's weight in the server's mean (ShardSize or Uniform)."""
     if weighting == "Uniform":
@@ -339,6 +404,7 @@ _VIEWS: dict[str, Callable[[FederatedRunSpec], ProtocolView]] = {
     "dp-fedavg": PlainView,
     "perturb": PerturbView,
     "mpdp": MpdpView,
+    "adaptive": AdaptiveView,
 }
 
 

@@ -44,14 +44,17 @@ def one_example_clients(
     rounds: int = 3,
     loss: str = "MSE",
     rate: float = 0.5,
+    per_client: int = 1,
 ) -> FederatedRun:
-    """A run whose clients hold one digit each (ByFile), with 200 held-out digits."""
+    """A run whose clients hold one digit (or ``per_client``) each (ByFile), with 200 held-out
+    digits."""
     x, y = load_digits(return_X_y=True)
     x = (x / 16.0).astype(np.float32).reshape(-1, 1, 8, 8)
     order = np.random.default_rng(0).permutation(len(y))
     folder.mkdir(parents=True, exist_ok=True)
     for k in range(clients):
-        np.savez(folder / f"client-{k}.npz", x=x[order[k : k + 1]], y=y[order[k : k + 1]])
+        rows = order[k * per_client : (k + 1) * per_client]
+        np.savez(folder / f"client-{k}.npz", x=x[rows], y=y[rows])
     np.savez(folder / "test.npz", x=x[order[-200:]], y=y[order[-200:]])
     return parse_manifest(
         {

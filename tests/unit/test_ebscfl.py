@@ -15,6 +15,8 @@ import numpy as np
 import pytest
 
 from fedcore import aggregators
+from fedcore.audit import _ebscfl as leaks
+from fedcore.audit._ebscfl import readout
 from fedcore.errors import EncodingRejected, MessageRejected, NotReady, ProtocolError
 from fedcore.protocols import KeyChannel
 from fedcore.protocols import _ebscfl_keys as keys_
@@ -141,12 +143,6 @@ def problem(
 
 def target_of(unit: np.ndarray, geometry: maths.Geometry) -> np.ndarray:
     return maths.segmented(unit, geometry)
-
-
-def readout(rows: np.ndarray, embedding: np.ndarray, geometry: maths.Geometry) -> list[np.ndarray]:
-    """Each cluster block of s x d rows, as s x t."""
-    t = geometry.segment
-    return [rows @ embedding[j * t : (j + 1) * t].T for j in range(geometry.clusters)]
 
 
 def cosine(a: np.ndarray, b: np.ndarray) -> float:
@@ -556,55 +552,14 @@ def test_leak1_the_weighted_decode_key_decodes_one_client_unless_repaired(repair
         assert max(errors) < 1e-9
 
 
-def invariant_subspaces(alpha: np.ndarray, d: int) -> Iterator[tuple[np.ndarray, np.ndarray]]:
-    """Orthonormal bases (U1, U2) of pairs of d-dimensional invariant subspaces of alpha, from
-    its right and from its left eigenvectors (Repaired mode's padding moves the right ones)."""
-    for side in (alpha, alpha.T):
-        yield from _subspaces(side, d)
-
-
-def _subspaces(alpha: np.ndarray, d: int) -> Iterator[tuple[np.ndarray, np.ndarray]]:
-    values, vectors = np.linalg.eig(alpha)
-    live = [i for i in range(len(values)) if abs(values[i]) > 1e-9 * np.abs(values).max()]
-
-    def basis(part: tuple[int, ...]) -> np.ndarray:
-        span = np.column_stack([vectors[:, part].real, vectors[:, part].imag])
-        u, sv, _ = np.linalg.svd(span, full_matrices=False)
-        return u[:, sv > 1e-9 * sv[0]]
-
-    for chosen in itertools.combinations(live, d):
-        first = basis(chosen)
-        if first.shape[1] != d:
-            continue
-        for other in itertools.combinations([i for i in live if i not in chosen], d):
-            second = basis(other)
-            if second.shape[1] == d:
-                yield first, second
-
-
 def spectral_attack(found: Round, p: int) -> tuple[int, np.ndarray, float] | None:
-    """Leaks 2 and 3: from alpha_i, dk and beta alone, the client's cluster, update and score."""
-    g = found.geometry
-    d = g.width
-    group, _ = g.place(p)
-    dk = found.server["decode"][:, found.group_columns(group)]
-    alpha = found.alphas[p]
-    seen = found.uploads[p] @ dk.T
-    for u1, u2 in invariant_subspaces(alpha, d):
-        rows = (seen @ u1 @ u1.T) @ found.server["beta"].T
-        blocks = readout(rows, found.server["embedding"], g)
-        lengths = [float(np.linalg.norm(b)) for b in blocks]
-        j = int(np.argmax(lengths))
-        if not (abs(lengths[j] - 1) < 1e-6 and sum(lengths) - lengths[j] < 1e-6):
-            continue
-        # the score: the other subspace whose spectrum is u1's divided by one ratio (Q_i's,
-        # eig R'_i, against u1's, w_i eig R'_i)
-        first = np.linalg.eigvals(u1.T @ alpha @ u1)
-        second = np.linalg.eigvals(u2.T @ alpha @ u2)
-        ratio = float(np.real(first.sum() / second.sum()))
-        if all(np.abs(second * ratio - value).min() < 1e-6 for value in first):
-            return j, blocks[j].reshape(-1)[: g.length], ratio
-    return None
+    """Leaks 2 and 3 (the audit's attack): from alpha_i, dk and beta alone, the client's
+    cluster, update and score."""
+    group, _ = found.geometry.place(p)
+    seen = found.uploads[p] @ found.server["decode"][:, found.group_columns(group)].T
+    return leaks.spectral_attack(
+        found.alphas[p], seen, found.server["beta"], found.server["embedding"], found.geometry
+    )
 
 
 @pytest.mark.parametrize("repaired", [False, True], ids=["Faithful", "Repaired"])
