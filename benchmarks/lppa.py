@@ -9,9 +9,10 @@ the mean over clients of each client's own held-out accuracy after the last roun
 coordinator reports), mean and standard deviation over seeds, and the worst client.
 
 Round time and bytes: ``fedcore run`` with real processes (a coordinator and one process per
-client, peer links over mutual TLS on loopback), digits IID, 5 and 20 peers, LPPA and DSGT;
-the median round time and the peer bytes every client sent per round (the clients report them
-as scalars), against the server's bytes per round.
+client, peer links over mutual TLS on loopback), digits IID, 5 and 20 peers, DSGT and LPPA
+alternating, ``--repeats`` runs each: the median round time and its ratio to DSGT's, the peer
+bytes every client sent per round (the clients report them as scalars), against the server's
+bytes per round.
 
 Privacy proxies (numpy, seconds): how fast the noise in the trackers fades (``|W^t E|`` over
 ``|E|``) on each graph, and the analytic inversion of a single-example logistic-regression
@@ -26,28 +27,27 @@ from __future__ import annotations
 import argparse
 import copy
 import datetime as dt
-import json
 import os
 import platform
 import statistics
 import sys
-import tempfile
 import time
 import warnings
 from pathlib import Path
 from typing import Any
 
 import numpy as np
-import yaml
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks.spine import run_measured, write_section
+from benchmarks._runs import Cache, add_common_arguments, timed_medians
+from benchmarks.spine import write_section
 
 BEGIN = "<!-- lppa:begin -->"
 END = "<!-- lppa:end -->"
 VARIANTS = ["DSGT", "LPPA", "DPInit", "DPEveryRound"]
 TOPOLOGIES = {5: {"kind": "Complete"}, 20: {"kind": "KRegular", "degree": 4}}
+SOURCES = ("Digits", "MNISTSubset")
 
 BASE: dict[str, Any] = {
     "apiVersion": "fedcore.dev/v1alpha1",
@@ -87,25 +87,9 @@ def manifest(
 # ------------------------------------------------------------------------------ accuracy
 
 
-class Cache:
-    """Finished jobs by key, in a JSON file (None: in memory), so a stopped run resumes."""
-
-    def __init__(self, path: Path | None) -> None:
-        self.path = path
-        self.data: dict[str, Any] = {}
-        if path is not None and path.exists():
-            self.data = json.loads(path.read_text(encoding="utf-8"))
-
-    def get(self, key: str, compute: Any) -> Any:
-        """Returns the cached value of ``key``, computing (and saving) it if missing."""
-        if key not in self.data:
-            self.data[key] = compute()
-            if self.path is not None:
-                self.path.write_text(json.dumps(self.data, indent=1), encoding="utf-8")
-        return self.data[key]
-
-
-def accuracy_table(seeds: int, rounds: int, cache: Cache) -> list[dict[str, Any]]:
+def accuracy_table(
+    seeds: int, rounds: int, cache: Cache, sources: tuple[str, ...], peers_list: tuple[int, ...]
+) -> list[dict[str, Any]]:
     """Runs every (data, partition, peers, variant) for every seed in one process."""
     import torch
 
@@ -114,9 +98,9 @@ def accuracy_table(seeds: int, rounds: int, cache: Cache) -> list[dict[str, Any]
 
     torch.set_num_threads(1)
     rows = []
-    for source in ("Digits", "MNISTSubset"):
+    for source in sources:
         for partition in ("IID", "Dirichlet"):
-            for peers in (5, 20):
+            for peers in peers_list:
                 for variant in VARIANTS:
                     means, worst = [], []
                     started = time.perf_counter()
@@ -160,41 +144,24 @@ def accuracy_table(seeds: int, rounds: int, cache: Cache) -> list[dict[str, Any]
 # --------------------------------------------------------------------- time and bytes
 
 
-def measure_run(variant: str, peers: int, folder: Path, rounds: int) -> dict[str, Any]:
-    """One `fedcore run` over processes; returns round time and bytes per round."""
-    document = manifest(
-        variant=variant, source="Digits", partition="IID", peers=peers, seed=0, rounds=rounds
-    )
-    document["spec"]["evaluation"]["everyRounds"] = rounds
-    path = folder / f"{variant}-{peers}.yaml"
-    path.write_text(yaml.safe_dump(document), encoding="utf-8")
-    work = folder / f"{variant}-{peers}"
-    result, wall, _ = run_measured(
-        [
-            sys.executable,
-            "-m",
-            "fedcore",
-            "run",
-            str(path),
-            "--json",
-            "--quiet",
-            "--workdir",
-            str(work),
-        ]
-    )
-    events = [json.loads(line) for line in (work / "events.jsonl").read_text().splitlines()]
-    rounds_ = [e for e in events if e["event"] == "round"]
-    peer = statistics.median(e["metrics"]["peer_bytes_sent"] for e in rounds_[1:])
-    server = ((result["server_bytes_sent"] or 0) + (result["server_bytes_received"] or 0)) / rounds
-    return {
-        "variant": variant,
-        "peers": peers,
-        "median_round": result["median_round_seconds"],
-        "peer_bytes_per_client": peer / peers,
-        "server_bytes": server,
-        "accuracy": result["accuracy"],
-        "wall": wall,
-    }
+def timing_table(
+    peers_list: tuple[int, ...], rounds: int, repeats: int, cache: Cache
+) -> list[dict[str, Any]]:
+    """DSGT and LPPA over processes, alternating, ``repeats`` times; medians and the ratio."""
+    documents = {}
+    for peers in peers_list:
+        for variant in ("DSGT", "LPPA"):
+            document = manifest(
+                variant=variant,
+                source="Digits",
+                partition="IID",
+                peers=peers,
+                seed=0,
+                rounds=rounds,
+            )
+            document["spec"]["evaluation"]["everyRounds"] = rounds
+            documents[(variant, peers)] = document
+    return timed_medians(documents, repeats, cache, baseline="DSGT")
 
 
 def expected_bytes(peers: int) -> float:
@@ -308,6 +275,7 @@ def render(
     seeds: int,
     rounds: int,
     timing_rounds: int,
+    repeats: int,
 ) -> str:
     """The markdown section."""
     import torch
@@ -333,8 +301,8 @@ def render(
         graph = "complete" if peers == 5 else "4-regular"
         acc_rows.append(f"| {source} | {label} | {peers} ({graph}) | " + " | ".join(cells) + " |")
     time_rows = [
-        f"| {t['variant']} | {t['peers']} | {t['median_round'] * 1000:.0f} | "
-        f"{t['peer_bytes_per_client'] / 1024:.1f} | {expected_bytes(t['peers']) / 1024:.1f} | "
+        f"| {t['arm']} | {t['count']} | {t['median_round'] * 1000:.0f} | {t['ratio']:.2f} | "
+        f"{t['peer_bytes'] / t['count'] / 1024:.1f} | {expected_bytes(t['count']) / 1024:.1f} | "
         f"{t['server_bytes'] / 1024:.2f} | {t['accuracy']:.3f} |"
         for t in timing
     ]
@@ -350,12 +318,14 @@ def render(
             BEGIN,
             "## LPPA against DSGT and the DP baselines",
             "",
-            f"Measured {dt.date.today().isoformat()} by `python benchmarks/lppa.py --write` on "
+            f"Measured {dt.date.today().isoformat()} by `python -m benchmarks.lppa --write` on "
             f"{platform.machine()}, {os.cpu_count()} cores (shared, busy), Python "
             f"{platform.python_version()}, torch {torch.__version__}, "
             f"fedcore {fedcore.__version__}.",
             "",
-            f"**Accuracy** after {rounds} rounds, {seeds} seeds: the mean over clients of each "
+            f"**Accuracy** after {rounds} rounds (the paper's count), {seeds} seeds (few: the "
+            "whole benchmark has to fit in about 20 minutes on the shared cores): the mean over "
+            "clients of each "
             "client's own held-out accuracy (what the coordinator reports), as mean ± std over "
             "seeds, and in brackets the worst client of any seed. One process per job (the "
             "client code of `fedcore run`, each client a thread, peer messages in memory; the "
@@ -371,16 +341,16 @@ def render(
             *acc_rows,
             "",
             "**Round time and bytes** with `fedcore run` (a coordinator and one process per "
-            "client, "
-            "peer links over mutual TLS on loopback, 2 cores for all of them), digits IID, "
-            f"{timing_rounds} rounds: median round time; the peer bytes one client sends per round "
-            "(median, as the clients report them) against theta and gamma to each of its 4 "
-            "out-neighbours in float32 (the expected payload); the coordinator's bytes per round, "
-            "both directions (scalars only).",
+            "client, peer links over mutual TLS on loopback, 2 shared cores for all of them), "
+            f"digits IID, {timing_rounds} rounds, DSGT and LPPA alternating, {repeats} runs "
+            "each, medians: the round time and its ratio to DSGT's; the peer bytes one client "
+            "sends per round (as the clients report them) against theta and gamma to each of its "
+            "4 out-neighbours in float32 (the expected payload); the coordinator's bytes per "
+            "round, both directions (scalars only); the final accuracy.",
             "",
-            "| variant | peers | median round (ms) | peer KiB sent per client and round | "
+            "| variant | peers | median round (ms) | / DSGT | peer KiB sent per client and round | "
             "payload KiB | coordinator KiB per round | accuracy |",
-            "|---|---|---|---|---|---|---|",
+            "|---|---|---|---|---|---|---|---|",
             *time_rows,
             "",
             "**How fast the noise fades** (digest leak 4): |W^t E| / |E| for LPPA's initial noise "
@@ -412,40 +382,41 @@ def main() -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    parser.add_argument("--seeds", type=int, default=3, help="seeds per job (default 3)")
-    parser.add_argument("--rounds", type=int, default=100, help="rounds per job (default 100)")
+    parser.add_argument("--seeds", type=int, default=2, help="seeds per job (default 2)")
+    parser.add_argument("--rounds", type=int, default=50, help="rounds per job (default 50)")
     parser.add_argument(
         "--timing-rounds",
         type=int,
-        default=40,
-        help="rounds of the timed fedcore runs (default 40)",
+        default=20,
+        help="rounds of the timed fedcore runs (default 20)",
     )
-    parser.add_argument("--write", action="store_true", help="update docs/benchmarks.md")
     parser.add_argument(
-        "--cache", type=Path, default=None, help="a JSON file of finished jobs (to resume)"
+        "--peers",
+        type=int,
+        nargs="+",
+        default=[5, 20],
+        choices=sorted(TOPOLOGIES),
+        help="peer counts (default 5 20)",
     )
+    add_common_arguments(parser, SOURCES)
     args = parser.parse_args()
     warnings.simplefilter("ignore", UserWarning)
     cache = Cache(args.cache)
     decay = decay_table()
     inversion = inversion_table()
-    timing = []
-    with tempfile.TemporaryDirectory() as tmp:
-        for peers in (5, 20):
-            for variant in ("DSGT", "LPPA"):
-                timing.append(
-                    cache.get(
-                        f"timing|{variant}|{peers}|{args.timing_rounds}",
-                        lambda v=variant, p=peers: measure_run(v, p, Path(tmp), args.timing_rounds),
-                    )
-                )
-                print(
-                    f"timed {variant} {peers}: {timing[-1]['median_round'] * 1000:.0f} ms",
-                    file=sys.stderr,
-                )
-    accuracy = accuracy_table(args.seeds, args.rounds, cache)
+    timing = timing_table(tuple(args.peers), args.timing_rounds, args.repeats, cache)
+    accuracy = accuracy_table(
+        args.seeds, args.rounds, cache, tuple(args.sources), tuple(args.peers)
+    )
     section = render(
-        accuracy, timing, decay, inversion, args.seeds, args.rounds, args.timing_rounds
+        accuracy,
+        timing,
+        decay,
+        inversion,
+        args.seeds,
+        args.rounds,
+        args.timing_rounds,
+        args.repeats,
     )
     print(section)
     if args.write:

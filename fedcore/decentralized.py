@@ -34,7 +34,8 @@ DEFAULT_TIMEOUT = 600.0
 
 
 class MemoryNetwork:
-    """Every client's inbox, keyed by (sender, tag); one condition guards them all.
+    """Every client's inbox, keyed by (sender, tag); one lock guards them all, and each inbox
+    has its own condition on it, so a message wakes only its receiver.
 
     Args:
         plans: each client's links (``fedcore.topology.peer_plans``).
@@ -49,7 +50,8 @@ class MemoryNetwork:
         self.record = record
         self.messages: list[tuple[int, int, str, Payload]] = []
         """With ``record``: every message sent, as (sender, receiver, tag, a copy)."""
-        self._cond = threading.Condition()
+        self._lock = threading.Lock()
+        self._arrived = {i: threading.Condition(self._lock) for i in self.plans}
         self._inbox: dict[int, dict[tuple[int, str], Payload]] = {i: {} for i in self.plans}
         self._lost: dict[int, str] = {}
         self.bytes_sent: dict[int, int] = dict.fromkeys(self.plans, 0)
@@ -62,9 +64,10 @@ class MemoryNetwork:
 
     def fail(self, index: int, why: str = "stopped") -> None:
         """Marks client ``index`` as gone: its neighbours' receives raise ``PeerLost``."""
-        with self._cond:
+        with self._lock:
             self._lost[index] = why
-            self._cond.notify_all()
+            for arrived in self._arrived.values():
+                arrived.notify_all()
 
     def _deliver(self, sender: int, to: int, tag: str, payload: Payload) -> None:
         plan = self.plans[sender]
@@ -74,7 +77,7 @@ class MemoryNetwork:
             meta=dict(payload.meta),
             tensors={name: np.array(value, copy=True) for name, value in payload.tensors.items()},
         )
-        with self._cond:
+        with self._lock:
             if sender in self._lost:
                 raise PeerLost(f"Client {sender} is stopped.", peer=sender)
             self._inbox[to][(sender, tag)] = copied
@@ -84,7 +87,7 @@ class MemoryNetwork:
             )
             if self.record:
                 self.messages.append((sender, to, tag, copied))
-            self._cond.notify_all()
+            self._arrived[to].notify_all()
 
     def _take(self, index: int, sender: int, tag: str) -> Payload:
         plan = self.plans[index]
@@ -92,7 +95,7 @@ class MemoryNetwork:
             raise PermissionError(f"Client {sender} is not an in-neighbour of client {index}.")
         neighbours = set(plan.in_neighbours) | set(plan.out_neighbours)
         deadline = time.monotonic() + self.timeout
-        with self._cond:
+        with self._lock:
             while True:
                 lost = sorted(set(self._lost) & neighbours)
                 if lost:
@@ -111,7 +114,7 @@ class MemoryNetwork:
                         f"{self.timeout} s.",
                         peer=sender,
                     )
-                self._cond.wait(left)
+                self._arrived[index].wait(left)
 
 
 class MemoryPeers(PeerChannel):

@@ -24,7 +24,7 @@ from fedcore.protocols._lppa_maths import (
     noise_grid,
 )
 from fedcore.protocols.lppa import LppaClient, LppaCoordinator
-from fedcore.spec import FederatedRun, parse_manifest
+from fedcore.spec import FederatedRun, parse_manifest, peer_graph
 from fedcore.topology import Graph, build_graph, mixing_matrix
 from fedcore.transport import Payload
 
@@ -301,6 +301,66 @@ def test_the_client_code_forgets_the_noise_on_a_convex_model() -> None:
     assert first > 1e-3
     assert last < first * 1e-3
     assert max(entry["tracker_residual"] for entry in lppa.history) <= 1e-10
+
+
+# ---------------------------------------------- what a curious neighbour reads (leaks)
+
+
+Tensors = dict[int, dict[int, np.ndarray]]
+
+
+def seen_by_neighbours(run: FederatedRun) -> tuple[Tensors, Tensors]:
+    """Every tracker sent, as ``trackers[t][sender]`` (gamma^t, from the recorded peer
+    messages), and every client's true gradient after round r, as ``grads[r][client]``."""
+    grads: Tensors = {}
+
+    def keep(round_: int, clients: dict[int, Any]) -> None:
+        grads[round_] = {k: c.vectors()["grad"].copy() for k, c in clients.items()}
+
+    result = simulate_decentralized(run, after_round=keep, evaluate=False, record=True)
+    trackers: Tensors = {}
+    assert result.network is not None
+    for sender, _, tag, payload in result.network.messages:
+        _, round_, kind = tag.rsplit("/", 2)
+        if kind == "state":  # round r carries (theta^t, gamma^t), t = r - 1
+            trackers.setdefault(int(round_) - 1, {})[sender] = payload.tensors["gamma"]
+    return trackers, grads
+
+
+@pytest.mark.parametrize("injection", ["Init", "EveryRound"])
+def test_on_a_complete_graph_a_neighbour_reads_exact_gradient_differences(injection: str) -> None:
+    # Prepare: complete graph, so client 1 receives every other client's tracker (leak 2).
+    run = lppa_run(topology={"kind": "Complete"}, rounds=5, injection=injection)
+    weights = peer_graph(run.spec)[1].dense()
+    victim, count = 0, run.spec.clients.count
+    # Execute: gamma_0^{t+1} - sum_j w_0j gamma_j^t, from the trackers client 1 receives.
+    trackers, grads = seen_by_neighbours(run)
+    errors, sizes = [], []
+    for t in range(1, 4):
+        mixed = sum(weights[victim, j] * trackers[t][j] for j in range(count))
+        recovered = trackers[t + 1][victim] - mixed
+        truth = grads[t + 1][victim] - grads[t][victim]  # g^{t+1} - g^t
+        errors.append(float(np.max(np.abs(recovered - truth))))
+        sizes.append(float(np.max(np.abs(truth))))
+    # Assert: exact with the paper's init-only noise; masked by fresh noise with EveryRound.
+    assert min(sizes) > 1e-4, "the gradient differences must not be trivially zero"
+    if injection == "Init":
+        assert max(errors) <= 1e-12, errors
+    else:
+        assert min(errors) > 1e-3, errors
+
+
+def test_on_a_complete_graph_the_first_trackers_add_up_to_the_exact_gradient_sum() -> None:
+    # Prepare: leak 3. DSGT's first trackers are the first gradients, the same as LPPA's.
+    lppa, _ = seen_by_neighbours(lppa_run(topology={"kind": "Complete"}, rounds=1))
+    plain, _ = seen_by_neighbours(lppa_run(topology={"kind": "Complete"}, rounds=1, variant="DSGT"))
+    # Execute
+    total = sum(lppa[0].values())
+    masked = min(float(np.max(np.abs(lppa[0][k] - plain[0][k]))) for k in plain[0])
+    # Assert: whoever receives every first tracker has the gradients' exact sum, although
+    # every single tracker is masked.
+    np.testing.assert_allclose(total, sum(plain[0].values()), rtol=0, atol=1e-12)
+    assert masked > 1e-3
 
 
 # ------------------------------------------------------------ resumes and lost peers

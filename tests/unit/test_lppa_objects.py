@@ -97,3 +97,36 @@ def test_a_central_protocols_clients_get_no_store_access() -> None:
     }
     assert 9000 not in egress_ports and 7072 not in egress_ports
     assert "envFrom" not in objects.client_pod(ctx, 0)["spec"]["containers"][0]
+
+
+def client_rules(policy: dict[str, Any], direction: str) -> list[dict[str, Any]]:
+    """The rules of ``direction`` whose peers select this run's client pods."""
+    key = "from" if direction == "ingress" else "to"
+    wanted = objects.selector("demo", "client")
+    return [
+        rule
+        for rule in policy[direction]
+        if any(
+            (peer.get("podSelector") or {}).get("matchLabels") == wanted
+            for peer in rule.get(key, [])
+        )
+    ]
+
+
+def test_clients_reach_each_other_only_on_the_peer_port_and_only_when_decentralized() -> None:
+    # Prepare
+    lppa = {p["metadata"]["name"]: p["spec"] for p in objects.network_policies(context())}
+    fedavg = {
+        p["metadata"]["name"]: p["spec"] for p in objects.network_policies(context("fedavg"))
+    }
+    # Execute
+    lppa_in = client_rules(lppa["demo-client"], "ingress")
+    lppa_out = client_rules(lppa["demo-client"], "egress")
+    # Assert: one rule each way between clients, on the peer port alone, and the pods serve it.
+    assert [rule["ports"] for rule in lppa_in] == [[{"protocol": "TCP", "port": 7072}]]
+    assert [rule["ports"] for rule in lppa_out] == [[{"protocol": "TCP", "port": 7072}]]
+    assert set(lppa["demo-client"]["policyTypes"]) == {"Ingress", "Egress"}
+    ports = objects.client_pod(context(), 2)["spec"]["containers"][0]["ports"]
+    assert {"name": "peer", "containerPort": 7072, "protocol": "TCP"} in ports
+    assert client_rules(fedavg["demo-client"], "ingress") == []
+    assert client_rules(fedavg["demo-client"], "egress") == []
