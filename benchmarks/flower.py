@@ -116,7 +116,9 @@ def counted(measure: Callable[..., Measured], *args: Any) -> Measured:
     """Runs one side and adds the CPU time all its (reaped) processes used."""
     before = children_cpu()
     result = measure(*args)
-    result.cpu_seconds = children_cpu() - before
+    # The reaped children's own count, or the sampled one where processes were never waited
+    # for (fedcore's roles are children of its forkserver): whichever saw more.
+    result.cpu_seconds = max(children_cpu() - before, result.cpu_seconds or 0.0)
     return result
 
 
@@ -223,6 +225,7 @@ def run_floor(clients: int, rounds: int) -> Measured:
     result.total = wall() - launched
     result.peak_bytes = sampler.stop()
     result.peak_processes = sampler.peak_processes
+    result.cpu_seconds = sampler.cpu_seconds
     data = json.loads(stdout.strip().splitlines()[-1])
     result.startup = data["first_round_began"] - launched
     result.round_seconds = data["round_seconds"]
@@ -288,6 +291,7 @@ def run_fedcore(folder: Path, clients: int, rounds: int, repeat: int, cap: float
     result.total = wall() - launched
     result.peak_bytes = sampler.stop()
     result.peak_processes = sampler.peak_processes
+    result.cpu_seconds = sampler.cpu_seconds
     if events.exists():
         for line in events.read_text().splitlines():
             event = json.loads(line)
@@ -376,6 +380,7 @@ def run_flower_sim_once(
         result.total = wall() - launched
         result.peak_bytes = sampler.stop()
         result.peak_processes = sampler.peak_processes
+        result.cpu_seconds = sampler.cpu_seconds
     finish_flower(result, out, launched)
     if result.failure is None and result.rounds_done < rounds:
         result.failure = f"exit status {process.returncode} after {result.rounds_done} rounds"
@@ -498,6 +503,7 @@ def run_flower_deploy(
         stop_groups(processes, grace=10)
         result.peak_bytes = sampler.stop()
         result.peak_processes = sampler.peak_processes
+        result.cpu_seconds = sampler.cpu_seconds
         result.clientapp_processes = len(sampler.seen)
         finish_flower(result, out, launched)
     if result.failure is not None and result.median_round is not None and result.startup:

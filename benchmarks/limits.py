@@ -43,7 +43,7 @@ from typing import Any
 
 import numpy as np
 
-from benchmarks.measure import load, machine
+from benchmarks.measure import load, machine, save_data
 from benchmarks.spine import write_section
 
 BEGIN = "<!-- limits:begin -->"
@@ -487,14 +487,6 @@ def run(repeats: int = 3, sizes: tuple[int, ...] = (100 * MB, 1000 * MB)) -> dic
     return data
 
 
-def keep_data(name: str, data: dict[str, Any]) -> None:
-    """Keeps the numbers as docs/benchmarks/NAME.json (run_all plots from them)."""
-    import json
-
-    folder = Path(__file__).resolve().parents[1] / "docs" / "benchmarks"
-    folder.mkdir(parents=True, exist_ok=True)
-    (folder / f"{name}.json").write_text(json.dumps(data, indent=1, default=str) + "\n")
-
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     """Runs the measurements, prints the section and (with --write) updates the docs."""
@@ -511,7 +503,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     print(section)
     if args.write:
         write_section(section, begin=BEGIN, end=END)
-        keep_data("limits", data)
+        save_data("limits", data)
     return data
 
 

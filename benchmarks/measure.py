@@ -43,6 +43,20 @@ def _pss(pid: int) -> int:
     return 0
 
 
+_TICKS = os.sysconf("SC_CLK_TCK")
+
+
+def _cpu_seconds(pid: int) -> float | None:
+    """User + system CPU seconds ``pid`` has used, or None when it is gone."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as handle:
+            fields = handle.read().rsplit(b")", 1)[1].split()
+    except OSError:
+        return None
+    # Fields after the command name: state is field 3, utime 14 and stime 15 (proc(5)).
+    return (int(fields[11]) + int(fields[12])) / _TICKS
+
+
 def tree_members(roots: Iterable[int]) -> set[int]:
     """The pids under ``roots`` or in their sessions (see ``tree_pss``)."""
     wanted = set(roots)
@@ -107,6 +121,7 @@ class TreeSampler:
         self.peak = 0
         self.peak_processes = 0
         self.tripped: str | None = None
+        self._cpu: dict[int, float] = {}
         self._interval = interval
         self._max = max_bytes
         self._min_available = min_available
@@ -122,6 +137,16 @@ class TreeSampler:
         self._thread.start()
         return self
 
+    @property
+    def cpu_seconds(self) -> float:
+        """User + system CPU seconds of every process seen, as of its last sample.
+
+        Unlike ``RUSAGE_CHILDREN`` it counts processes that nobody waited for (a forkserver's
+        children, daemons); what a process used after its last sample (at most ``interval``)
+        is lost.
+        """
+        return sum(self._cpu.values())
+
     def stop(self) -> int:
         """Stops sampling; returns the peak summed PSS in bytes."""
         self._done.set()
@@ -132,6 +157,10 @@ class TreeSampler:
         while not self._done.is_set():
             members = tree_members(list(self.roots))
             total, count = sum(_pss(pid) for pid in members), len(members)
+            for pid in members:
+                used = _cpu_seconds(pid)
+                if used is not None:
+                    self._cpu[pid] = max(used, self._cpu.get(pid, 0.0))
             if self._count is not None:
                 for pid in members - self.seen:
                     try:

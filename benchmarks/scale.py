@@ -32,7 +32,7 @@ from typing import Any
 import yaml
 
 from benchmarks.flower import ONE_THREAD, fedcore_manifest, run_fedcore
-from benchmarks.measure import ROOT, TreeSampler, load, machine, wall
+from benchmarks.measure import ROOT, TreeSampler, load, machine, save_data, wall
 from benchmarks.spine import write_section
 
 BEGIN = "<!-- scale:begin -->"
@@ -196,14 +196,6 @@ def run(
     return data
 
 
-def keep_data(name: str, data: dict[str, Any]) -> None:
-    """Keeps the numbers as docs/benchmarks/NAME.json (run_all plots from them)."""
-    import json
-
-    folder = Path(__file__).resolve().parents[1] / "docs" / "benchmarks"
-    folder.mkdir(parents=True, exist_ok=True)
-    (folder / f"{name}.json").write_text(json.dumps(data, indent=1, default=str) + "\n")
-
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     """Runs the scale benchmark, prints the section and (with --write) updates the docs."""
@@ -232,7 +224,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     print(section)
     if args.write:
         write_section(section, begin=BEGIN, end=END)
-        keep_data("scale", data)
+        save_data("scale", data)
     return data
 
 
