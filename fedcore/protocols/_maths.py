@@ -130,3 +130,24 @@ def restore_weights(state: Mapping[str, Any], kind: str, reference: Weights) -> 
         if np.shape(loaded[name]) != value.shape:
             raise ValueError(f"The {kind} state's weight {name!r} has the wrong shape.")
     return {name: np.array(loaded[name], dtype=reference[name].dtype) for name in reference}
+
+
+def flatten(weights: Weights, names: Sequence[str]) -> np.ndarray:
+    """The weights as one float64 vector, in ``names`` order."""
+    return np.concatenate([np.asarray(weights[n], dtype=np.float64).reshape(-1) for n in names])
+
+
+def unflatten(vector: np.ndarray, like: Weights) -> Weights:
+    """The inverse of ``flatten``, in ``like``'s names, shapes and dtypes."""
+    out: Weights = {}
+    at = 0
+    for name, ref in like.items():
+        size = int(np.size(ref))
+        out[name] = vector[at : at + size].reshape(np.shape(ref)).astype(ref.dtype)
+        at += size
+    return out
+
+
+def cluster_name(cluster: int, name: str) -> str:
+    """The instruction tensor of cluster ``cluster``'s weight ``name`` (clustered protocols)."""
+    return f"cluster.{cluster}.{name}"

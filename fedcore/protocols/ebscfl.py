@@ -49,6 +49,7 @@ from fedcore.protocols._base import (
     Weights,
     check_state_kind,
 )
+from fedcore.protocols._maths import cluster_name, flatten, unflatten
 from fedcore.spec import FederatedRunSpec
 from fedcore.spec._options import EbscflOptions
 from fedcore.training import LocalLearner
@@ -75,27 +76,6 @@ AGGREGATE_SLACK = 1e-6
 
 
 # --------------------------------------------------------------------------- helpers
-
-
-def flatten(weights: Weights, names: Sequence[str]) -> np.ndarray:
-    """The weights as one float64 vector, in ``names`` order."""
-    return np.concatenate([np.asarray(weights[n], dtype=np.float64).reshape(-1) for n in names])
-
-
-def unflatten(vector: np.ndarray, like: Weights) -> Weights:
-    """The inverse of ``flatten``, in ``like``'s names, shapes and dtypes."""
-    out: Weights = {}
-    at = 0
-    for name, ref in like.items():
-        size = int(np.size(ref))
-        out[name] = vector[at : at + size].reshape(np.shape(ref)).astype(ref.dtype)
-        at += size
-    return out
-
-
-def cluster_name(cluster: int, name: str) -> str:
-    """The instruction tensor of cluster ``cluster``'s weight ``name``."""
-    return f"cluster.{cluster}.{name}"
 
 
 def learning_rate(options: EbscflOptions, round: int) -> float:

@@ -26,32 +26,20 @@ from fedcore.protocols._base import (
     Weights,
     check_state_kind,
 )
-from fedcore.protocols._maths import check_like, example_count, mean_loss
+from fedcore.protocols._maths import (
+    check_like,
+    cluster_name,
+    example_count,
+    flatten,
+    mean_loss,
+    unflatten,
+)
 from fedcore.spec import FederatedRunSpec
 from fedcore.spec._models import FedAvgOptions
 from fedcore.training import LocalLearner
 from fedcore.transport import Payload
 
 log = logging.getLogger(__name__)
-
-
-def _flat(weights: Weights, names: Sequence[str]) -> np.ndarray:
-    return np.concatenate([np.asarray(weights[n], dtype=np.float64).reshape(-1) for n in names])
-
-
-def _weights(vector: np.ndarray, like: Weights) -> Weights:
-    out: Weights = {}
-    at = 0
-    for name, ref in like.items():
-        size = int(np.size(ref))
-        out[name] = vector[at : at + size].reshape(np.shape(ref)).astype(ref.dtype)
-        at += size
-    return out
-
-
-def cluster_key(cluster: int, name: str) -> str:
-    """The instruction tensor of cluster ``cluster``'s weight ``name`` (IFCA)."""
-    return f"cluster.{cluster}.{name}"
 
 
 class RobustAveragingServer(ServerProtocol):
@@ -78,7 +66,7 @@ class RobustAveragingServer(ServerProtocol):
         self._names = list(initial)
         self._options = options
         self._root = root
-        start = _flat(initial, self._names)
+        start = flatten(initial, self._names)
         m = options.clusters
         rng = np.random.default_rng([seed, 0x1FCA])
         scale = float(np.std(start)) if start.size else 0.0
@@ -95,9 +83,9 @@ class RobustAveragingServer(ServerProtocol):
             instruction = Payload(meta={"round": round}, tensors=self.global_weights())
         else:
             tensors = {
-                cluster_key(j, n): v
+                cluster_name(j, n): v
                 for j in range(m)
-                for n, v in _weights(self._theta[j], self._like).items()
+                for n, v in unflatten(self._theta[j], self._like).items()
             }
             instruction = Payload(meta={"round": round, "clusters": m}, tensors=tensors)
         return {client: instruction for client in clients}
@@ -132,12 +120,12 @@ class RobustAveragingServer(ServerProtocol):
             members = [k for k in order if int(uploads[k].meta.get("cluster", 0)) == j]
             if not members:
                 continue
-            updates = [_flat(uploads[k].tensors, self._names) - self._theta[j] for k in members]
+            updates = [flatten(uploads[k].tensors, self._names) - self._theta[j] for k in members]
             server_update = None
             if options.aggregator == "FLTrust":
                 assert self._root is not None
-                trained, _ = self._root.train(_weights(self._theta[j], self._like), round=round)
-                server_update = _flat(trained, self._names) - self._theta[j]
+                trained, _ = self._root.train(unflatten(self._theta[j], self._like), round=round)
+                server_update = flatten(trained, self._names) - self._theta[j]
                 scores = aggregators.trust_scores(updates, server_update)
                 metrics["trusted"] = float(np.count_nonzero(scores))
             rule = options.aggregator
@@ -166,10 +154,10 @@ class RobustAveragingServer(ServerProtocol):
 
     def global_weights(self) -> Weights:
         """Cluster 0's model (``models()`` has every cluster's)."""
-        return _weights(self._theta[0], self._like)
+        return unflatten(self._theta[0], self._like)
 
     def models(self) -> list[Weights]:
-        return [_weights(row, self._like) for row in self._theta]
+        return [unflatten(row, self._like) for row in self._theta]
 
     def state_dict(self) -> dict[str, Any]:
         return {"kind": self.kind, "version": 1, "theta": self._theta.copy()}
@@ -201,10 +189,10 @@ class RobustTrainingClient(ClientProtocol):
         if clusters == 1:
             models = [dict(instruction.tensors)]
         else:
-            prefix = cluster_key(0, "")
+            prefix = cluster_name(0, "")
             names = [n[len(prefix) :] for n in instruction.tensors if n.startswith(prefix)]
             models = [
-                {n: instruction.tensors[cluster_key(j, n)] for n in names} for j in range(clusters)
+                {n: instruction.tensors[cluster_name(j, n)] for n in names} for j in range(clusters)
             ]
         cluster = 0
         if clusters > 1:
@@ -217,9 +205,9 @@ class RobustTrainingClient(ClientProtocol):
 
             names = list(start)
             update = poison_update(
-                _flat(trained, names) - _flat(start, names), self._attack, self._scale
+                flatten(trained, names) - flatten(start, names), self._attack, self._scale
             )
-            trained = _weights(_flat(start, names) + update, start)
+            trained = unflatten(flatten(start, names) + update, start)
         meta: dict[str, Any] = {
             "num_examples": stats.num_examples,
             "loss": stats.loss,

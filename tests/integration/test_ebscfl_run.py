@@ -17,10 +17,13 @@ from safetensors.numpy import load_file
 
 from fedcore.checkpoint import kdc_checkpointer, open_store
 from fedcore.poisoning import attackers
-from fedcore.roles._common import spec_fingerprint
+from fedcore.protocols.ebscfl import CLIENT_KEYS, OPEN, SCORE, SCORE_KEYS, SERVER_KEYS, EbscflKdc
+from fedcore.roles._common import RoleConfig, spec_fingerprint
+from fedcore.roles.kdc import Kdc
 from fedcore.runner import LocalRun
 from fedcore.simulation import simulate
 from fedcore.spec import load_manifest
+from fedcore.transport import Identity, Limits, Payload, RemoteError, RpcClient, issue_run_bundles
 from tests.integration._runs import fedcore, last_json, write_manifest
 from tests.integration.test_local_run import scrape, wait_for_event
 
@@ -36,6 +39,70 @@ EBSCFL_SPEC: dict[str, Any] = {
     "clients": {"count": 4, "quorum": "75%"},
     "rounds": 3,
 }
+
+
+def test_the_kdc_role_hands_each_party_only_its_own_keys_over_mutual_tls(tmp_path: Path) -> None:
+    # Prepare: the ebscfl KDC role on loopback; every caller is named by its certificate
+    manifest = write_manifest(tmp_path / "run.yaml", **EBSCFL_SPEC)
+    run = load_manifest(manifest)
+    _, bundles = issue_run_bundles(run.metadata.name, num_clients=4)
+    bundles["kdc"].write(tmp_path / "pki" / "kdc")
+    config = RoleConfig(
+        manifest=manifest,
+        tls_dir=tmp_path / "pki" / "kdc",
+        workdir=tmp_path,
+        events=tmp_path / "events.jsonl",
+    )
+    protocol = EbscflKdc(options=run.spec.protocol.ebscfl, count=4)
+    kdc = Kdc(run, config, bundles["kdc"], listen="127.0.0.1:0", protocol=protocol)
+    port = kdc.start()
+
+    def call(identity: str, method: str, payload: Payload) -> Payload:
+        with RpcClient(
+            f"127.0.0.1:{port}",
+            bundles[identity],
+            service="Kdc",
+            limits=Limits(),
+            server_name="localhost",
+        ) as rpc:
+            return rpc.call(method, payload, timeout=60.0)
+
+    def refused(identity: str, method: str, payload: Payload) -> str:
+        with pytest.raises(RemoteError) as caught:
+            call(identity, method, payload)
+        return caught.value.code
+
+    g0 = np.random.default_rng(0).standard_normal((2, 30))
+    opening = Payload(
+        meta={"kind": OPEN, "round": 1, "attempt": 1, "nonce": "n", "roster": [0, 1, 3]},
+        tensors={"g0": g0},
+    )
+    score = Payload(meta={"kind": SCORE, "round": 1, "attempt": 1, "client": 1})
+    try:
+        # Execute
+        server = call("server", "Submit", opening)
+        own = call("client-1", "IssueKeys", Payload(meta={"round": 1, "client": 0}))
+        other = call("client-0", "IssueKeys", Payload(meta={"round": 1}))
+        outsider = call("client-2", "IssueKeys", Payload(meta={"round": 1}))
+        scored = call("server", "Submit", score)
+        codes = [
+            refused("client-0", "Submit", opening),
+            refused("client-1", "Submit", score),
+            refused("server", "IssueKeys", Payload(meta={"round": 1})),
+        ]
+    finally:
+        kdc.stop()
+    # Assert: the server gets its keys and score extractors, never a client's; client-1 gets
+    # its own slot though it asked as client 0; a client may not use the server's API
+    expected = protocol.issue_keys(1, Identity("client", 1))
+    assert sorted(server.tensors) == sorted(SERVER_KEYS)
+    assert sorted(scored.tensors) == sorted(SCORE_KEYS)
+    assert sorted(own.tensors) == sorted(CLIENT_KEYS) == sorted(other.tensors)
+    for name in CLIENT_KEYS:
+        np.testing.assert_array_equal(own.tensors[name], expected.tensors[name])
+    assert not np.array_equal(own.tensors["slot"], other.tensors["slot"])
+    assert outsider.meta["participant"] is False and outsider.tensors == {}
+    assert codes == ["PERMISSION_DENIED"] * 3
 
 
 def events_of(path: Path) -> list[dict[str, Any]]:

@@ -9,7 +9,8 @@ import pytest
 
 from fedcore import aggregators
 from fedcore.errors import ProtocolError
-from fedcore.protocols.robust import RobustAveragingServer, RobustTrainingClient, cluster_key
+from fedcore.protocols._maths import cluster_name
+from fedcore.protocols.robust import RobustAveragingServer, RobustTrainingClient
 from fedcore.spec._models import FedAvgOptions
 from fedcore.transport import Payload
 
@@ -128,7 +129,7 @@ def test_ifca_aggregates_each_cluster_apart_and_checks_the_named_cluster() -> No
         server.check_upload(1, k, u)
     server.combine(1, uploads, [])
     # Assert: cluster 0 takes the shard-weighted mean of its two updates, cluster 1 its own
-    assert sorted(plan.tensors) == [cluster_key(0, "w"), cluster_key(1, "w")]
+    assert sorted(plan.tensors) == [cluster_name(0, "w"), cluster_name(1, "w")]
     np.testing.assert_allclose(server.models()[0]["w"], start[0] + [2.5, 0.0])
     np.testing.assert_allclose(server.models()[1]["w"], start[1] + [0.0, 2.0])
     with pytest.raises(ProtocolError, match="names no cluster"):
