@@ -14,12 +14,21 @@ The strong form of the loop TESTENV.md describes. For each pod bound to one of i
   names (``svc.ns.svc[.cluster.local]``, ``host.subdomain.ns.svc...``) become the IP of a
   Ready pod behind them (waiting for one), with a Service's port mapped to its targetPort; when
   a DNS name was rewritten, ``FEDCORE_SERVER_NAME=localhost`` lets TLS verify by name;
+- serves cluster DNS (`tests.kube.dns`) for names a process can only resolve later: a value
+  that is a whole ``host-{index}.subdomain.ns.svc[.cluster.local]:port`` template (one address
+  per pod, filled in by the process) becomes the gRPC target
+  ``dns://<this DNS>/host-{index}.subdomain.ns.svc.cluster.local:port``, resolved at each dial;
 - starts the process (its own process group; output to ``<folder>/<container>.log``), polls
   readiness probes (tcpSocket, httpGet, exec) against the pod's IP, and patches pods/status
   (Running, Ready, podIP; then Succeeded/Failed with the exit code); restarts containers for
   restartPolicy Always/OnFailure;
 - on a deletionTimestamp: SIGTERM to the group, SIGKILL after min(grace, 10) s, then deletes
   the pod with grace 0.
+
+Per-pod names (``host.subdomain.ns.svc``) follow real DNS: they exist once a headless Service
+named ``subdomain`` selects a pod with that hostname and subdomain that has an IP, i.e. is bound
+to a node (the kubelet gives a pod its IP the first time its name is needed and keeps it when
+the pod starts), and, unless the Service publishes not-ready addresses, is Ready.
 
 Not emulated: image entrypoints (a container needs a ``command``, unless `entrypoints` maps its
 image), liveness probes, resource limits, readiness gates, separate network namespaces (two pods
@@ -57,6 +66,7 @@ import kubernetes
 from kubernetes.client.rest import ApiException
 
 from tests.kube.cluster import ControlPlane, die_with_parent, now_rfc3339, read_json
+from tests.kube.dns import DnsServer, NoSuchName
 
 LOG = logging.getLogger("fedcore.tests.kubelet")
 REPO = Path(__file__).resolve().parents[2]
@@ -68,6 +78,9 @@ _LABEL = r"[a-z0-9](?:[-a-z0-9]*[a-z0-9])?"
 DNS_RE = re.compile(
     rf"(?<![\w.-])({_LABEL}(?:\.{_LABEL}){{1,2}})\.svc(?:\.cluster\.local)?\.?"
     r"(?![\w-]|\.[\w-])(?::(\d+)(?!\d))?"
+)
+TEMPLATE_RE = re.compile(
+    rf"([-a-z0-9]*\{{index\}}[-a-z0-9]*)\.({_LABEL}\.{_LABEL})\.svc(?:\.cluster\.local)?\.?:(\d+)"
 )
 ANY_ADDRESS_RE = re.compile(r"(?<![\w.])0\.0\.0\.0(?![\w./])")
 PYTHON_RE = re.compile(r"python(?:3(?:\.\d+)?)?")
@@ -727,6 +740,11 @@ class _PodWorker(threading.Thread):
             if mount_re is not None:
                 text = mount_re.sub(lambda m: str(mounts[m.group(1)]), text)
             text = ANY_ADDRESS_RE.sub(self.ip, text)
+            template = TEMPLATE_RE.fullmatch(text)
+            if template is not None:
+                host, rest, port = template.groups()
+                dns = self.kubelet.dns.address
+                return f"dns://{dns}/{host}.{rest}.svc.cluster.local:{port}", False
             rewritten = False
 
             def resolve(match: re.Match[str]) -> str:
@@ -1007,6 +1025,8 @@ class FakeKubelet:
         self._ips = itertools.product(range(1, 255), range(1, 255))
         self._ip_prefix = f"127.{random.randrange(1, 255)}"
         self._ip_of_name: dict[tuple[str, str], str] = {}
+        self._ip_lock = threading.Lock()
+        self.dns = DnsServer(self._dns_lookup)
         self._thread: threading.Thread | None = None
         self.errors: list[str] = []
 
@@ -1024,7 +1044,8 @@ class FakeKubelet:
         self.stop()
 
     def start(self, timeout: float = 30.0) -> FakeKubelet:
-        """Starts the watch thread and waits for its first list of pods."""
+        """Starts the cluster DNS and the watch thread; waits for the first list of pods."""
+        self.dns.start()
         self._thread = threading.Thread(target=self._watch_loop, name="fake-kubelet", daemon=True)
         self._thread.start()
         if not self._synced.wait(timeout):
@@ -1046,6 +1067,7 @@ class FakeKubelet:
             worker.signal(signal.SIGKILL)
         if self._thread is not None:
             self._thread.join(1)
+        self.dns.stop()
         if self._own_workdir:
             shutil.rmtree(self.workdir, ignore_errors=True)
 
@@ -1093,7 +1115,7 @@ class FakeKubelet:
 
         ``[svc, ns]``: a Ready pod selected by the Service (Running suffices with
         publishNotReadyAddresses), the port mapped to its targetPort unless headless;
-        ``[host, subdomain, ns]``: the Ready pod with that hostname and subdomain.
+        ``[host, subdomain, ns]``: the pod with that hostname and subdomain (`_pod_address`).
         """
         core = self.control_plane.core()
         if len(labels) == 2:
@@ -1101,29 +1123,81 @@ class FakeKubelet:
             if (name, namespace) == ("kubernetes", "default"):
                 api_port = self.control_plane.api_port
                 return "127.0.0.1", api_port if port in (None, 443) else port
-            try:
-                service = read_json(core.read_namespaced_service, name, namespace)
-            except ApiException as exc:
-                if exc.status == 404:
-                    raise NotYet(f"Service {namespace}/{name} does not exist") from None
-                raise
-            return self._service_target(core, service, port)
-        host, subdomain, namespace = labels
-        pods = read_json(core.list_namespaced_pod, namespace)["items"]
+            return self._service_target(core, self._service(core, name, namespace), port)
+        return self._pod_address(core, *labels), port
+
+    @staticmethod
+    def _service(core: kubernetes.client.CoreV1Api, name: str, namespace: str) -> dict[str, Any]:
+        """The Service; `NotYet` while it does not exist."""
+        try:
+            return read_json(core.read_namespaced_service, name, namespace)
+        except ApiException as exc:
+            if exc.status == 404:
+                raise NotYet(f"Service {namespace}/{name} does not exist") from None
+            raise
+
+    @staticmethod
+    def _selected_pods(
+        core: kubernetes.client.CoreV1Api, namespace: str, selector: Mapping[str, str]
+    ) -> list[dict[str, Any]]:
+        """The pods of ``namespace`` whose labels match ``selector``."""
+        labels = ",".join(f"{k}={v}" for k, v in sorted(selector.items()))
+        return list(read_json(core.list_namespaced_pod, namespace, label_selector=labels)["items"])
+
+    def _pod_address(
+        self, core: kubernetes.client.CoreV1Api, host: str, subdomain: str, namespace: str
+    ) -> str:
+        """The A record of ``host.subdomain.namespace.svc``, as a cluster's DNS would give it.
+
+        It exists once the headless Service ``subdomain`` selects a pod with that hostname and
+        subdomain that has an address: with publishNotReadyAddresses, any live pod bound to
+        this kubelet's nodes (its address is given now, and kept for when it starts);
+        otherwise a Ready one. `NotYet` before.
+        """
+        where = f"{host}.{subdomain}.{namespace}.svc"
+        spec = self._service(core, subdomain, namespace)["spec"]
+        selector = spec.get("selector") or {}
+        if spec.get("clusterIP") != "None" or not selector:
+            raise NotYet(f"{where}: Service {subdomain} is not headless with a selector")
+        pods = self._selected_pods(core, namespace, selector)
         matching = [
             pod
             for pod in pods
             if pod["spec"].get("subdomain") == subdomain
             and (pod["spec"].get("hostname") or pod["metadata"]["name"]) == host
         ]
-        not_ready = False
-        with contextlib.suppress(ApiException):
-            service = read_json(core.read_namespaced_service, subdomain, namespace)
-            not_ready = bool(service["spec"].get("publishNotReadyAddresses"))
-        chosen = self._pick(matching, not_ready)
+        if spec.get("publishNotReadyAddresses"):
+            for pod in sorted(matching, key=lambda pod: pod["metadata"]["name"]):
+                if (
+                    pod["spec"].get("nodeName") in self.nodes
+                    and not pod["metadata"].get("deletionTimestamp")
+                    and (pod.get("status") or {}).get("phase") not in TERMINAL
+                ):
+                    return self._allocate_ip(namespace, pod["metadata"]["name"])
+            raise NotYet(f"{where}: no live pod bound to a node behind Service {subdomain}")
+        chosen = self._pick(matching, False)
         if chosen is None:
-            raise NotYet(f"no Ready pod {host} in subdomain {subdomain} of {namespace}")
-        return chosen["status"]["podIP"], port
+            raise NotYet(f"{where}: no Ready pod behind Service {subdomain}")
+        return str(chosen["status"]["podIP"])
+
+    def _dns_lookup(self, name: str) -> str:
+        """The cluster DNS's answer for ``name`` (see `tests.kube.dns.answer`).
+
+        Per-pod names and headless Services; a ClusterIP Service has no emulated address.
+        """
+        labels = name.removesuffix(".cluster.local").split(".")
+        if labels[-1:] != ["svc"] or len(labels) not in (3, 4):
+            raise NoSuchName(name)
+        core = self.control_plane.core()
+        try:
+            if len(labels) == 4:
+                return self._pod_address(core, *labels[:3])
+            service = self._service(core, labels[0], labels[1])
+            if service["spec"].get("clusterIP") != "None":
+                raise RuntimeError(f"{name}: ClusterIP Services are not emulated by the DNS")
+            return self.resolve(labels[:2], None)[0]
+        except NotYet as exc:
+            raise NoSuchName(str(exc)) from None
 
     @staticmethod
     def _pick(pods: list[dict[str, Any]], not_ready: bool) -> dict[str, Any] | None:
@@ -1154,11 +1228,7 @@ class FakeKubelet:
         where = f"Service {meta['namespace']}/{meta['name']}"
         if not selector:
             return self._endpoints_target(core, service, port)
-        pods = read_json(
-            core.list_namespaced_pod,
-            meta["namespace"],
-            label_selector=",".join(f"{k}={v}" for k, v in sorted(selector.items())),
-        )["items"]
+        pods = self._selected_pods(core, meta["namespace"], selector)
         chosen = self._pick(pods, bool(spec.get("publishNotReadyAddresses")))
         if chosen is None:
             raise NotYet(f"no Ready pod behind {where}")
@@ -1221,14 +1291,17 @@ class FakeKubelet:
     def _allocate_ip(self, namespace: str, name: str) -> str:
         """One address per pod name: a recreated pod gets its predecessor's address.
 
-        DNS is emulated by rewriting names once, when a process starts; keeping the address
-        of a name stands in for the stable ClusterIP a real Service gives its clients.
+        DNS is mostly emulated by rewriting names once, when a process starts; keeping the
+        address of a name stands in for the stable ClusterIP a real Service gives its clients.
+        Called first by a DNS answer for a pod not started yet, it gives that pod its address
+        ahead (the worker that starts the pod gets the same one).
         """
         key = (namespace, name)
-        if key not in self._ip_of_name:
-            third, fourth = next(self._ips)
-            self._ip_of_name[key] = f"{self._ip_prefix}.{third}.{fourth}"
-        return self._ip_of_name[key]
+        with self._ip_lock:
+            if key not in self._ip_of_name:
+                third, fourth = next(self._ips)
+                self._ip_of_name[key] = f"{self._ip_prefix}.{third}.{fourth}"
+            return self._ip_of_name[key]
 
     def _watch_loop(self) -> None:
         core = self.control_plane.core()

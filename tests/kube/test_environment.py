@@ -5,6 +5,8 @@ from __future__ import annotations
 import json
 import os
 import signal
+import socket
+import struct
 import textwrap
 import time
 from typing import Any
@@ -12,7 +14,8 @@ from typing import Any
 import pytest
 
 from tests.kube.cluster import ControlPlane, pod_ready, read_json
-from tests.kube.kubelet import DNS_RE, FakeKubelet, expand
+from tests.kube.dns import DnsServer, NoSuchName
+from tests.kube.kubelet import DNS_RE, TEMPLATE_RE, FakeKubelet, expand
 
 PYTHON_IMAGE = "python:3.11-slim"
 
@@ -63,6 +66,56 @@ def test_dns_pattern_finds_cluster_names_only() -> None:
     found = [m.group(0) for m in DNS_RE.finditer("a.ns.svc:80 x.y.ns.svc.cluster.local b.ns.svcx")]
     assert found == ["a.ns.svc:80", "x.y.ns.svc.cluster.local"]
     assert not DNS_RE.search("a.ns.svc.example.com") and not DNS_RE.search("w.a.b.ns.svc")
+
+
+def test_template_pattern_takes_whole_per_pod_templates_only() -> None:
+    match = TEMPLATE_RE.fullmatch("client-{index}.run-clients.ns.svc:7072")
+    assert match is not None and match.groups() == ("client-{index}", "run-clients.ns", "7072")
+    assert TEMPLATE_RE.fullmatch("client-{index}.run-clients.ns.svc.cluster.local:7072")
+    assert not TEMPLATE_RE.fullmatch("client-{index}.run-clients.ns.svc")  # no port
+    assert not TEMPLATE_RE.fullmatch("client-1.run-clients.ns.svc:7072")  # no template
+
+
+def dns_query(server: str, name: str, qtype: int) -> tuple[int, list[bytes]]:
+    """(rcode, A addresses) of one UDP query to ``server``."""
+    host, port = server.rsplit(":", 1)
+    question = b"".join(bytes([len(p)]) + p.encode() for p in name.split(".")) + b"\0"
+    query = struct.pack("!HHHHHH", 0x1234, 0x0100, 1, 0, 0, 0) + question
+    query += struct.pack("!HH", qtype, 1)
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as sock:
+        sock.settimeout(5)
+        sock.sendto(query, (host, int(port)))
+        reply = sock.recv(4096)
+    ident, flags, _, count = struct.unpack_from("!HHHH", reply)
+    assert ident == 0x1234 and flags & 0x8000
+    offset, addresses = len(query), []
+    for _ in range(count):
+        rtype, _, _, size = struct.unpack_from("!HHIH", reply, offset + 2)
+        assert rtype == 1 and size == 4
+        addresses.append(reply[offset + 12 : offset + 16])
+        offset += 16
+    return flags & 0xF, addresses
+
+
+def test_cluster_dns_answers_a_nodata_nxdomain_and_servfail() -> None:
+    def lookup(name: str) -> str:
+        if name == "p0.peers.ns.svc.cluster.local":
+            return "127.5.6.7"
+        if name == "broken.ns.svc.cluster.local":
+            raise RuntimeError("cannot tell")
+        raise NoSuchName(name)
+
+    server = DnsServer(lookup).start()
+    try:
+        assert dns_query(server.address, "P0.peers.ns.svc.cluster.local", 1) == (
+            0, [socket.inet_aton("127.5.6.7")],
+        )  # fmt: skip
+        assert dns_query(server.address, "p0.peers.ns.svc.cluster.local", 28) == (0, [])
+        assert dns_query(server.address, "p1.peers.ns.svc.cluster.local", 1) == (3, [])
+        assert dns_query(server.address, "broken.ns.svc.cluster.local", 1) == (2, [])
+        assert server.answered == {"p0.peers.ns.svc.cluster.local": "127.5.6.7"}
+    finally:
+        server.stop()
 
 
 # -- the control plane and the fake kubelet ------------------------------------------------------
@@ -332,3 +385,62 @@ def test_garbage_collector_deletes_owned_objects(
             break
         assert time.monotonic() < deadline, f"the owned ConfigMap is still there: {names}"
         time.sleep(0.2)
+
+
+PEER = """
+    import json, socket, sys, threading, time
+    pinged = threading.Event()
+    server = socket.create_server((sys.argv[1], 8123))
+
+    def serve():
+        while True:
+            connection, _ = server.accept()
+            with connection:
+                if connection.recv(4) == b"ping":
+                    connection.sendall(b"pong")
+                    pinged.set()
+
+    threading.Thread(target=serve, daemon=True).start()
+    host, port = sys.argv[2].rsplit(":", 1)
+    deadline = time.monotonic() + 60
+    while True:  # as a client on a cluster must: retry until the peer listens
+        try:
+            with socket.create_connection((host, int(port)), timeout=2) as connection:
+                connection.sendall(b"ping")
+                answer = connection.recv(4).decode()
+            break
+        except OSError:
+            assert time.monotonic() < deadline, "the peer never listened"
+            time.sleep(0.2)
+    assert pinged.wait(60), "the peer never called"
+    print(json.dumps({"peer": sys.argv[2], "answer": answer}))
+"""
+
+
+def test_pods_that_name_each_other_through_a_headless_service_both_start(
+    control_plane: ControlPlane, kubelet: FakeKubelet, namespace: str
+) -> None:
+    # As on a cluster, a per-pod name exists once the pod has an address, before it is Ready
+    # (publishNotReadyAddresses): two pods each waiting for the other to be Running would
+    # never start.
+    service = {
+        "metadata": {"name": "peers"},
+        "spec": {
+            "clusterIP": "None",
+            "publishNotReadyAddresses": True,
+            "selector": {"app": "peer"},
+            "ports": [{"port": 8123}],
+        },
+    }
+    control_plane.core().create_namespaced_service(namespace, service, _preload_content=False)
+    for me, other in (("p0", "p1"), ("p1", "p0")):
+        pod = make_pod(
+            me, PEER, "0.0.0.0", f"{other}.peers.{namespace}.svc:8123",
+            labels={"app": "peer"}, hostname=me, subdomain="peers",
+        )  # fmt: skip
+        create(control_plane, namespace, pod)
+    for me, other in (("p0", "p1"), ("p1", "p0")):
+        done = control_plane.wait_for_phase(namespace, me, "Succeeded", "Failed")
+        assert done["status"]["phase"] == "Succeeded", kubelet.log_of(namespace, me)
+        report = last_json(kubelet.log_of(namespace, me))
+        assert report == {"peer": f"{kubelet.pod_ip(namespace, other)}:8123", "answer": "pong"}

@@ -276,3 +276,43 @@ def test_failed_client_pod_is_recreated_and_a_suspended_run_resumes(
     assert status["activeSeconds"] > 0
     log = kubelet.log_of(namespace, "pause-server")
     assert "Resumed from the checkpoint of round" in log, log[-2000:]
+
+
+def test_lppa_clients_train_over_their_peer_links_through_the_headless_service_names(
+    control_plane: ControlPlane, kubelet: FakeKubelet, operator: OperatorProcess, namespace: str
+) -> None:
+    """Each client dials each neighbour at client-<j>.<run>-clients.<ns>.svc, as on a cluster.
+
+    The fake kubelet hands the clients' peer-address template to its cluster DNS, which gives
+    a per-pod name an address only as real DNS would (a headless Service selecting a pod with
+    that hostname and subdomain), so the run ends only if the operator's objects give every
+    client such a name and the clients retry until their peers listen.
+    """
+    body = yaml.safe_load((ROOT / "examples/digits-lppa.yaml").read_text())
+    body["metadata"]["name"] = "mesh"
+    body["spec"]["protocol"]["lppa"]["topology"] = {"kind": "Complete"}
+    body["spec"]["clients"]["count"] = 4
+    body["spec"]["rounds"] = 10
+    body["spec"]["evaluation"]["everyRounds"] = 5
+    body["spec"]["checkpoint"]["everyRounds"] = 5
+    control_plane.kubectl("apply", "-n", namespace, "-f", "-", input=yaml.safe_dump(body))
+    show = debug(control_plane, kubelet, operator, namespace, "mesh")
+    run = wait_for_run(
+        control_plane, namespace, "mesh", phase_is("Succeeded", "Failed"), timeout=240,
+        what="end", debug=show,
+    )  # fmt: skip
+    status = run["status"]
+    assert status["phase"] == "Succeeded", (status, show())
+    assert status["round"] == 10 and status["restarts"] == 0
+    assert status["roles"]["clients"]["succeeded"] == 4
+    assert status["finalMetrics"]["roundsCompleted"] == 10
+    assert status["finalMetrics"]["accuracy"] > 0.1  # better than chance on 10 classes
+    clients = range(4)
+    for i in clients:
+        name = f"client-{i}.mesh-clients.{namespace}.svc.cluster.local"
+        assert kubelet.dns.answered.get(name) == kubelet.pod_ip(namespace, f"mesh-client-{i}")
+        log = kubelet.log_of(namespace, f"mesh-client-{i}")
+        for j in clients:
+            if j != i:
+                assert f"Peer link to client {j} is up." in log, log[-3000:]
+                assert f"Peer link from client {j} is up." in log, log[-3000:]
