@@ -1087,6 +1087,16 @@ class FakeKubelet:
         path = worker.folder / f"{name}.log"
         return path.read_text(errors="replace") if path.exists() else ""
 
+    def describe(self, namespace: str, tail: int = 1500) -> str:
+        """The end of every container log of every pod incarnation the kubelet ran in
+        ``namespace``, earlier incarnations of recreated pods included (for failure messages)."""
+        parts = []
+        for folder in sorted(self.workdir.glob(f"{namespace}_*"), key=lambda f: f.stat().st_mtime):
+            for log in sorted(folder.glob("*.log")):
+                text = log.read_text(errors="replace")[-tail:]
+                parts.append(f"--- {folder.name}/{log.name}\n{text}")
+        return "\n".join(parts)
+
     def kill(self, namespace: str, pod: str, sig: int = signal.SIGKILL) -> None:
         """Sends ``sig`` to the pod's processes, as a crash would (the exit code is reported)."""
         if self._worker(namespace, pod).signal(sig) == 0:

@@ -211,7 +211,11 @@ def test_operator_killed_mid_run_comes_back_without_duplicates_or_lost_status(
         status = run["status"]
         assert status["phase"] == "Succeeded", status
         show = debug(control_plane, kubelet, second, namespace, "sturdy")
-        assert status["restarts"] == 0, (status["roles"], show(), first.tail())
+        # A string, not a tuple: pytest shortens a tuple's repr and hides the pods' logs.
+        assert status["restarts"] == 0, (
+            f"{status['roles']}\n{show()}\n--- first operator\n{first.tail()}\n"
+            f"--- kubelet's view\n{kubelet.describe(namespace)}"
+        )
     assert status["round"] == 15
     pods = control_plane.core().list_namespaced_pod(namespace).items
     names = sorted(pod.metadata.name for pod in pods)
