@@ -487,7 +487,6 @@ def run(repeats: int = 3, sizes: tuple[int, ...] = (100 * MB, 1000 * MB)) -> dic
     return data
 
 
-
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     """Runs the measurements, prints the section and (with --write) updates the docs."""
     parser = argparse.ArgumentParser(

@@ -196,7 +196,6 @@ def run(
     return data
 
 
-
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     """Runs the scale benchmark, prints the section and (with --write) updates the docs."""
     parser = argparse.ArgumentParser(

@@ -281,9 +281,7 @@ def simulate_decentralized(
 
 def _global_view(clients: dict[int, PeerClientProtocol]) -> dict[str, float]:
     """The tracker residual and consensus distance, from every client's vectors."""
-    vectors: list[dict[str, np.ndarray]] = [
-        getattr(c, "vectors", dict)() for c in clients.values()
-    ]
+    vectors: list[dict[str, np.ndarray]] = [getattr(c, "vectors", dict)() for c in clients.values()]
     if not vectors or not all(vectors):
         return {}
     theta = np.stack([v["theta"].astype(np.float64) for v in vectors])

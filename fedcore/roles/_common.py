@@ -24,7 +24,6 @@ SERVER_SERVICE = "Server"
 KDC_SERVICE = "Kdc"
 
 
-
 @dataclass(frozen=True)
 class RoleConfig:
     """How one role process was started.

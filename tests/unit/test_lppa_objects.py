@@ -116,9 +116,7 @@ def client_rules(policy: dict[str, Any], direction: str) -> list[dict[str, Any]]
 def test_clients_reach_each_other_only_on_the_peer_port_and_only_when_decentralized() -> None:
     # Prepare
     lppa = {p["metadata"]["name"]: p["spec"] for p in objects.network_policies(context())}
-    fedavg = {
-        p["metadata"]["name"]: p["spec"] for p in objects.network_policies(context("fedavg"))
-    }
+    fedavg = {p["metadata"]["name"]: p["spec"] for p in objects.network_policies(context("fedavg"))}
     # Execute
     lppa_in = client_rules(lppa["demo-client"], "ingress")
     lppa_out = client_rules(lppa["demo-client"], "egress")
