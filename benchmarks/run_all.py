@@ -147,9 +147,10 @@ def steps() -> list[Step]:
     ]
     known = {"spine", "flower", "protocols", "limits", "scale", "checkpoint", "operator_scale"}
     for path in sorted((ROOT / "benchmarks").glob("*.py")):
-        if path.stem in known or path.stem == "run_all":
+        if path.stem in known or path.stem == "run_all" or path.stem.startswith("_"):
             continue
-        if '"--write"' in path.read_text(encoding="utf-8"):
+        text = path.read_text(encoding="utf-8")
+        if '"--write"' in text or "args.write" in text:
             found.append(Step(path.stem, script(f"benchmarks/{path.name}", [], []), quick_skip))
     return found
 
@@ -435,9 +436,10 @@ def main(argv: list[str] | None = None) -> int:
     total = time.monotonic() - t0
     for step in all_steps:
         saved = DOC_ASSETS / f"{step.name}.json"
-        if step.data is None and step.status == "not run" and saved.exists():
+        if step.status == "not run" and saved.exists():
             step.data = json.loads(saved.read_text())
-            step.status = "not run this time (its numbers below are older)"
+        if step.status == "not run":
+            step.status = "not run this time (its section below is from an earlier run)"
     assets = DOC_ASSETS if args.write else Path(tempfile.mkdtemp(prefix="fedcore-plots-"))
     assets.mkdir(parents=True, exist_ok=True)
     images = []
