@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
+import os
 import signal
 import sys
 from collections.abc import Iterator
@@ -103,7 +104,13 @@ def role_config(options: dict[str, Any]) -> Any:
 
 @contextlib.contextmanager
 def role_errors(role: str) -> Iterator[None]:
-    """Turns any error of a role process into one logged line (traceback at DEBUG) and exit 1."""
+    """Turns any error of a role process into one logged line (traceback at DEBUG) and exit 1.
+
+    A role that finished exits 0 at once, without the interpreter's finalization: the role has
+    closed its channels and flushed its status by then, and tearing down grpc's C++ threads
+    during finalization sometimes aborts the process ("terminate called without an active
+    exception", SIGABRT), which turned a finished client into a failed pod that was recreated.
+    """
     try:
         yield
     except (SystemExit, KeyboardInterrupt):
@@ -113,6 +120,16 @@ def role_errors(role: str) -> Iterator[None]:
         logger.debug("Traceback of the failure:", exc_info=True)
         logger.error("%s: %s", type(exc).__name__, exc)
         sys.exit(1)
+    exit_now(0)
+
+
+def exit_now(code: int) -> None:
+    """Flushes the logs and standard streams, then ends the process with ``code`` at once."""
+    logging.shutdown()
+    for stream in (sys.stdout, sys.stderr):
+        with contextlib.suppress(Exception):
+            stream.flush()
+    os._exit(code)
 
 
 def fail(exc: BaseException, code: int = 1) -> None:
