@@ -49,6 +49,7 @@ from fedcore.protocols._base import (
     Weights,
     check_state_kind,
 )
+from fedcore.protocols._cluster_models import ClusterModels
 from fedcore.protocols._maths import cluster_name, flatten, unflatten
 from fedcore.spec import FederatedRunSpec
 from fedcore.spec._options import EbscflOptions
@@ -128,7 +129,7 @@ class _Attempt:
         return slice(start, start + width * self.geometry.group_size(group))
 
 
-class EbscflServer(ServerProtocol):
+class EbscflServer(ClusterModels, ServerProtocol):
     """The server: m cluster models, verification, SRFC and the weighted decode.
 
     Args:
@@ -352,26 +353,9 @@ class EbscflServer(ServerProtocol):
         self._theta += rate * self._root_norms[:, None] * aggregates
         return RoundResult(participants=len(uploads), metrics={**metrics, "updated": 1.0})
 
-    def global_weights(self) -> Weights:
-        """Cluster 0's model (``models()`` has all of them)."""
-        return unflatten(self._theta[0], self._like)
-
-    def models(self) -> list[Weights]:
-        return [unflatten(row, self._like) for row in self._theta]
-
-    def state_dict(self) -> dict[str, Any]:
-        """The cluster models (g_0 is recomputed from the seeded root data on a restart)."""
-        return {"kind": self.kind, "version": 1, "theta": self._theta.copy()}
-
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
-        check_state_kind(state, self.kind, ["theta"])
-        theta = np.asarray(state["theta"], dtype=np.float64)
-        if theta.shape != self._theta.shape:
-            raise ValueError(
-                f"The ebscfl state holds models of shape {theta.shape}; this run's are "
-                f"{self._theta.shape}."
-            )
-        self._theta = theta.copy()
+        """Restores the cluster models (g_0 is recomputed from the seeded root data)."""
+        super().load_state_dict(state)
         self._attempt = None
 
     # ---------------------------------------------------------------- internals

@@ -24,8 +24,8 @@ from fedcore.protocols._base import (
     RoundResult,
     ServerProtocol,
     Weights,
-    check_state_kind,
 )
+from fedcore.protocols._cluster_models import ClusterModels
 from fedcore.protocols._maths import (
     check_like,
     cluster_name,
@@ -42,7 +42,7 @@ from fedcore.transport import Payload
 log = logging.getLogger(__name__)
 
 
-class RobustAveragingServer(ServerProtocol):
+class RobustAveragingServer(ClusterModels, ServerProtocol):
     """fedavg's server with a robust rule and/or IFCA's cluster models.
 
     Args:
@@ -151,23 +151,6 @@ class RobustAveragingServer(ServerProtocol):
         return RoundResult(
             participants=len(order), train_loss=mean_loss(uploads, weights), metrics=metrics
         )
-
-    def global_weights(self) -> Weights:
-        """Cluster 0's model (``models()`` has every cluster's)."""
-        return unflatten(self._theta[0], self._like)
-
-    def models(self) -> list[Weights]:
-        return [unflatten(row, self._like) for row in self._theta]
-
-    def state_dict(self) -> dict[str, Any]:
-        return {"kind": self.kind, "version": 1, "theta": self._theta.copy()}
-
-    def load_state_dict(self, state: Mapping[str, Any]) -> None:
-        check_state_kind(state, self.kind, ["theta"])
-        theta = np.asarray(state["theta"], dtype=np.float64)
-        if theta.shape != self._theta.shape:
-            raise ValueError(f"The state's models are {theta.shape}, not {self._theta.shape}.")
-        self._theta = theta.copy()
 
 
 class RobustTrainingClient(ClientProtocol):
