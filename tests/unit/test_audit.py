@@ -210,7 +210,12 @@ def test_output_noise_fit_undoes_perturb_on_a_trained_model(tmp_path: Path) -> N
     naive = estimate(report, "output-noise", "agreement, as received")
     assert report.accuracy > 0.8
     assert fitted is not None and fitted.beats_chance and fitted.low > 0.9
-    assert not naive.beats_chance and naive.value < 0.3
+    # As received, the top class is the shift's, not the model's: agreement stays near chance.
+    # Where exactly it lands (0.09 to 0.16 seen) turns on the run's rounding, which differs
+    # with the BLAS build and thread count, so the bound is a band around chance, not a side.
+    assert naive.chance is not None
+    assert naive.value < 0.3 and abs(naive.value - naive.chance) < 0.1
+    assert naive.high < fitted.low - 0.5
     assert result.details["paper_bound"] == pytest.approx(0.1)
 
 
