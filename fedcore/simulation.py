@@ -172,7 +172,11 @@ def simulate(
                     learners[index] = LocalLearner(
                         client_model, data, spec.training, seed=spec.seed, client_index=index
                     )
-                keys = None if kdc is None else kdc.issue_keys(round_, Identity("client", index))
+                keys = None
+                if kdc is not None:
+                    keys = clients[index].reusable_keys(round_, instruction) or kdc.issue_keys(
+                        round_, Identity("client", index)
+                    )
                 if observer is not None and keys is not None:
                     observer.on_keys(round_, Identity("client", index), keys)
                 upload = clients[index].compute_upload(round_, instruction, learners[index], keys)

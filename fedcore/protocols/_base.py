@@ -135,6 +135,16 @@ class ClientProtocol(ABC):
             kdc: the channel to the KDC, or None for protocols without one.
         """
 
+    def reusable_keys(self, round: int, instruction: Payload) -> Payload | None:
+        """Key material from an earlier round that still serves this one, or None to fetch.
+
+        The runtime asks before each task and calls the KDC only on None (the default: every
+        round fetches). A protocol whose keys outlive a round (mpdp's table of public keys)
+        returns what it holds, and must return None whenever it could be stale in a way the
+        server would not catch.
+        """
+        return None
+
     @abstractmethod
     def compute_upload(
         self, round: int, instruction: Payload, learner: LocalLearner, keys: Payload | None

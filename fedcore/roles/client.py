@@ -190,7 +190,9 @@ class Client:
         instruction = Payload(meta=dict(task.meta.get("instruction") or {}), tensors=task.tensors)
         keys = None
         if self.kdc is not None:
-            keys = self.kdc.call("IssueKeys", Payload(meta={"round": round_}), timeout=CALL_SECONDS)
+            keys = self.protocol.reusable_keys(round_, instruction) or self.kdc.call(
+                "IssueKeys", Payload(meta={"round": round_}), timeout=CALL_SECONDS
+            )
         if self.duties is not None:
             self.duties.before(round_, instruction)
         with self.metrics.round_duration.time():

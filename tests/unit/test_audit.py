@@ -179,16 +179,22 @@ def test_dp_fedavg_at_small_epsilon_defeats_inverting_the_released_update(
 # --------------------------------------------------------------- adaptive: perturb, mpdp
 
 
-def test_output_noise_fit_undoes_perturb_on_a_trained_model(tmp_path: Path) -> None:
+@pytest.mark.parametrize("cells", [None, 2])
+def test_output_noise_fit_undoes_perturb_on_a_trained_model(
+    tmp_path: Path, cells: int | None
+) -> None:
     # Prepare: perturb on digits, 10 IID clients, trained 40 rounds (digest 001 §7b S2
-    # measured agreement 0.101 naively and 0.999 after the fit).
+    # measured agreement 0.101 naively and 0.999 after the fit), with one cell per output
+    # (m = 10) or the outputs cut into m = 2 cells (the paper's naive bound 1/m = 0.5).
     run = parse_manifest(
         {
             "apiVersion": "fedcore.dev/v1alpha1",
             "kind": "FederatedRun",
             "metadata": {"name": "audit-perturb"},
             "spec": {
-                "protocol": {"name": "perturb"},
+                "protocol": {"name": "perturb"}
+                if cells is None
+                else {"name": "perturb", "perturb": {"cells": cells}},
                 "model": LOSSLESS_MLP,
                 "data": {"source": {"kind": "Digits"}},
                 "clients": {"count": 10},
@@ -216,7 +222,7 @@ def test_output_noise_fit_undoes_perturb_on_a_trained_model(tmp_path: Path) -> N
     assert naive.chance is not None
     assert naive.value < 0.3 and abs(naive.value - naive.chance) < 0.1
     assert naive.high < fitted.low - 0.5
-    assert result.details["paper_bound"] == pytest.approx(0.1)
+    assert result.details["paper_bound"] == pytest.approx(1 / (cells or 10))
 
 
 def test_plane_intersection_recovers_the_others_example_under_row_rescaling() -> None:

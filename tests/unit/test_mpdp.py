@@ -148,10 +148,21 @@ class Federation:
             )
         return fed
 
-    def uploads(self, round: int, plans: Mapping[int, Payload]) -> dict[int, Payload]:
+    def uploads(
+        self, round: int, plans: Mapping[int, Payload], *, fetched: list[int] | None = None
+    ) -> dict[int, Payload]:
+        """Every planned client's upload; with ``fetched``, each client first asks for its
+        reusable keys, as the client role does, and the KDC is called (and the client recorded
+        in ``fetched``) only when it has none."""
         result = {}
         for k, instruction in plans.items():
-            keys = self.kdc.issue_keys(round, Identity("client", k))
+            keys = None
+            if fetched is not None:
+                keys = self.clients[k].reusable_keys(round, instruction)
+            if keys is None:
+                keys = self.kdc.issue_keys(round, Identity("client", k))
+                if fetched is not None:
+                    fetched.append(k)
             result[k] = self.clients[k].compute_upload(round, instruction, self.learners[k], keys)
         return result
 
@@ -430,6 +441,48 @@ def test_upload_masked_with_other_public_keys_is_refused() -> None:
     # Assert
     with pytest.raises(ProtocolError, match="other public keys"):
         fed.server.check_upload(1, 1, late[1])
+
+
+def test_a_stale_key_table_after_a_restart_costs_one_redo_never_a_wrong_aggregate() -> None:
+    # Prepare: round 1 fetches every table; then client 2 restarts with a new key pair.
+    fed = Federation.of(spec_for(graph="Complete", clients=4))
+    weights = {n: w.copy() for n, w in fed.server.global_weights().items()}
+    fetched: list[int] = []
+    first = fed.uploads(1, fed.server.plan_round(1, [0, 1, 2, 3]), fetched=fetched)
+    for k, upload in first.items():
+        fed.server.check_upload(1, k, upload)
+    fed.server.combine(1, first, [])
+    weights = fed.fedsgd_step(weights, [0, 1, 2, 3])
+    assert fetched == [0, 1, 2, 3]
+    fed.clients[2].setup(LocalKeyChannel(fed.kdc, Identity("client", 2)))
+    # Execute: round 2's first attempt (the others reuse their stale tables), its redo, round 3
+    fetched.clear()
+    stale = fed.uploads(2, fed.server.plan_round(2, [0, 1, 2, 3]), fetched=fetched)
+    reused_in_first_attempt = [k for k in range(4) if k not in fetched]
+    for k in (0, 1, 3):
+        fed.server.check_upload(2, k, stale[k])
+    with pytest.raises(ProtocolError, match="other public keys"):
+        fed.server.check_upload(2, 2, stale[2])
+    fetched.clear()
+    redone = fed.uploads(2, fed.server.plan_round(2, [0, 1, 3]), fetched=fetched)
+    fetched_in_redo = list(fetched)
+    for k, upload in redone.items():
+        fed.server.check_upload(2, k, upload)
+    fed.server.combine(2, redone, [])
+    weights = fed.fedsgd_step(weights, [0, 1, 3])
+    fetched.clear()
+    third = fed.uploads(3, fed.server.plan_round(3, [0, 1, 2, 3]), fetched=fetched)
+    for k, upload in third.items():
+        fed.server.check_upload(3, k, upload)
+    fed.server.combine(3, third, [])
+    weights = fed.fedsgd_step(weights, [0, 1, 2, 3])
+    # Assert: only the restarted client asked the KDC in round 2's first attempt, everyone in
+    # the redo, nobody in round 3; every round's model is fedsgd's over its participants.
+    assert reused_in_first_attempt == [0, 1, 3]
+    assert fetched_in_redo == [0, 1, 3]
+    assert fetched == []
+    for name, expected in weights.items():
+        np.testing.assert_allclose(fed.server.global_weights()[name], expected, rtol=0, atol=1e-9)
 
 
 def test_no_seed_or_private_key_reaches_the_server_and_the_kdc_sees_only_public_keys() -> None:
