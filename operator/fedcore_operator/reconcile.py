@@ -155,7 +155,7 @@ class _Pass:
         self.pods = {pod["metadata"]["name"]: pod for pod in pods}
 
         if self.old.get("phase") in TERMINAL:
-            self._remove_pods(keep_finished=True)
+            self._remove_pods(keep_finished=True, spare_running=self._in_finish_grace())
             self._count_roles()
             self._write_status()
             return
@@ -256,11 +256,27 @@ class _Pass:
             self.outcome.actions.append(f"deleted Pod/{pod['metadata']['name']}")
         pod["metadata"]["deletionTimestamp"] = now_rfc3339()
 
-    def _remove_pods(self, *, keep_finished: bool) -> None:
+    def _remove_pods(self, *, keep_finished: bool, spare_running: bool = False) -> None:
+        """Deletes the run's pods: all, or (``keep_finished``) those that have not ended; with
+        ``spare_running``, pods that still run are left to end on their own for now."""
         for pod in self.pods.values():
             if keep_finished and pod_phase(pod) in TERMINAL:
                 continue
+            if spare_running and not terminating(pod):
+                continue
             self._delete_pod(pod)
+
+    def _in_finish_grace(self) -> bool:
+        """Whether the run succeeded less than ``finish_grace_seconds`` ago: its clients may
+        still be writing their final models (lppa's are the run's result) and exit by
+        themselves; a later pass (a pod's exit or the resync) deletes whoever outlasts it."""
+        if self.status.get("phase", self.old.get("phase")) != "Succeeded":
+            return False
+        done = self.status.get("completionTime") or self.old.get("completionTime")
+        if not done:
+            return False
+        since = (parse_rfc3339(now_rfc3339()) - parse_rfc3339(done)).total_seconds()
+        return since < self.settings.finish_grace_seconds
 
     def _suspend(self) -> None:
         self._remove_pods(keep_finished=False)
@@ -312,7 +328,7 @@ class _Pass:
                     str(outcome.get("reason") or "RoundsCompleted"),
                     "The server finished the run.",
                 )
-                self._remove_pods(keep_finished=True)
+                self._remove_pods(keep_finished=True, spare_running=self._in_finish_grace())
                 self._count_roles()
                 return False
             if phase != "Failed":

@@ -22,6 +22,8 @@ class OperatorSettings:
         api_ports: TCP ports the server's egress NetworkPolicy opens towards the API server.
         run_as_user: the non-root uid (and gid) every pod runs as.
         resync_seconds: how often every run is reconciled even when nothing changed.
+        finish_grace_seconds: how long the pods still running when a run succeeds may take to
+            end on their own (clients writing their final models) before they are deleted.
         extra_env: environment added to every role's container (e.g. a proxy setting).
     """
 
@@ -35,6 +37,7 @@ class OperatorSettings:
     api_ports: tuple[int, ...] = (443, 6443)
     run_as_user: int = 10001
     resync_seconds: float = 30.0
+    finish_grace_seconds: float = 30.0
     extra_env: dict[str, str] = field(default_factory=dict)
 
     @classmethod
@@ -56,5 +59,6 @@ class OperatorSettings:
             if api_ports
             else (443, 6443),
             resync_seconds=float(env.get(prefix + "RESYNC_SECONDS", "30")),
+            finish_grace_seconds=float(env.get(prefix + "FINISH_GRACE_SECONDS", "30")),
             extra_env=extra,
         )
