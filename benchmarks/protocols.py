@@ -247,9 +247,10 @@ def render(medians: dict[str, dict[str, Any]], repeats: int) -> str:
             if m["cpu_round"] is None or not base["cpu_round"]
             else f"{m['cpu_round'] / base['cpu_round']:.2f}x"
         )
+        low, high = m["ratio_range"]
         rows.append(
             f"| {protocol} | {m['median_round'] * 1000:.1f} | "
-            f"{m['median_round'] / base['median_round']:.2f}x | "
+            f"{m['median_round'] / base['median_round']:.2f}x | {low:.2f}x to {high:.2f}x | "
             f"{ms(m['cpu_round'])} | {cpu_ratio} | "
             f"{m['bytes_per_round'] / 2**20:.2f} | "
             f"{m['bytes_per_round'] / base['bytes_per_round']:.1f}x | "
@@ -279,10 +280,10 @@ def render(medians: dict[str, dict[str, Any]], repeats: int) -> str:
             "and dp-fedavg (local epochs like fedavg, learning rate 0.5) with clippingNorm 1 and "
             "noiseMultiplier 0.1. See the protocol pages for accuracy at meaningful budgets.",
             "",
-            "| protocol | median round (ms) | vs fedsgd | CPU per round, all roles (ms) | "
-            "vs fedsgd | MiB per round | vs fedsgd | peak memory, PSS (MiB) | accuracy | "
-            "epsilon (delta 1e-5) |",
-            "|---|---|---|---|---|---|---|---|---|---|",
+            "| protocol | median round (ms) | vs fedsgd | vs fedsgd, each repeat | CPU per "
+            "round, all roles (ms) | vs fedsgd | MiB per round | vs fedsgd | peak memory, PSS "
+            "(MiB) | accuracy | epsilon (delta 1e-5) |",
+            "|---|---|---|---|---|---|---|---|---|---|---|",
             *rows,
             "",
             "CPU per round is user plus system time of every role process between the first "
@@ -311,7 +312,10 @@ def target_lines(medians: dict[str, dict[str, Any]]) -> list[str]:
         if protocol in medians:
             ratio = medians[protocol]["median_round"] / base["median_round"]
             verdict = "met" if ratio <= TARGET else f"**missed** by {ratio / TARGET:.2f}x"
-            verdicts.append(f"{protocol} {ratio:.2f}x ({verdict})")
+            low, high = medians[protocol]["ratio_range"]
+            verdicts.append(
+                f"{protocol} {ratio:.2f}x ({verdict}; single repeats {low:.2f}x to {high:.2f}x)"
+            )
 
     def upload(protocol: str) -> str:
         if protocol not in medians:
@@ -322,7 +326,9 @@ def target_lines(medians: dict[str, dict[str, Any]]) -> list[str]:
         f"Target: perturb and mpdp at most {TARGET}x fedsgd's round time at equal accuracy: "
         + "; ".join(verdicts)
         + ". On this machine 12 processes share 2 cores, so a round costs the CPU of all its "
-        "roles, and the CPU columns say where it goes. The protocols' maths sets the gap, not "
+        "roles, and the CPU columns say where it goes; they vary less between runs than the "
+        "round times, which the machine's other work moves (see the spread of single repeats)."
+        " The protocols' maths sets the gap, not "
         "the runtime: perturb's client runs m+2 reverse passes (here batched into one matrix "
         "product per layer) and uploads m+2 times fedsgd's gradient, less the last layer once "
         "(digest 001, B2; the paper reports no runtime). With the download the bytes per "
@@ -370,10 +376,44 @@ def main() -> None:
         name: {key: _median([r[key] for r in results]) for key in results[0]}
         for name, results in runs.items()
     }
+    for name, results in runs.items():
+        # Repeat i of every protocol ran in the same pass over the protocols as fedsgd's
+        # repeat i: the spread of these ratios is how far one comparison can be trusted.
+        ratios = [
+            r["median_round"] / base["median_round"]
+            for r, base in zip(results, runs["fedsgd"], strict=True)
+        ]
+        medians[name]["ratio_range"] = [min(ratios), max(ratios)]
     section = render(medians, args.repeats)
     print(section)
     if args.write:
         write_section(section, begin=BEGIN, end=END)
+        RESULTS.parent.mkdir(parents=True, exist_ok=True)
+        record = {"date": dt.date.today().isoformat(), "repeats": args.repeats, "rows": medians}
+        RESULTS.write_text(json.dumps(record, indent=1) + "\n", encoding="utf-8")
+
+
+RESULTS = ROOT / "docs" / "benchmarks" / "protocols.json"
+"""The medians of the last --write run (benchmarks.run_all reads the targets from them)."""
+
+
+def target_rows(record: dict[str, Any]) -> list[str]:
+    """The targets-table rows of issue 4's target, from a ``RESULTS`` record."""
+    rows = record["rows"]
+    base = rows["fedsgd"]["median_round"]
+    found = []
+    for protocol, what in (
+        ("perturb", "perturb (m = 10 cells)"),
+        ("perturb m=2", "perturb (m = 2 cells)"),
+        ("mpdp", "mpdp"),
+    ):
+        if protocol in rows:
+            ratio = rows[protocol]["median_round"] / base
+            found.append(
+                f"| {what} median round at most {TARGET}x fedsgd's, same job and accuracy | "
+                f"{ratio:.2f}x | {'met' if ratio <= TARGET else 'missed'} |"
+            )
+    return found
 
 
 if __name__ == "__main__":

@@ -42,11 +42,16 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks.measure import DOC_ASSETS, ROOT, load, machine
+from benchmarks.protocols import RESULTS as PROTOCOL_RESULTS
+from benchmarks.protocols import target_rows as protocol_target_rows
 from benchmarks.spine import DOC
 
 INTRO_BEGIN = "<!-- intro:begin -->"
 INTRO_END = "<!-- intro:end -->"
 CONTROL_PLANE = Path.home() / ".cache" / "k8s-1.20.2"
+STEPS = DOC_ASSETS / "steps.json"
+"""When each step last ran (with --write), its wall time and load: the intro's table shows a
+step that this invocation did not run as it was then."""
 
 
 @dataclass
@@ -114,7 +119,7 @@ def steps() -> list[Step]:
         ),
         Step(
             "protocols",
-            script("benchmarks/protocols.py", ["--repeats", "3"], ["--repeats", "1"]),
+            script("benchmarks/protocols.py", ["--repeats", "5"], ["--repeats", "1"]),
         ),
         Step(
             "limits",
@@ -320,6 +325,8 @@ def targets(done: dict[str, Step]) -> list[str]:
                 f"| transport of a {int(size) // 10**6} MB model at least 50% of raw loopback "
                 f"| {share:.0%} | {'met' if share >= 0.5 else 'missed'} |"
             )
+    if PROTOCOL_RESULTS.exists():
+        rows += protocol_target_rows(json.loads(PROTOCOL_RESULTS.read_text(encoding="utf-8")))
     return rows
 
 
@@ -344,8 +351,9 @@ def render_intro(all_steps: list[Step], started: str, total: float, images: list
         "`python -m benchmarks.operator_scale --write`). Flower is installed by the benchmark "
         "into its own virtual environment under ~/.cache/fedcore-bench, never into fedcore's.",
         "",
-        f"Last invocation: started {started}, {total / 60:.0f} min for the steps marked ok "
-        f"below (a step not run keeps its section from an earlier run). Machine and versions: "
+        f"Last invocation: started {started}, {total / 60:.0f} min for the steps it ran (a "
+        f"step it did not run keeps its section, and its row below, from the invocation that "
+        f"last ran it). Machine and versions: "
         f"{machine()}; {versions()}.",
         "",
         "The machine is a shared 2-core VM: other work ran beside these benchmarks and its "
@@ -434,12 +442,26 @@ def main(argv: list[str] | None = None) -> int:
         step.load_end = load()
         print(f"== {step.name} done in {step.seconds / 60:.1f} min", file=sys.stderr)
     total = time.monotonic() - t0
+    history = json.loads(STEPS.read_text(encoding="utf-8")) if STEPS.exists() else {}
     for step in all_steps:
         saved = DOC_ASSETS / f"{step.name}.json"
         if step.status == "not run" and saved.exists():
             step.data = json.loads(saved.read_text())
-        if step.status == "not run":
-            step.status = "not run this time (its section below is from an earlier run)"
+        if step.status == "ok":
+            history[step.name] = {
+                "started": started,
+                "seconds": step.seconds,
+                "load_start": step.load_start,
+                "load_end": step.load_end,
+            }
+        elif step.status == "not run":
+            last = history.get(step.name)
+            if last is None:
+                step.status = "not run this time (its section below is from an earlier run)"
+            else:
+                step.seconds = float(last["seconds"])
+                step.load_start, step.load_end = last["load_start"], last["load_end"]
+                step.status = f"ok, in an earlier invocation (started {last['started']})"
     assets = DOC_ASSETS if args.write else Path(tempfile.mkdtemp(prefix="fedcore-plots-"))
     assets.mkdir(parents=True, exist_ok=True)
     images = []
@@ -454,6 +476,7 @@ def main(argv: list[str] | None = None) -> int:
         if (assets / f"{name}.png").exists():
             images.append(f"benchmarks/{name}.png")
     if args.write:
+        STEPS.write_text(json.dumps(history, indent=1, sort_keys=True) + "\n", encoding="utf-8")
         write_intro(render_intro(all_steps, started, total, images))
     else:
         print(f"plots (not written to docs): {assets}", file=sys.stderr)
