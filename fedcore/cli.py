@@ -16,6 +16,7 @@ import click
 from rich.console import Console
 
 from fedcore.errors import FedcoreError, RunAborted, SpecError
+from fedcore.threads import ROLE_THREADS
 
 stderr = Console(stderr=True)
 
@@ -189,7 +190,7 @@ def validate(manifest: Path) -> None:
 @click.option(
     "--threads",
     type=click.IntRange(1, 1024),
-    default=1,
+    default=ROLE_THREADS,
     show_default=True,
     help="Torch threads per role process.",
 )
@@ -283,10 +284,10 @@ def _simulate(run: Any, *, as_json: bool) -> None:
     """``fedcore run --simulate``: every party in this process; prints the summary."""
     import time
 
-    from fedcore.roles._common import limit_threads
     from fedcore.simulation import simulate
+    from fedcore.threads import limit_threads
 
-    limit_threads(1)
+    limit_threads(ROLE_THREADS)
     started = time.monotonic()
     result = simulate(run)
     summary = {
@@ -343,8 +344,8 @@ def audit(
 ) -> None:
     """Simulates MANIFEST with an attacker attached; writes a privacy report (Markdown, PNG)."""
     from fedcore.audit import registered_attacks, run_audit
-    from fedcore.roles._common import limit_threads
     from fedcore.spec import load_manifest
+    from fedcore.threads import limit_threads
 
     spec_run = load_manifest(manifest)
     names = None if attacks is None else [a.strip() for a in attacks.split(",") if a.strip()]
@@ -354,7 +355,7 @@ def audit(
             f"unknown attack(s) {', '.join(unknown)}; known: {', '.join(registered_attacks())}.",
             param_hint="--attacks",
         )
-    limit_threads(1)
+    limit_threads(ROLE_THREADS)
     folder = out or Path("runs") / spec_run.metadata.name / "audit"
     report = run_audit(
         spec_run, folder, attacks=names, seed=seed, rounds=rounds, source=str(manifest)

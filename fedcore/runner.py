@@ -30,6 +30,7 @@ from fedcore._launch import RoleProcess, SpawnMode, start_role
 from fedcore.errors import RoleFailed, RunAborted
 from fedcore.events import EventLog, read_events
 from fedcore.spec import FederatedRun, FederatedRunSpec, peer_graph, protocol_facts
+from fedcore.threads import ROLE_THREADS
 from fedcore.transport import issue_run_bundles
 
 LOOPBACK = "127.0.0.1"
@@ -153,7 +154,7 @@ class LocalRun:
         workdir: Path,
         resume: bool = False,
         metrics: bool = True,
-        threads: int = 1,
+        threads: int = ROLE_THREADS,
         spawn: SpawnMode = "fork",
     ) -> None:
         self.run = run

@@ -5,7 +5,6 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
-import os
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -75,14 +74,6 @@ def choose_device(role: RoleSpec) -> str:
             "The role asks for GPUs but none is visible; using the CPU."
         )
     return "cpu"
-
-
-def limit_threads(threads: int) -> None:
-    """Caps torch's (and BLAS's) threads: many roles share a machine in local runs."""
-    import torch
-
-    os.environ.setdefault("OMP_NUM_THREADS", str(threads))
-    torch.set_num_threads(max(1, threads))
 
 
 def spec_fingerprint(run: FederatedRun) -> str:

@@ -17,12 +17,12 @@ from fedcore.roles._common import (
     SERVER_SERVICE,
     RoleConfig,
     choose_device,
-    limit_threads,
     limits_of,
     retry_of,
 )
 from fedcore.roles._peer_duties import PeerDuties, PeerSettings
 from fedcore.spec import FederatedRun, protocol_facts
+from fedcore.threads import limit_threads
 from fedcore.training import LocalLearner
 from fedcore.transport import Identity, Payload, RemoteError, RpcClient, TlsBundle
 

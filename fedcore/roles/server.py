@@ -39,7 +39,6 @@ from fedcore.roles._common import (
     SERVER_SERVICE,
     RoleConfig,
     choose_device,
-    limit_threads,
     limits_of,
     retry_of,
     role_checkpointer,
@@ -47,6 +46,7 @@ from fedcore.roles._common import (
 from fedcore.roles.client import RpcKeyChannel
 from fedcore.sampling import sample_clients
 from fedcore.spec import FederatedRun, protocol_facts
+from fedcore.threads import limit_threads
 from fedcore.training import Evaluator
 from fedcore.transport import (
     Identity,

@@ -82,33 +82,6 @@ def test_noise_term_gradients_equal_one_autograd_pass_per_scalar(widths, diagona
     assert torch.all(expected[-1][-1] == 0), "f_beta does not reach the last layer"
 
 
-def test_noise_term_values_have_the_same_bits_at_one_and_two_threads() -> None:
-    # Prepare: a digits-sized shard (a run's roles use one thread, simulate() often more).
-    rng = np.random.default_rng(0)
-    weights = [torch.from_numpy(rng.normal(0, 0.1, size=s)) for s in [(32, 64), (10, 32)]]
-    x = torch.from_numpy(rng.uniform(size=(600, 64)))
-    t = torch.from_numpy(rng.uniform(size=(600, 10)))
-    contraction = torch.zeros((10, 5), dtype=torch.float64)
-    contraction[torch.arange(10), torch.arange(10) % 5] = torch.from_numpy(rng.uniform(1, 2, 10))
-    threads = torch.get_num_threads()
-    found = []
-    # Execute
-    try:
-        for count in (1, 2):
-            torch.set_num_threads(count)
-            passed = _relu_mlp.forward(weights, x)
-            found.append(_relu_mlp.noise_term_gradients(weights, passed, t, contraction))
-    finally:
-        torch.set_num_threads(threads)
-    # Assert
-    one, two = found
-    for name in ("loss", "cell_values", "beta_value", "cell_row"):
-        assert torch.equal(getattr(one, name), getattr(two, name)), name
-    for name in ("loss_grads", "cell_grads", "beta_grads"):
-        for a, b in zip(getattr(one, name), getattr(two, name), strict=True):
-            assert torch.equal(a, b), name
-
-
 def test_gaussian_pairs_from_bits_are_independent_standard_normals() -> None:
     # Prepare
     bits = np.random.default_rng(3).integers(0, 2**64, size=40_000, dtype=np.uint64)

@@ -1,0 +1,46 @@
+"""How many threads the maths runs on: torch's pool and the BLAS libraries' (numpy's OpenBLAS).
+
+A matrix product computed with another number of threads can round differently: BLAS kernels
+split the work by thread, and on some CPUs (MKL's AVX2 kernels, for one) the split changes the
+order of the sums even for a product as small as a digits model's forward pass. So a role
+process and ``simulate()`` agree bit for bit only when they run at the same count, and both
+default to ``ROLE_THREADS``.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+ROLE_THREADS = 1
+"""Threads of each role process unless ``fedcore run --threads`` says otherwise; ``simulate()``
+runs at this count too."""
+
+
+def limit_threads(threads: int) -> None:
+    """Caps this process's torch and BLAS threads at ``threads`` for good (a role process:
+    many roles share a machine in local runs)."""
+    import torch
+    from threadpoolctl import threadpool_limits
+
+    count = max(1, threads)
+    os.environ.setdefault("OMP_NUM_THREADS", str(count))
+    torch.set_num_threads(count)
+    threadpool_limits(limits=count)
+
+
+@contextmanager
+def threads_limited(threads: int) -> Iterator[None]:
+    """Runs the block with torch and the BLAS libraries at ``threads`` threads, then restores
+    the counts they had."""
+    import torch
+    from threadpoolctl import threadpool_limits
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(max(1, threads))
+    try:
+        with threadpool_limits(limits=max(1, threads)):
+            yield
+    finally:
+        torch.set_num_threads(before)
