@@ -171,11 +171,11 @@ def noise_term_gradients(
 
 
 def _sum_rows(products: torch.Tensor) -> torch.Tensor:
-    """Sums (N, K) products over the examples, the same bits at any thread count.
+    """Sums (N, K) products over the examples, element-wise.
 
     A vector-matrix product (``alpha @ cells``) would be a BLAS gemv, which MKL splits over the
-    examples across threads: its bits would then depend on torch's thread count, and a run's
-    roles (one thread each) would not equal ``simulate()`` in a process with more threads.
+    examples across threads, so its bits would depend on the thread count. The matrix products
+    elsewhere can too, which is why ``simulate()`` runs at the roles' count (fedcore/threads.py).
     """
     return products.sum(dim=0)
 
