@@ -59,6 +59,7 @@ from benchmarks.measure import (
     wall,
 )
 from benchmarks.spine import write_section
+from fedcore._ports import free_port
 
 BEGIN = "<!-- flower:begin -->"
 END = "<!-- flower:end -->"
@@ -385,15 +386,6 @@ def run_flower_sim_once(
     if result.failure is None and result.rounds_done < rounds:
         result.failure = f"exit status {process.returncode} after {result.rounds_done} rounds"
     return result
-
-
-def free_port() -> int:
-    """A loopback TCP port that was free a moment ago."""
-    import socket
-
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
 
 
 def wait_http(url: str, timeout: float) -> bool:

@@ -17,7 +17,6 @@ import contextlib
 import os
 import shutil
 import signal
-import socket
 import statistics
 import subprocess
 import time
@@ -27,6 +26,7 @@ from pathlib import Path
 from typing import Any
 
 from fedcore._launch import RoleProcess, SpawnMode, start_role
+from fedcore._ports import free_port
 from fedcore.errors import RoleFailed, RunAborted
 from fedcore.events import EventLog, read_events
 from fedcore.spec import FederatedRun, FederatedRunSpec, peer_graph, protocol_facts
@@ -105,13 +105,6 @@ class LocalRunResult:
             "reason": self.reason,
             "message": self.message,
         }
-
-
-def free_port() -> int:
-    """Returns a TCP port on loopback that was free a moment ago."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind((LOOPBACK, 0))
-        return int(sock.getsockname()[1])
 
 
 def peer_arguments(spec: FederatedRunSpec) -> dict[int, list[str]]:

@@ -10,7 +10,6 @@ import json
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -19,6 +18,8 @@ from pathlib import Path
 
 import boto3
 from botocore.config import Config
+
+from fedcore._ports import free_ports
 
 ACCESS_KEY = "fedcore-test-key"
 SECRET_KEY = "fedcore-test-secret"
@@ -36,20 +37,6 @@ PORT_FLAGS = (
     "webdav.port",
     "debug.port",
 )
-
-
-def free_ports(count: int) -> list[int]:
-    """Returns ``count`` distinct TCP ports on loopback that were free a moment ago."""
-    sockets = []
-    try:
-        for _ in range(count):
-            sock = socket.socket()
-            sock.bind(("127.0.0.1", 0))
-            sockets.append(sock)
-        return [sock.getsockname()[1] for sock in sockets]
-    finally:
-        for sock in sockets:
-            sock.close()
 
 
 def weed_binary() -> str:

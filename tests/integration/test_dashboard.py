@@ -19,8 +19,9 @@ import pytest
 import yaml
 from prometheus_client import CollectorRegistry, start_http_server
 
+from fedcore._ports import free_port
 from fedcore.metrics import RoleMetrics
-from fedcore.runner import LocalRun, free_port
+from fedcore.runner import LocalRun
 from fedcore.spec import load_manifest
 from fedcore_operator.metrics import OperatorMetrics
 from tests.integration._prometheus import (
