@@ -58,21 +58,31 @@ class Limits:
     Attributes:
         chunk_bytes: the largest single gRPC message.
         max_message_bytes: the largest logical (reassembled) message.
+        keepalive_ms: how often a link with nothing to send pings its peer.
     """
 
     chunk_bytes: int = 4 * 1024 * 1024
     max_message_bytes: int = 8 * 1024**3
+    keepalive_ms: int = 20_000
 
     def channel_options(self) -> list[tuple[str, Any]]:
-        """Returns the grpc options that enforce the per-chunk limit."""
+        """Returns the grpc options of both ends: the per-chunk limit and keepalive.
+
+        A session can sit idle for a whole round (a client training on its GPU); its pings
+        keep it alive, and a server must accept them: by default gRPC's server tolerates one
+        ping without data every 5 minutes and answers more with GOAWAY "too_many_pings",
+        which broke idle sessions after about a minute. So a server accepts pings at half
+        the keepalive interval.
+        """
         size = self.chunk_bytes + ENVELOPE_BYTES
         return [
             ("grpc.max_send_message_length", size),
             ("grpc.max_receive_message_length", size),
-            ("grpc.keepalive_time_ms", 20_000),
+            ("grpc.keepalive_time_ms", self.keepalive_ms),
             ("grpc.keepalive_timeout_ms", 10_000),
             ("grpc.keepalive_permit_without_calls", 1),
             ("grpc.http2.max_pings_without_data", 0),
+            ("grpc.http2.min_ping_interval_without_data_ms", self.keepalive_ms // 2),
         ]
 
 

@@ -475,6 +475,46 @@ def test_rpc_session_echoes_messages_in_order_and_closes(
     assert closed == [Identity("client", 1)]
 
 
+def test_rpc_idle_session_survives_its_keepalive_pings(pki: Pki) -> None:
+    # Prepare: both ends ping every 0.5 s when idle (20 s in a run); gRPC's server default
+    # (one ping without data per 5 minutes, then GOAWAY "too_many_pings") closed such a
+    # session after three pings.
+    limits = Limits(chunk_bytes=CHUNK_BYTES, max_message_bytes=32 << 20, keepalive_ms=500)
+    sessions = EchoSessions()
+    server = RpcServer(
+        "127.0.0.1:0",
+        pki.bundles["server"],
+        Service().handlers(),
+        service=SERVICE,
+        limits=limits,
+        sessions={"Session": sessions},
+    )
+    server.start()
+    client = RpcClient(
+        f"127.0.0.1:{server.port}",
+        pki.bundles["client-1"],
+        service=SERVICE,
+        limits=limits,
+        server_name="localhost",
+    )
+    session = client.open_session("Session")
+    try:
+        session.send(Payload(meta={"index": 0}))
+        first = session.receive()
+        # Execute: idle for ten keepalive intervals, then use the same session again.
+        time.sleep(5)
+        session.send(Payload(meta={"index": 1}))
+        second = session.receive()
+    finally:
+        session.close()
+        client.close()
+        server.stop()
+    # Assert
+    assert first is not None and first.meta == {"index": 0}
+    assert second is not None and second.meta == {"index": 1}
+    assert sessions.opened_peers == [Identity("client", 1)]
+
+
 @pytest.mark.parametrize("kind", ["garbage", "truncated"])
 def test_rpc_session_malformed_raw_message_aborts_only_that_session(
     running: Running, client: RpcClient, raw_channel: grpc.Channel, kind: str
