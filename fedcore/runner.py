@@ -3,7 +3,11 @@
 It does on one machine what the operator does on Kubernetes: issues the run's CA and a
 certificate per role, starts the KDC (only when the protocol needs one) and waits for it, then
 the server, then the clients; follows the server's progress events; and stops every child on
-Ctrl-C or when the server or KDC fails, showing that role's error.
+Ctrl-C or when the server or KDC fails, showing that role's error. A client that exits with an
+error before the server has seen its clients join (a bad address, a port taken, a crash at
+start) fails the run at once too: the server would otherwise wait
+``spec.failurePolicy.connectTimeoutSeconds`` for it. Later, a lost client is the protocol's
+dropout policy's business.
 
 A server or KDC that dies without reporting a failure (killed, crashed) is restarted on the
 same port with ``--resume``, up to ``spec.failurePolicy.serverRestarts`` / ``kdcRestarts``
@@ -284,10 +288,14 @@ class LocalRun:
         """
         offset = 0
         reported = False  # the current server reported a failure
+        joined = False  # the server saw its clients join (dropouts are its business from then)
         while True:
             found, offset = read_events(self.events_path, offset)
             reported = reported or any(e.get("event") == "failed" for e in found)
+            joined = joined or any(e.get("event") == "joined" for e in found)
             yield from found
+            if not joined:
+                self._check_clients_started()
             server = self.children["server"]
             exited = server.process.poll()
             if exited is not None:
@@ -310,6 +318,23 @@ class LocalRun:
                     continue
                 raise RoleFailed("kdc", f"exited with code {code}:\n{kdc.tail()}", exit_code=code)
             time.sleep(0.02)
+
+    def _check_clients_started(self) -> None:
+        """Raises RoleFailed for a client that already exited with an error.
+
+        Raises:
+            RoleFailed: a client process ended with a non-zero exit code.
+        """
+        for name, child in self.children.items():
+            if not name.startswith("client-"):
+                continue
+            code = child.process.poll()
+            if code is not None and code != 0:
+                raise RoleFailed(
+                    name,
+                    f"exited with code {code} before the run's clients joined:\n{child.tail()}",
+                    exit_code=code,
+                )
 
     def _may_restart(self, role: str) -> bool:
         policy = self.run.spec.failure_policy

@@ -369,6 +369,7 @@ class Server:
         policy = spec.failure_policy
         count = spec.clients.count
         joined = self.board.wait_connected(count, time.monotonic() + policy.connect_timeout_seconds)
+        self.events.emit("joined", clients=joined)
         if joined == 0:
             raise RunAborted(
                 f"No client connected within {policy.connect_timeout_seconds} s "

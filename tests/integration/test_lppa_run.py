@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -22,7 +23,7 @@ import yaml
 from safetensors.numpy import load_file
 
 from fedcore.decentralized import simulate_decentralized
-from fedcore.errors import PeerLost, RunAborted
+from fedcore.errors import PeerLost, RoleFailed, RunAborted
 from fedcore.events import read_events
 from fedcore.protocols.lppa import UPLOAD_KEYS
 from fedcore.roles import RoleConfig, Server
@@ -406,3 +407,38 @@ def test_a_lost_peer_fails_the_run_clearly_and_resume_ends_as_the_uninterrupted_
     assert len(restored) == 4
     graph, _ = peer_graph(run.spec)
     assert graph.neighbours(1) == (0, 2)
+
+
+def test_a_client_that_cannot_start_fails_the_run_at_once_naming_it(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Prepare: client 1's peer port is taken (as when another process grabbed it between the
+    # runner picking it and the client binding it). Before, the server waited its
+    # connectTimeoutSeconds (120 s here) for a client that had already died.
+    manifest = small_manifest(tmp_path / "run.yaml")
+    run = quietly_load(manifest)
+    taken = socket.socket()
+    taken.bind(("127.0.0.1", 0))
+    taken.listen()
+    port = taken.getsockname()[1]
+    real = peer_arguments
+
+    def with_port_taken(spec: Any) -> dict[int, list[str]]:
+        found = real(spec)
+        found[1][found[1].index("--peer-listen") + 1] = f"127.0.0.1:{port}"
+        for index, args in found.items():
+            found[index] = [f"1=127.0.0.1:{port}" if arg.startswith("1=") else arg for arg in args]
+        return found
+
+    monkeypatch.setattr("fedcore.runner.peer_arguments", with_port_taken)
+    started = time.monotonic()
+    # Execute
+    try:
+        with pytest.raises(RoleFailed) as failure:
+            LocalRun(run, manifest, workdir=tmp_path / "work").execute()
+    finally:
+        taken.close()
+    # Assert: the client is named with its own error, long before the connect timeout.
+    assert failure.value.role == "client-1"
+    assert "Address already in use" in str(failure.value)
+    assert time.monotonic() - started < 60
