@@ -30,14 +30,13 @@ from pathlib import Path
 from typing import Any
 
 from fedcore._launch import RoleProcess, SpawnMode, start_role
-from fedcore._ports import free_port
+from fedcore._ports import LOOPBACK, free_port
 from fedcore.errors import RoleFailed, RunAborted
 from fedcore.events import EventLog, read_events
 from fedcore.spec import FederatedRun, FederatedRunSpec, peer_graph, protocol_facts
 from fedcore.threads import ROLE_THREADS
 from fedcore.transport import issue_run_bundles
 
-LOOPBACK = "127.0.0.1"
 TLS_NAME = "localhost"
 READY_SECONDS = 120.0
 """How long a role may take to start (imports included) before the run fails."""

@@ -37,10 +37,11 @@ def threads_limited(threads: int) -> Iterator[None]:
     import torch
     from threadpoolctl import threadpool_limits
 
+    count = max(1, threads)
     before = torch.get_num_threads()
-    torch.set_num_threads(max(1, threads))
+    torch.set_num_threads(count)
     try:
-        with threadpool_limits(limits=max(1, threads)):
+        with threadpool_limits(limits=count):
             yield
     finally:
         torch.set_num_threads(before)
