@@ -322,27 +322,43 @@ def target_lines(medians: dict[str, dict[str, Any]]) -> list[str]:
             return "-"
         return f"{medians[protocol]['bytes_per_round'] / base['bytes_per_round']:.1f}x"
 
+    processes = int(BASE["spec"]["clients"]["count"]) + 2  # the clients, the server, a KDC
+    cores = os.cpu_count() or 1
+    if cores < processes:
+        machine = (
+            f"On this machine {processes} processes share {cores} cores, so a round costs the "
+            "CPU of all its roles, and the CPU columns say where it goes; they vary less "
+            "between runs than the round times, which the machine's other work moves (see the "
+            "spread of single repeats)."
+        )
+    else:
+        machine = (
+            f"On this machine ({cores} cores) every role has a core of its own, so a round "
+            "takes its critical path: the slowest client's work and upload, then the server's "
+            "receipt of every upload and its combine; fedsgd's round is short, so the "
+            "protocols' extra work weighs more here than where roles share cores."
+        )
     return [
         f"Target: perturb and mpdp at most {TARGET}x fedsgd's round time at equal accuracy: "
         + "; ".join(verdicts)
-        + ". On this machine 12 processes share 2 cores, so a round costs the CPU of all its "
-        "roles, and the CPU columns say where it goes; they vary less between runs than the "
-        "round times, which the machine's other work moves (see the spread of single repeats)."
-        " The protocols' maths sets the gap, not "
+        + ". "
+        + machine
+        + " The protocols' maths sets the gap, not "
         "the runtime: perturb's client runs m+2 reverse passes (here batched into one matrix "
         "product per layer) and uploads m+2 times fedsgd's gradient, less the last layer once "
         "(digest 001, B2; the paper reports no runtime). With the download the bytes per "
         f"round are {upload('perturb')} fedsgd's at m = 10 and {upload('perturb m=2')} at "
         "m = 2, and moving them through gRPC and TLS is most of perturb's extra CPU: a 400 kB "
-        "message costs about 1.2 ms of CPU over mutual-TLS gRPC on loopback (both ends, "
-        "`benchmarks/limits.py` measures the throughput), ten of them per round. m is "
+        "message costs about 1 ms of CPU at each end over mutual-TLS gRPC on loopback beyond "
+        "a small one's (`benchmarks/limits.py` measures the throughput), ten per round. m is "
         "`spec.protocol.perturb.cells`: the paper bounds a client's naive use of the model it "
         "receives by 1/m, but the audit's least-squares fit recovers the true model's "
         "predictions at any m (docs/audit.md), so a smaller m gives up only that naive bound. "
         "mpdp uploads the same Psi and adds, on every client and round, the pairwise masks "
-        "(an AES-CTR keystream per neighbour, the gradient's turned Gaussian by Box-Muller), "
-        "its own Gaussian noise, the clipping norm bound and the fixed-point encoding; its KDC "
-        "is asked once per client and run (the table of public keys is reused, docs/protocols/"
+        "(an AES-CTR keystream per neighbour, the gradient's turned Gaussian by Box-Muller) "
+        "and its own Gaussian noise, drawn ahead while the server combines the previous "
+        "round, then the clipping norm bound and the fixed-point encoding; its KDC is asked "
+        "once per client and run (the table of public keys is reused, docs/protocols/"
         "mpdp.md). Neither ratio falls as the model grows: the reverse passes and the extra "
         "bytes scale with the hidden layers as fedsgd's gradient does."
     ]

@@ -145,6 +145,16 @@ class ClientProtocol(ABC):
         """
         return None
 
+    def after_upload(self, round: int) -> None:
+        """Called once the upload of ``round`` is on its way, before the next task arrives.
+
+        A protocol can prepare here what its next upload needs that does not depend on the
+        next model (mpdp draws the next round's masks), which takes that work off the next
+        round's critical path. The default does nothing. Whatever is prepared must equal what
+        ``compute_upload`` would compute itself, so a result never depends on this call.
+        """
+        return None
+
     @abstractmethod
     def compute_upload(
         self, round: int, instruction: Payload, learner: LocalLearner, keys: Payload | None

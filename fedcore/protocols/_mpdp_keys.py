@@ -25,8 +25,11 @@ from fedcore.errors import ProtocolError
 KEY_BYTES = 32
 """The size of an X25519 public key, a pair seed and a client's noise secret."""
 
-PROTOCOL_LABEL = "fedcore/mpdp/v1"
-"""Domain separation of every HKDF and hash in this module."""
+PROTOCOL_LABEL = "fedcore/mpdp/v2"
+"""Domain separation of every HKDF and hash in this module. It names the version of the mask
+derivation too (v2: the graph drawn from AES-CTR, the noise in blocks of
+``_mpdp_maths.NOISE_BLOCK``): clients of another version compute other key fingerprints, so the
+server refuses their uploads rather than combine masks that would not cancel."""
 
 STREAM_DELTA = 1
 """The keystream of a pair's noise masks Delta on the gradient (both modes)."""
@@ -34,6 +37,8 @@ STREAM_CORRECTIONS = 2
 """The keystream of a pair's fixed-point masks on Psi, Phi and the loss scalars (Hardened)."""
 STREAM_ETA = 3
 """The keystream of a client's own DP noise eta (keyed by the client's private secret)."""
+STREAM_GRAPH = 4
+"""The keystream of the round's mask graph (keyed by a public hash: every client draws it)."""
 
 
 def new_private_key() -> X25519PrivateKey:
@@ -104,18 +109,38 @@ def keystream(key: bytes, stream: int, count: int) -> np.ndarray:
     Distinct streams of one key never overlap: the 16-byte counter block is the stream id
     (8 bytes) followed by a block counter from 0.
     """
-    if count <= 0:
-        return np.zeros(0, dtype=np.uint64)
-    nonce = stream.to_bytes(8, "big") + bytes(8)
-    encryptor = Cipher(algorithms.AES(key), modes.CTR(nonce)).encryptor()
+    return keystreams([(key, stream)], count)[0]
+
+
+def keystreams(sources: Sequence[tuple[bytes, int]], count: int, *, offset: int = 0) -> np.ndarray:
+    """Words ``offset`` .. ``offset + count - 1`` of each (key, stream)'s keystream, a row each.
+
+    The words are those ``keystream`` returns at those positions (the counter starts at
+    block ``offset / 2``), so a long stream can be taken in slices. ``offset`` must be even
+    (an AES block holds two words).
+
+    Raises:
+        ValueError: ``offset`` is odd or negative.
+    """
+    if offset < 0 or offset % 2:
+        raise ValueError(f"A keystream slice starts at an even word, not at {offset}.")
+    rows = len(sources)
+    if count <= 0 or rows == 0:
+        return np.zeros((rows, max(count, 0)), dtype=np.uint64)
     size = 8 * count
-    # CTR encrypts zeros into the keystream itself, straight into the result's buffer.
-    out = np.empty(size + _BLOCK_SLACK, dtype=np.uint8)
-    written = encryptor.update_into(_zeros(size), out.data)
-    encryptor.finalize()
-    if written != size:  # pragma: no cover - CTR is a stream mode
-        raise ProtocolError(f"AES-CTR produced {written} bytes of keystream, not {size}.")
-    return out[:size].view("<u8").astype(np.uint64, copy=False)
+    # CTR encrypts zeros into the keystream itself, straight into each row of the result.
+    out = np.empty(rows * size + _BLOCK_SLACK, dtype=np.uint8)
+    zeros = _zeros(size)
+    counter = (offset // 2).to_bytes(8, "big")
+    for row, (key, stream) in enumerate(sources):
+        nonce = stream.to_bytes(8, "big") + counter
+        encryptor = Cipher(algorithms.AES(key), modes.CTR(nonce)).encryptor()
+        start = row * size
+        written = encryptor.update_into(zeros, out.data[start : start + size + _BLOCK_SLACK])
+        encryptor.finalize()
+        if written != size:  # pragma: no cover - CTR is a stream mode
+            raise ProtocolError(f"AES-CTR produced {written} bytes of keystream, not {size}.")
+    return out[: rows * size].view("<u8").astype(np.uint64, copy=False).reshape(rows, count)
 
 
 _BLOCK_SLACK = 15
@@ -140,7 +165,7 @@ def mask_graph(
 
     Complete: every pair. NOut: each participant picks ``degree`` others uniformly at random
     and an edge exists if either picked the other (a random n-out graph, the paper's Remark 4);
-    the draw is seeded by a hash of (run, round, participant set), so every client computes
+    the draw is keyed by a hash of (run, round, participant set), so every client computes
     the same graph and a redone attempt with other participants gets a new one.
     """
     members = sorted(participants)
@@ -152,15 +177,17 @@ def mask_graph(
         digest = hashlib.sha256(
             json.dumps([PROTOCOL_LABEL, "graph", run, round, members]).encode()
         ).digest()
-        rng = np.random.default_rng(np.frombuffer(digest, dtype="<u4").tolist())
         # Each member's picks: the ``degree`` others with the smallest uniform scores, a
-        # uniformly random subset of that size, all members drawn in one call.
-        scores = rng.random((len(members), len(members) - 1))
-        picks = np.argpartition(scores, degree - 1, axis=1)[:, :degree]
+        # uniformly random subset of that size, all members' scores from one keystream.
+        count = len(members)
+        words = count * (count - 1)
+        scores = keystream(digest, STREAM_GRAPH, words + words % 2)[:words]
+        picks = np.argpartition(scores.reshape(count, count - 1), degree - 1, axis=1)[:, :degree]
+        # Row r's scores skip r itself: its column c is member c, or c + 1 from r on.
+        chosen = picks + (picks >= np.arange(count)[:, None])
         for row, k in enumerate(members):
-            others = members[:row] + members[row + 1 :]
-            for pick in picks[row]:
-                v = others[int(pick)]
+            for column in chosen[row].tolist():
+                v = members[column]
                 neighbours[k].add(v)
                 neighbours[v].add(k)
     return {k: tuple(sorted(vs)) for k, vs in neighbours.items()}

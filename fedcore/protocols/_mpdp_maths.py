@@ -56,7 +56,10 @@ def log_uniform(rng: np.random.Generator, size: int, high: float) -> np.ndarray:
 
 def uniform_open(bits: np.ndarray) -> np.ndarray:
     """Turns uint64 words into floats uniform in (0, 1) (53 bits, never 0 or 1)."""
-    return ((bits >> np.uint64(11)).astype(np.float64) + 0.5) * 2.0**-53
+    uniform = (bits >> np.uint64(11)).astype(np.float64)
+    uniform += 0.5
+    uniform *= 2.0**-53
+    return uniform
 
 
 def dn_from_bits(bits: np.ndarray, std: float) -> np.ndarray:
@@ -84,14 +87,48 @@ def gaussian_pairs_from_bits(bits: np.ndarray, std: float) -> np.ndarray:
     The first half of the words gives the radii, the second the angles; each pair yields the
     independent normals radius cos(angle) and radius sin(angle). len(bits) must be even.
     """
-    half = len(bits) // 2
-    radius = std * np.sqrt(-2.0 * np.log(uniform_open(bits[:half])))
-    angle = torch.from_numpy((2.0 * math.pi) * uniform_open(bits[half : 2 * half]))
-    draws = np.empty(2 * half)
-    # torch's vectorised cos and sin are several times faster than numpy's here.
-    np.multiply(radius, torch.cos(angle).numpy(), out=draws[:half])
-    np.multiply(radius, torch.sin(angle).numpy(), out=draws[half:])
-    return draws
+    return std * _box_muller(bits[None, :])[0]
+
+
+NOISE_BLOCK = 1024
+"""Keystream words per block of a client's noise, one draw per word. Hardened's Box-Muller
+turns each block's first half into radii and its second half into angles. Blocks a multiple
+of 64 long keep every draw's arithmetic in the same vector lanes wherever its row sits in a
+batch, so two clients drawing one pair's row in different batches get the same bits."""
+
+
+def noise_words(size: int) -> int:
+    """The keystream words noise on ``size`` entries takes: ``size`` rounded up to blocks."""
+    return -(-size // NOISE_BLOCK) * NOISE_BLOCK
+
+
+def unit_noise(bits: np.ndarray, *, gaussian: bool) -> np.ndarray:
+    """Unit-scale draws, one per word, from rows of whole ``NOISE_BLOCK``-word blocks.
+
+    Args:
+        bits: keystream words, shape (..., k * NOISE_BLOCK).
+        gaussian: N(0, 1) by Box-Muller within each block (Hardened); otherwise DN(1, 1) of
+            Thm 3, a random sign times sqrt(2) U (Faithful).
+    """
+    if bits.shape[-1] % NOISE_BLOCK:
+        raise ValueError(f"Noise words come in blocks of {NOISE_BLOCK}, not {bits.shape[-1]}.")
+    if not gaussian:
+        return dn_from_bits(bits, 1.0)
+    blocks = bits.reshape(*bits.shape[:-1], -1, NOISE_BLOCK)
+    return _box_muller(blocks).reshape(bits.shape)
+
+
+def _box_muller(bits: np.ndarray) -> np.ndarray:
+    """Standard normals from words (..., 2h): radii from [..., :h], angles from [..., h:]."""
+    half = bits.shape[-1] // 2
+    uniform = torch.from_numpy(uniform_open(bits))
+    radius = uniform[..., :half].log().mul_(-2.0).sqrt_()
+    angle = uniform[..., half : 2 * half].mul(2.0 * math.pi)
+    draws = torch.empty(uniform.shape, dtype=torch.float64)
+    # torch's vectorised log, cos and sin are several times faster than numpy's here.
+    torch.mul(radius, torch.cos(angle), out=draws[..., :half])
+    torch.mul(radius, angle.sin_(), out=draws[..., half : 2 * half])
+    return draws.numpy()
 
 
 # --------------------------------------------------------------------------- MP_Server

@@ -74,6 +74,30 @@ def _layout(widths: Sequence[int], hardened: bool) -> dict[str, tuple[tuple[int,
     return layout
 
 
+@dataclass(frozen=True)
+class _MaskContext:
+    """What a client's masks for one upload are drawn from."""
+
+    run: str
+    round: int
+    participants: tuple[int, ...]
+    keys: tuple[bytes, ...]
+    """The participants' public keys, in the order of ``participants``."""
+    size: int
+    """Entries of the flat gradient."""
+    words: int
+    """Fixed-point words of the corrections to mask (0: Faithful mode masks none)."""
+
+
+@dataclass(frozen=True)
+class _Masks:
+    """A client's masks for one upload: noise on the gradient, fixed-point masks (or None)."""
+
+    context: _MaskContext
+    noise: np.ndarray | None
+    words: np.ndarray | None
+
+
 @dataclass
 class _Attempt:
     """The server's record of the attempt in flight (one per plan_round call)."""
@@ -290,6 +314,10 @@ class MpdpClient(ClientProtocol):
         """X25519 secrets with the peers' public keys: one exchange per peer key, not per round."""
         self._table: Payload | None = None
         """The KDC's table of public keys as last fetched and checked (reused across rounds)."""
+        self._last: _MaskContext | None = None
+        """What the last upload's masks were drawn for (the next round's are predicted from it)."""
+        self._prepared: _Masks | None = None
+        """Masks drawn ahead by ``after_upload``, used only if their context is the one asked."""
 
     def setup(self, kdc: KeyChannel | None) -> None:
         """Makes this client's X25519 key pair and noise secret; registers the public key.
@@ -305,6 +333,8 @@ class MpdpClient(ClientProtocol):
         self._checked = set()
         self._shared = {}
         self._table = None
+        self._last = None
+        self._prepared = None
         public = np.frombuffer(keys_.public_bytes(self._key), dtype=np.uint8).copy()
         kdc.submit(Payload(meta={"kind": PUBLIC_KEY_KIND}, tensors={"public_key": public}))
 
@@ -349,8 +379,6 @@ class MpdpClient(ClientProtocol):
                 terms = terms.scaled(options.clipping_norm / bound)
         hidden = len(terms.gradient) - 1
         gradient = np.concatenate([g.ravel() for g in terms.gradient])
-        if options.client_noise_std > 0:
-            gradient += self._own_noise(run, round, gradient.size)
         corrections = np.concatenate(
             [
                 *(p.ravel() for p in terms.psi[:hidden]),
@@ -364,27 +392,23 @@ class MpdpClient(ClientProtocol):
             if self._hardened
             else corrections
         )
-        graph = keys_.mask_graph(
-            participants,
-            kind=options.graph,
-            degree=options.graph_degree,
-            run=run,
-            round=round,
+        context = _MaskContext(
+            run,
+            round,
+            tuple(participants),
+            tuple(public_keys[k] for k in participants),
+            gradient.size,
+            words.size if self._hardened else 0,
         )
-        for peer in graph[self._index]:
-            seed = self._pair_seed(public_keys[peer], run=run, round=round, peer=peer)
-            adds = self._index < peer  # the lower index adds the masks, the higher subtracts
-            delta = self._noise(seed, keys_.STREAM_DELTA, gradient.size, options.pairwise_noise_std)
-            if adds:
-                gradient += delta
-            else:
-                gradient -= delta
-            if self._hardened:
-                mask = keys_.keystream(seed, keys_.STREAM_CORRECTIONS, words.size)
-                if adds:
-                    words += mask  # wraps mod 2^64, as the server's sum does
-                else:
-                    words -= mask
+        prepared, self._prepared = self._prepared, None
+        masks = prepared if prepared is not None and prepared.context == context else None
+        if masks is None:
+            masks = self._draw_masks(context)
+        self._last = context
+        if masks.noise is not None:
+            gradient += masks.noise
+        if masks.words is not None:
+            words += masks.words  # wraps mod 2^64, as the server's sum does
         tensors = _unpack(gradient, words, terms)
         return Payload(
             meta={
@@ -434,21 +458,55 @@ class MpdpClient(ClientProtocol):
             self._shared[peer_public] = shared
         return keys_.seed_from_shared(shared, run=run, round=round, pair=(self._index, peer))
 
-    def _own_noise(self, run: str, round: int, size: int) -> np.ndarray:
-        """eta: this client's DP noise, the same in every attempt of a round."""
-        std = self._options.client_noise_std
-        if std == 0:
-            return np.zeros(size)
-        assert self._secret is not None
-        key = keys_.noise_key(self._secret, run=run, round=round, client=self._index)
-        return self._noise(key, keys_.STREAM_ETA, size, std)
+    def after_upload(self, round: int) -> None:
+        """Draws the next round's masks ahead, betting on the same participants and keys.
 
-    def _noise(self, key: bytes, stream: int, size: int, std: float) -> np.ndarray:
-        """Faithful: DN(std, 1) (uniform magnitude, random sign); Hardened: N(0, std^2)."""
-        if self._hardened:
-            bits = keys_.keystream(key, stream, size + size % 2)
-            return maths.gaussian_pairs_from_bits(bits, std)[:size]
-        return maths.dn_from_bits(keys_.keystream(key, stream, size), std)
+        The masks depend on the round, the participants, their public keys and the sizes,
+        never on the model, so the next round's can be drawn while the server combines this
+        one's. ``compute_upload`` uses them only if its own context is exactly the predicted
+        one (a redo with survivors or a re-registered peer draws afresh).
+        """
+        last = self._last
+        if last is None or last.round != round:
+            return
+        self._prepared = self._draw_masks(
+            _MaskContext(last.run, round + 1, last.participants, last.keys, last.size, last.words)
+        )
+
+    def _draw_masks(self, context: _MaskContext) -> _Masks:
+        """This client's noise on the gradient (pairwise Delta plus its own eta) and, in
+        Hardened mode, its fixed-point masks on the corrections, for ``context``."""
+        options = self._options
+        public_keys = dict(zip(context.participants, context.keys, strict=True))
+        graph = keys_.mask_graph(
+            context.participants,
+            kind=options.graph,
+            degree=options.graph_degree,
+            run=context.run,
+            round=context.round,
+        )
+        peers = graph[self._index]
+        seeds = [
+            self._pair_seed(public_keys[p], run=context.run, round=context.round, peer=p)
+            for p in peers
+        ]
+        adds = [self._index < peer for peer in peers]  # the lower index adds, the higher subtracts
+        pairwise = options.pairwise_noise_std
+        sources = [
+            (seed, keys_.STREAM_DELTA, pairwise if add else -pairwise)
+            for seed, add in zip(seeds, adds, strict=True)
+        ]
+        if options.client_noise_std > 0:
+            key = self._noise_key(context.run, context.round)
+            sources.append((key, keys_.STREAM_ETA, options.client_noise_std))
+        noise = _noise_sum(sources, context.size, gaussian=self._hardened) if sources else None
+        words = _mask_sum(seeds, adds, context.words) if context.words and seeds else None
+        return _Masks(context, noise, words)
+
+    def _noise_key(self, run: str, round: int) -> bytes:
+        """The key of eta, this client's DP noise: the same in every attempt of a round."""
+        assert self._secret is not None
+        return keys_.noise_key(self._secret, run=run, round=round, client=self._index)
 
 
 class MpdpKdc(KdcProtocol):
@@ -563,6 +621,49 @@ class Mpdp(Protocol):
         sampled = min(spec.clients.sampled_per_round(), spec.clients.count)
         fewest = spec.clients.quorum_of(sampled)
         return options.client_noise_std * math.sqrt(fewest) / options.clipping_norm
+
+
+NOISE_CHUNK = 1 << 16
+"""Keystream words per row a client draws at once (a multiple of ``maths.NOISE_BLOCK``): the
+noise and masks of a large model go through in slices, in memory of rows x NOISE_CHUNK words."""
+
+
+def _noise_sum(
+    sources: Sequence[tuple[bytes, int, float]], size: int, *, gaussian: bool
+) -> np.ndarray:
+    """The sum over ``sources`` (key, stream, coefficient) of coefficient x unit noise.
+
+    Each source's noise is ``maths.unit_noise`` of its keystream, draw i from word i, so the
+    two ends of a pair draw the same row whatever else either adds; the first ``size``
+    entries are returned.
+    """
+    streams = [(key, stream) for key, stream, _ in sources]
+    coefficients = np.array([coefficient for _, _, coefficient in sources])
+    total = np.empty(maths.noise_words(size))
+    for start in range(0, total.size, NOISE_CHUNK):
+        count = min(NOISE_CHUNK, total.size - start)
+        unit = maths.unit_noise(keys_.keystreams(streams, count, offset=start), gaussian=gaussian)
+        np.matmul(coefficients, unit, out=total[start : start + count])
+    return total[:size]
+
+
+def _mask_sum(seeds: Sequence[bytes], adds: Sequence[bool], size: int) -> np.ndarray:
+    """The pairs' fixed-point masks, added where ``adds`` and subtracted elsewhere, mod 2^64."""
+    total = np.zeros(size, dtype=np.uint64)
+    for sign, chosen in (
+        (1, [s for s, a in zip(seeds, adds, strict=True) if a]),
+        (-1, [s for s, a in zip(seeds, adds, strict=True) if not a]),
+    ):
+        streams = [(seed, keys_.STREAM_CORRECTIONS) for seed in chosen]
+        for start in range(0, size if streams else 0, NOISE_CHUNK):
+            count = min(NOISE_CHUNK, size - start)
+            words = keys_.keystreams(streams, count + count % 2, offset=start)[:, :count]
+            part = words.sum(axis=0, dtype=np.uint64)  # integer sums wrap mod 2^64
+            if sign > 0:
+                total[start : start + count] += part
+            else:
+                total[start : start + count] -= part
+    return total
 
 
 def _widths_of(weights: Weights) -> list[int]:

@@ -162,6 +162,7 @@ class Client:
                             last = (int(message.meta["round"]), int(message.meta["attempt"]))
                             session.send(self._upload(last, message))
                             rounds += 1
+                            self.protocol.after_upload(last[0])
                 except RemoteError as exc:
                     if exc.code not in {"UNAVAILABLE", "CANCELLED", "UNKNOWN", "INTERNAL"}:
                         raise

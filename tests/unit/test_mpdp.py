@@ -419,6 +419,36 @@ def test_redo_with_survivors_gives_their_fedsgd_aggregate_and_refuses_old_upload
         np.testing.assert_allclose(fed.server.global_weights()[name], weights, rtol=0, atol=1e-9)
 
 
+@pytest.mark.parametrize("mode", ["Faithful", "Hardened"])
+def test_masks_drawn_ahead_equal_those_drawn_on_demand_and_a_changed_round_draws_afresh(
+    mode: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Prepare: round 1 as the client role runs it, then the hook draws round 2's masks ahead.
+    fed = Federation.of(spec_for(mode=mode, noise=0.01, clients=4))
+    client, learner = fed.clients[0], fed.learners[0]
+    keys = fed.kdc.issue_keys(1, Identity("client", 0))
+    client.compute_upload(1, fed.server.plan_round(1, [0, 1, 2, 3])[0], learner, keys)
+    client.after_upload(1)
+    draws: list[int] = []
+    draw = client._draw_masks
+    monkeypatch.setattr(client, "_draw_masks", lambda context: draws.append(1) or draw(context))
+    # Execute: round 2 with the predicted participants, then the same task again, on demand.
+    task = fed.server.plan_round(2, [0, 1, 2, 3])[0]
+    ahead = client.compute_upload(2, task, learner, keys)
+    on_demand = client.compute_upload(2, task, learner, keys)
+    # ... and round 3 redone without client 3: the masks drawn ahead do not fit it.
+    client.after_upload(2)
+    survivors = client.compute_upload(3, fed.server.plan_round(3, [0, 1, 2])[0], learner, keys)
+    again = client.compute_upload(3, fed.server.plan_round(3, [0, 1, 2])[0], learner, keys)
+    # Assert: the masks drawn ahead were used, bit for bit those drawn on demand.
+    assert len(draws) == 1 + 1 + 1 + 1, "drawn for: on demand, ahead of 3, its miss, again"
+    assert ahead.meta == on_demand.meta
+    for name, tensor in ahead.tensors.items():
+        np.testing.assert_array_equal(tensor, on_demand.tensors[name])
+    for name in ("g.0", "terms"):
+        np.testing.assert_array_equal(survivors.tensors[name], again.tensors[name])
+
+
 def test_combining_an_earlier_attempts_uploads_is_refused() -> None:
     # Prepare
     fed = Federation.of(spec_for(clients=3))
