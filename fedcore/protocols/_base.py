@@ -145,7 +145,7 @@ class ClientProtocol(ABC):
         """
         return None
 
-    def after_upload(self, round: int) -> None:
+    def after_upload(self, round: int) -> None:  # noqa: B027 - an optional hook
         """Called once the upload of ``round`` is on its way, before the next task arrives.
 
         A protocol can prepare here what its next upload needs that does not depend on the
@@ -153,7 +153,6 @@ class ClientProtocol(ABC):
         round's critical path. The default does nothing. Whatever is prepared must equal what
         ``compute_upload`` would compute itself, so a result never depends on this call.
         """
-        return None
 
     @abstractmethod
     def compute_upload(
