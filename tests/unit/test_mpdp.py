@@ -204,6 +204,32 @@ def test_server_noise_factors_have_dn_star_laws_and_are_positive() -> None:
         assert product.std() == pytest.approx(sigma, rel=0.03)
 
 
+@pytest.mark.parametrize("gaussian", [True, False])
+def test_a_pairs_noise_row_is_the_same_bits_alone_or_in_any_batch(gaussian: bool) -> None:
+    # Prepare: three pair seeds; each end of a pair draws its row in a batch of its own.
+    seeds = [bytes([k]) * 32 for k in (1, 2, 3)]
+    words = maths.noise_words(4736)
+    # Execute
+    alone = [
+        maths.unit_noise(keys_.keystreams([(seed, keys_.STREAM_DELTA)], words), gaussian=gaussian)
+        for seed in seeds
+    ]
+    batch = maths.unit_noise(
+        keys_.keystreams([(seed, keys_.STREAM_DELTA) for seed in seeds], words),
+        gaussian=gaussian,
+    )
+    tail = keys_.keystreams([(seeds[2], keys_.STREAM_DELTA)], 1024, offset=words - 1024)
+    # Assert: bit for bit, and a slice taken at an offset is that part of the stream.
+    for row, single in enumerate(alone):
+        np.testing.assert_array_equal(batch[row], single[0])
+    np.testing.assert_array_equal(maths.unit_noise(tail, gaussian=gaussian)[0], alone[2][0, -1024:])
+    draws = batch.ravel() / (1.0 if gaussian else math.sqrt(2.0))
+    assert (
+        abs(draws.mean()) < 0.05
+        and abs(draws.std() - (1.0 if gaussian else 1 / math.sqrt(3))) < 0.05
+    )
+
+
 def test_gaussian_from_bits_is_standard_normal_scaled() -> None:
     # Prepare
     bits = np.random.default_rng(1).integers(0, 2**64, size=40_000, dtype=np.uint64)
