@@ -81,15 +81,6 @@ def gaussian_from_bits(bits: np.ndarray, std: float) -> np.ndarray:
     return std * np.sqrt(-2.0 * np.log(u1)) * np.cos(2.0 * math.pi * u2)
 
 
-def gaussian_pairs_from_bits(bits: np.ndarray, std: float) -> np.ndarray:
-    """N(0, std^2) draws by Box-Muller using both of its outputs: one uint64 word per draw.
-
-    The first half of the words gives the radii, the second the angles; each pair yields the
-    independent normals radius cos(angle) and radius sin(angle). len(bits) must be even.
-    """
-    return std * _box_muller(bits[None, :])[0]
-
-
 NOISE_BLOCK = 1024
 """Keystream words per block of a client's noise, one draw per word. Hardened's Box-Muller
 turns each block's first half into radii and its second half into angles. Blocks a multiple

@@ -649,20 +649,17 @@ def _noise_sum(
 
 def _mask_sum(seeds: Sequence[bytes], adds: Sequence[bool], size: int) -> np.ndarray:
     """The pairs' fixed-point masks, added where ``adds`` and subtracted elsewhere, mod 2^64."""
-    total = np.zeros(size, dtype=np.uint64)
-    for sign, chosen in (
-        (1, [s for s, a in zip(seeds, adds, strict=True) if a]),
-        (-1, [s for s, a in zip(seeds, adds, strict=True) if not a]),
-    ):
-        streams = [(seed, keys_.STREAM_CORRECTIONS) for seed in chosen]
-        for start in range(0, size if streams else 0, NOISE_CHUNK):
-            count = min(NOISE_CHUNK, size - start)
-            words = keys_.keystreams(streams, count + count % 2, offset=start)[:, :count]
-            part = words.sum(axis=0, dtype=np.uint64)  # integer sums wrap mod 2^64
-            if sign > 0:
-                total[start : start + count] += part
-            else:
-                total[start : start + count] -= part
+    streams = [(seed, keys_.STREAM_CORRECTIONS) for seed in seeds]
+    added = np.asarray(adds, dtype=bool)
+    total = np.empty(size, dtype=np.uint64)
+    for start in range(0, size, NOISE_CHUNK):
+        count = min(NOISE_CHUNK, size - start)
+        words = keys_.keystreams(streams, count + count % 2, offset=start)[:, :count]
+        # Integer sums and differences wrap mod 2^64, as the server's sum does.
+        plus = words[added].sum(axis=0, dtype=np.uint64)
+        np.subtract(
+            plus, words[~added].sum(axis=0, dtype=np.uint64), out=total[start : start + count]
+        )
     return total
 
 

@@ -82,15 +82,16 @@ def test_noise_term_gradients_equal_one_autograd_pass_per_scalar(widths, diagona
     assert torch.all(expected[-1][-1] == 0), "f_beta does not reach the last layer"
 
 
-def test_gaussian_pairs_from_bits_are_independent_standard_normals() -> None:
+def test_unit_noise_box_muller_blocks_are_independent_standard_normals() -> None:
     # Prepare
-    bits = np.random.default_rng(3).integers(0, 2**64, size=40_000, dtype=np.uint64)
+    bits = np.random.default_rng(3).integers(0, 2**64, size=40 * 1024, dtype=np.uint64)
     # Execute
-    draws = mpdp_maths.gaussian_pairs_from_bits(bits, 0.5)
-    # Assert: one draw per word; cos and sin halves each normal and uncorrelated.
-    assert len(draws) == 40_000
+    draws = 0.5 * mpdp_maths.unit_noise(bits, gaussian=True)
+    # Assert: one draw per word; each block's cos and sin halves normal and uncorrelated.
+    assert len(draws) == 40 * 1024
     assert stats.kstest(draws / 0.5, "norm").pvalue > 0.01
-    assert abs(np.corrcoef(draws[:20_000], draws[20_000:])[0, 1]) < 0.03
+    blocks = draws.reshape(-1, 1024)
+    assert abs(np.corrcoef(blocks[:, :512].ravel(), blocks[:, 512:].ravel())[0, 1]) < 0.03
 
 
 def test_keystream_is_aes_ctr_of_zeros_with_the_stream_in_the_nonce() -> None:
