@@ -13,6 +13,7 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 import dp_accounting
+import numpy as np
 from dp_accounting import pld, rdp
 
 # dp-accounting logs a warning for every RDP order it cannot evaluate; they are excluded from
@@ -123,13 +124,41 @@ class _DpAccountingAccountant(Accountant):
 
 
 class RdpAccountant(_DpAccountingAccountant):
-    """Rényi-DP accounting (dp_accounting.rdp.RdpAccountant)."""
+    """Rényi-DP accounting (dp_accounting.rdp.RdpAccountant).
+
+    RDP composes by addition: n rounds of one mechanism cost n times one round's RDP at every
+    order, which is how dp-accounting composes a ``SelfComposedDpEvent`` too. So one round's
+    RDP curve is computed once per (noise multiplier, sampling rate), by dp-accounting, and a
+    history costs a weighted sum plus dp-accounting's conversion to epsilon; the result is the
+    library's own to the last bit (tested), at about half the cost per round.
+    """
 
     _library = rdp.RdpAccountant
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._orders = self._library().orders
+        self._curves: dict[tuple[float, float], np.ndarray] = {}
 
     @classmethod
     def mechanism(cls) -> str:
         return "RDP"
+
+    def _epsilon(self, history: History, delta: float) -> float:
+        total = np.zeros_like(self._orders)
+        for z, q, n in history:
+            total += n * self._curve(z, q)
+        return float(rdp.rdp_privacy_accountant.compute_epsilon(self._orders, total, delta)[0])
+
+    def _curve(self, noise_multiplier: float, sample_rate: float) -> np.ndarray:
+        """One round's RDP at every order, as dp-accounting composes it (cached)."""
+        key = (noise_multiplier, sample_rate)
+        curve = self._curves.get(key)
+        if curve is None:
+            accountant = self._library()
+            accountant.compose(_event(noise_multiplier, sample_rate, 1))
+            curve = self._curves[key] = accountant.rdp
+        return curve
 
 
 class PldAccountant(_DpAccountingAccountant):

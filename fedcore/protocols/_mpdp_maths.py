@@ -358,13 +358,14 @@ def encode_fixed(values: np.ndarray, *, parties: int) -> np.ndarray:
         ProtocolError: a value is not finite or the sum of ``parties`` of them could overflow.
     """
     limit = 2.0 ** (62 - FRACTION_BITS) / max(parties, 1)
-    if not np.all(np.isfinite(values)) or (values.size and float(np.abs(values).max()) >= limit):
+    scaled = np.ldexp(values.astype(np.float64), FRACTION_BITS)
+    # One pass checks both: NaN fails every comparison and infinity fails this one.
+    if scaled.size and not float(np.abs(scaled).max()) < math.ldexp(limit, FRACTION_BITS):
         raise ProtocolError(
             f"A correction value is not finite or reaches {limit:.3g}, beyond what the "
             f"{FRACTION_BITS}-bit fixed point of {parties} clients can sum without overflow."
         )
-    scaled = np.rint(np.ldexp(values.astype(np.float64), FRACTION_BITS)).astype(np.int64)
-    return scaled.view(np.uint64)
+    return np.rint(scaled, out=scaled).astype(np.int64).view(np.uint64)
 
 
 def decode_fixed(total: np.ndarray) -> np.ndarray:

@@ -650,16 +650,19 @@ def _noise_sum(
 def _mask_sum(seeds: Sequence[bytes], adds: Sequence[bool], size: int) -> np.ndarray:
     """The pairs' fixed-point masks, added where ``adds`` and subtracted elsewhere, mod 2^64."""
     streams = [(seed, keys_.STREAM_CORRECTIONS) for seed in seeds]
-    added = np.asarray(adds, dtype=bool)
     total = np.empty(size, dtype=np.uint64)
     for start in range(0, size, NOISE_CHUNK):
         count = min(NOISE_CHUNK, size - start)
         words = keys_.keystreams(streams, count + count % 2, offset=start)[:, :count]
-        # Integer sums and differences wrap mod 2^64, as the server's sum does.
-        plus = words[added].sum(axis=0, dtype=np.uint64)
-        np.subtract(
-            plus, words[~added].sum(axis=0, dtype=np.uint64), out=total[start : start + count]
-        )
+        out = total[start : start + count]
+        # Integer sums, differences and negations wrap mod 2^64, as the server's sum does;
+        # each row goes into the slice in place (no temporaries of the whole batch).
+        if adds[0]:
+            np.copyto(out, words[0])
+        else:
+            np.negative(words[0], out=out)
+        for row, add in zip(words[1:], adds[1:], strict=True):
+            (np.add if add else np.subtract)(out, row, out=out)
     return total
 
 

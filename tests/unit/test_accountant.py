@@ -64,6 +64,35 @@ def test_pld_accountant_full_participation_equals_the_plain_gaussian_composed() 
     )
 
 
+def test_rdp_accountant_mixed_history_is_the_librarys_composition_to_the_last_bit() -> None:
+    # Prepare: two mechanisms interleaved, so the cached one-round curves are summed with
+    # different weights; dp-accounting composes the same events itself.
+    accountant = RdpAccountant()
+    direct = rdp.RdpAccountant()
+    plan = [(1.1, 0.1, 3), (0.7, 1.0, 2), (1.1, 0.1, 4), (2.5, 0.02, 1)]
+    # Execute
+    for z, q, n in plan:
+        for _ in range(n):
+            accountant.step(noise_multiplier=z, sample_rate=q)
+        one = dp_accounting.GaussianDpEvent(z)
+        direct.compose(dp_accounting.PoissonSampledDpEvent(q, one) if q < 1 else one, n)
+    # Assert: equal, not approximately equal (RDP composes by exact addition).
+    assert len(accountant.history) == 4
+    assert accountant.get_epsilon(1e-5) == float(direct.get_epsilon(1e-5))
+    assert accountant.epsilon_after(1e-6, noise_multiplier=0.9, sample_rate=0.5, steps=7) == float(
+        _composed_with(
+            direct, dp_accounting.PoissonSampledDpEvent(0.5, dp_accounting.GaussianDpEvent(0.9)), 7
+        ).get_epsilon(1e-6)
+    )
+
+
+def _composed_with(
+    accountant: rdp.RdpAccountant, event: dp_accounting.DpEvent, count: int
+) -> rdp.RdpAccountant:
+    accountant.compose(event, count)
+    return accountant
+
+
 def test_rdp_accountant_reference_number_is_pinned() -> None:
     # Prepare: computed once with dp-accounting 0.6.0 (z=1.1, q=0.1, 100 rounds, delta=1e-5).
     accountant = RdpAccountant()
