@@ -7,6 +7,7 @@ computed on demand from the history, never stored.
 
 from __future__ import annotations
 
+import functools
 import logging
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Mapping
@@ -15,6 +16,7 @@ from typing import Any
 import dp_accounting
 import numpy as np
 from dp_accounting import pld, rdp
+from dp_accounting.pld.privacy_loss_distribution import PrivacyLossDistribution as _Pld
 
 # dp-accounting logs a warning for every RDP order it cannot evaluate; they are excluded from
 # the minimum, which is the documented behaviour, so the noise is dropped.
@@ -161,14 +163,56 @@ class RdpAccountant(_DpAccountingAccountant):
         return curve
 
 
-class PldAccountant(_DpAccountingAccountant):
-    """Privacy-loss-distribution accounting (dp_accounting.pld.PLDAccountant)."""
+PLD_DISCRETIZATION = 1e-4
+"""The PLD accountant's value discretization interval (dp-accounting's default)."""
 
-    _library = pld.PLDAccountant
+
+class PldAccountant(_DpAccountingAccountant):
+    """Privacy-loss-distribution accounting (dp_accounting.pld.PLDAccountant).
+
+    A Poisson-sampled round's PLD is the most expensive part of a composition (about half a
+    second here), so it is built once per (noise multiplier, sampling rate) and composed as
+    dp-accounting's own accountant composes a ``SelfComposedDpEvent`` of it (``self_compose``
+    then ``compose`` onto the identity, same discretization and neighbouring relation): the
+    result is the library's own to the last bit (tested). A history with full participation
+    (rate 1) goes through the library unchanged: it composes n Gaussian rounds analytically,
+    as one Gaussian of noise z / sqrt(n), so there is nothing to reuse.
+    """
+
+    _library = functools.partial(
+        pld.PLDAccountant, value_discretization_interval=PLD_DISCRETIZATION
+    )
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._rounds: dict[tuple[float, float], _Pld] = {}
 
     @classmethod
     def mechanism(cls) -> str:
         return "PLD"
+
+    def _epsilon(self, history: History, delta: float) -> float:
+        if any(q == 1 for _, q, _ in history):
+            return super()._epsilon(history, delta)
+        total = pld.privacy_loss_distribution.identity(
+            value_discretization_interval=PLD_DISCRETIZATION
+        )
+        for z, q, n in history:
+            total = total.compose(self._round(z, q).self_compose(n))
+        return float(total.get_epsilon_for_delta(delta))
+
+    def _round(self, noise_multiplier: float, sample_rate: float) -> _Pld:
+        """One Poisson-sampled Gaussian round's PLD, as dp-accounting builds it (cached)."""
+        key = (noise_multiplier, sample_rate)
+        found = self._rounds.get(key)
+        if found is None:
+            found = self._rounds[key] = pld.privacy_loss_distribution.from_gaussian_mechanism(
+                standard_deviation=noise_multiplier,
+                value_discretization_interval=PLD_DISCRETIZATION,
+                sampling_prob=sample_rate,
+                neighboring_relation=dp_accounting.NeighboringRelation.ADD_OR_REMOVE_ONE,
+            )
+        return found
 
 
 _ACCOUNTANTS: dict[str, type[Accountant]] = {

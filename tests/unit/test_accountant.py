@@ -86,6 +86,24 @@ def test_rdp_accountant_mixed_history_is_the_librarys_composition_to_the_last_bi
     )
 
 
+def test_pld_accountant_sampled_history_is_the_librarys_composition_to_the_last_bit() -> None:
+    # Prepare: two sampled mechanisms interleaved (the cached one-round PLDs), and the same
+    # events composed by dp-accounting's own PLD accountant.
+    accountant = PldAccountant()
+    direct = pld.PLDAccountant()
+    plan = [(1.5, 0.1, 3), (2.0, 0.05, 2), (1.5, 0.1, 2)]
+    # Execute
+    for z, q, n in plan:
+        for _ in range(n):
+            accountant.step(noise_multiplier=z, sample_rate=q)
+        direct.compose(dp_accounting.PoissonSampledDpEvent(q, dp_accounting.GaussianDpEvent(z)), n)
+    first = accountant.get_epsilon(1e-5)
+    # Assert: equal floats, and asking again (from the cache) changes nothing.
+    assert len(accountant.history) == 3
+    assert first == float(direct.get_epsilon(1e-5))
+    assert accountant.get_epsilon(1e-5) == first
+
+
 def _composed_with(
     accountant: rdp.RdpAccountant, event: dp_accounting.DpEvent, count: int
 ) -> rdp.RdpAccountant:
