@@ -215,6 +215,7 @@ def measure(protocol: str, folder: Path, repeat: int) -> dict[str, Any]:
     clients = int(BASE["spec"]["clients"]["count"])
     return {
         "median_round": result["median_round_seconds"],
+        "maths_round": maths_round(protocol, folder),
         "cpu_round": sum(cpu.values()) if cpu else None,
         "cpu_server": cpu.get("server"),
         "cpu_client": None if "client" not in cpu else cpu["client"] / clients,
@@ -225,6 +226,25 @@ def measure(protocol: str, folder: Path, repeat: int) -> dict[str, Any]:
         "epsilon": result.get("epsilon"),
         "total": wall,
     }
+
+
+def maths_round(protocol: str, folder: Path) -> float:
+    """The median round of the same job's maths in this process (``fedcore.simulation``).
+
+    ``simulate()`` calls the same protocol hooks as ``fedcore run`` (every client's upload, the
+    server's checks, combine and accounting), one after another at the role processes' thread
+    count, with no transport, processes or evaluation: what a round costs without the runtime.
+    """
+    import warnings
+
+    from fedcore.simulation import simulate
+    from fedcore.spec import load_manifest
+
+    run = load_manifest(manifest_for(protocol, folder))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # e.g. perturb's note on reproducible secrets
+        history = simulate(run).history
+    return statistics.median(entry["seconds"] for entry in history[1:])
 
 
 def render(medians: dict[str, dict[str, Any]], repeats: int) -> str:
@@ -256,8 +276,11 @@ def render(medians: dict[str, dict[str, Any]], repeats: int) -> str:
             f"{m['bytes_per_round'] / base['bytes_per_round']:.1f}x | "
             f"{m['peak_bytes'] / 2**20:.0f} | {m['accuracy']:.4f} | {epsilon} |"
         )
+        extra = split_extra(m, base)
         cpu_rows.append(
-            f"| {protocol} | {ms(m['cpu_server'])} | {ms(m['cpu_client'])} | {ms(m['cpu_kdc'])} |"
+            f"| {protocol} | {ms(m['cpu_server'])} | {ms(m['cpu_client'])} | {ms(m['cpu_kdc'])} "
+            f"| {ms(m['maths_round'])} | {m['maths_round'] / base['maths_round']:.2f}x | "
+            f"{ms(extra[0] if extra else None)} | {ms(extra[1] if extra else None)} |"
         )
     return "\n".join(
         [
@@ -290,9 +313,19 @@ def render(medians: dict[str, dict[str, Any]], repeats: int) -> str:
             "and the last round event (start-up excluded), divided by the rounds in between. Per "
             "role:",
             "",
-            "| protocol | server (ms) | one client, mean (ms) | KDC (ms) |",
-            "|---|---|---|---|",
+            "| protocol | server (ms) | one client, mean (ms) | KDC (ms) | maths in one "
+            "process (ms) | vs fedsgd | CPU beyond fedsgd's: maths (ms) | CPU beyond fedsgd's: "
+            "runtime (ms) |",
+            "|---|---|---|---|---|---|---|---|",
             *cpu_rows,
+            "",
+            "*Maths in one process* is the median round of the same job run by "
+            "`fedcore.simulation.simulate` in the benchmark's own process (the same protocol "
+            "hooks: every client's upload, the server's checks, combine and privacy "
+            "accounting, at one thread as the roles run; no processes, transport or "
+            "evaluation). The last two columns split a protocol's CPU per round beyond "
+            "fedsgd's into its maths (its maths round less fedsgd's) and the rest, the "
+            "runtime's extra work for it: mostly moving its extra bytes through gRPC and TLS.",
             "",
             *target_lines(medians),
             END,
@@ -329,7 +362,7 @@ def target_lines(medians: dict[str, dict[str, Any]]) -> list[str]:
             f"On this machine {processes} processes share {cores} cores, so a round costs the "
             "CPU of all its roles, and the CPU columns say where it goes; they vary less "
             "between runs than the round times, which the machine's other work moves (see the "
-            "spread of single repeats)."
+            "spread of single repeats)." + budget_sentence(medians)
         )
     else:
         machine = (
@@ -343,25 +376,72 @@ def target_lines(medians: dict[str, dict[str, Any]]) -> list[str]:
         + "; ".join(verdicts)
         + ". "
         + machine
-        + " The protocols' maths sets the gap, not "
-        "the runtime: perturb's client runs m+2 reverse passes (here batched into one matrix "
-        "product per layer) and uploads m+2 times fedsgd's gradient, less the last layer once "
-        "(digest 001, B2; the paper reports no runtime). With the download the bytes per "
-        f"round are {upload('perturb')} fedsgd's at m = 10 and {upload('perturb m=2')} at "
-        "m = 2, and moving them through gRPC and TLS is most of perturb's extra CPU: a 400 kB "
-        "message costs about 1 ms of CPU at each end over mutual-TLS gRPC on loopback beyond "
-        "a small one's (`benchmarks/limits.py` measures the throughput), ten per round. m is "
-        "`spec.protocol.perturb.cells`: the paper bounds a client's naive use of the model it "
-        "receives by 1/m, but the audit's least-squares fit recovers the true model's "
-        "predictions at any m (docs/audit.md), so a smaller m gives up only that naive bound. "
-        "mpdp uploads the same Psi and adds, on every client and round, the pairwise masks "
-        "(an AES-CTR keystream per neighbour, the gradient's turned Gaussian by Box-Muller) "
-        "and its own Gaussian noise, drawn ahead while the server combines the previous "
-        "round, then the clipping norm bound and the fixed-point encoding; its KDC is asked "
-        "once per client and run (the table of public keys is reused, docs/protocols/"
-        "mpdp.md). Neither ratio falls as the model grows: the reverse passes and the extra "
-        "bytes scale with the hidden layers as fedsgd's gradient does."
+        + " Where it goes: perturb's client runs m+2 reverse passes (here batched into one "
+        "matrix product per layer) and uploads m+2 times fedsgd's gradient, less the last "
+        "layer once (digest 001, B2; the paper reports no runtime). With the download the "
+        f"bytes per round are {upload('perturb')} fedsgd's at m = 10 and "
+        f"{upload('perturb m=2')} at m = 2, and moving them is most of the runtime column: a "
+        "400 kB message costs about 1 ms of CPU at each end over mutual-TLS gRPC on loopback "
+        "beyond a small one's (`benchmarks/limits.py` measures the throughput), ten per "
+        "round. m is `spec.protocol.perturb.cells`: the paper bounds a client's naive use of "
+        "the model it receives by 1/m, but the audit's least-squares fit recovers the true "
+        "model's predictions at any m (docs/audit.md), so a smaller m gives up only that "
+        "naive bound. mpdp uploads the same Psi, and its maths is most of its gap: on every "
+        "client and round it draws the pairwise masks (an AES-CTR keystream per neighbour "
+        "over the fixed-point correction words and over the gradient, the gradient's turned "
+        "Gaussian by Box-Muller) and its own Gaussian noise, then computes the clipping norm "
+        "bound and the fixed-point encoding. `fedcore run` draws a client's masks ahead, "
+        "while the server combines the previous round: that takes them off a round's "
+        "critical path where a client has its own cores, not off the CPU where roles share "
+        "them. Its KDC is asked once per client and run (the table of public keys is reused, "
+        "docs/protocols/mpdp.md). Neither ratio falls as the model grows: the reverse passes, "
+        "the masks and the extra bytes scale with the hidden layers as fedsgd's gradient does."
     ]
+
+
+def budget_sentence(medians: dict[str, dict[str, Any]]) -> str:
+    """Where roles share cores: the extra CPU the target allows, and what each protocol spends."""
+    base = medians["fedsgd"]
+    if base["cpu_round"] is None:
+        return ""
+    parts = []
+    for protocol in ("perturb", "perturb m=2", "mpdp"):
+        extra = split_extra(medians[protocol], base) if protocol in medians else None
+        if extra is not None:
+            parts.append(
+                f"{protocol} {(extra[0] + extra[1]) * 1000:.1f} ms ({extra[0] * 1000:.1f} ms "
+                f"of maths, {extra[1] * 1000:.1f} ms of runtime)"
+            )
+    allowance = (TARGET - 1) * base["cpu_round"]
+    over = []
+    for protocol in ("perturb", "perturb m=2", "mpdp"):
+        split = split_extra(medians[protocol], base) if protocol in medians else None
+        if split is not None and split[0] > allowance:
+            over.append((protocol, split[0] / allowance))
+    verdict = ""
+    if over:
+        verdict = (
+            " So no runtime, however cheap, could meet the target on this machine for "
+            + " or ".join(protocol for protocol, _ in over)
+            + ": the maths alone, in one process, already spends more than the allowance ("
+            + ", ".join(f"{protocol} {times:.1f}x" for protocol, times in over)
+            + ")."
+        )
+    return (
+        f" The target then allows a protocol {allowance * 1000:.1f} ms of CPU per round "
+        f"beyond fedsgd's {base['cpu_round'] * 1000:.1f} ms; this run spent "
+        + ", ".join(parts)
+        + "."
+        + verdict
+    )
+
+
+def split_extra(row: dict[str, Any], base: dict[str, Any]) -> tuple[float, float] | None:
+    """A protocol's CPU per round beyond fedsgd's, as (its extra maths, the runtime's rest)."""
+    if row["cpu_round"] is None or base["cpu_round"] is None:
+        return None
+    maths = row["maths_round"] - base["maths_round"]
+    return maths, row["cpu_round"] - base["cpu_round"] - maths
 
 
 def _median(values: list[Any]) -> Any:
