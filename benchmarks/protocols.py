@@ -324,8 +324,11 @@ def render(medians: dict[str, dict[str, Any]], repeats: int) -> str:
             "hooks: every client's upload, the server's checks, combine and privacy "
             "accounting, at one thread as the roles run; no processes, transport or "
             "evaluation). The last two columns split a protocol's CPU per round beyond "
-            "fedsgd's into its maths (its maths round less fedsgd's) and the rest, the "
-            "runtime's extra work for it: mostly moving its extra bytes through gRPC and TLS.",
+            "fedsgd's into its maths (its maths round less fedsgd's) and the rest: the "
+            "runtime's extra work for it (moving its extra bytes through gRPC and TLS) and its "
+            "maths running slower among twelve processes on shared caches and cores than alone "
+            "in one. dp-fedavg moves fedsgd's bytes, so its runtime column is that second "
+            "part alone.",
             "",
             *target_lines(medians),
             END,
@@ -380,7 +383,7 @@ def target_lines(medians: dict[str, dict[str, Any]]) -> list[str]:
         "matrix product per layer) and uploads m+2 times fedsgd's gradient, less the last "
         "layer once (digest 001, B2; the paper reports no runtime). With the download the "
         f"bytes per round are {upload('perturb')} fedsgd's at m = 10 and "
-        f"{upload('perturb m=2')} at m = 2, and moving them is most of the runtime column: a "
+        f"{upload('perturb m=2')} at m = 2, and moving them is much of the runtime column: a "
         "400 kB message costs about 1 ms of CPU at each end over mutual-TLS gRPC on loopback "
         "beyond a small one's (`benchmarks/limits.py` measures the throughput), ten per "
         "round. m is `spec.protocol.perturb.cells`: the paper bounds a client's naive use of "
