@@ -2,9 +2,13 @@
 
 Every round of a DP protocol the server's privacy ledger steps its accountant and reports
 epsilon (with a budget, it first asks what one more round would spend, and that answer is the
-round's epsilon). dp-accounting's accountants are append-only objects, so an accountant that
-must also answer "what if one more round" and be checkpointed as plain data recomposes its
-history into a fresh library accountant: that is what fedcore's accountants did before
+round's epsilon). The ledger accounts each round without sampling (q = 1: a public sample
+claims no amplification, docs/protocols/dp-fedavg.md); the rows with q < 1 measure a
+Poisson-sampled mechanism, which the accountants still compute for anyone who asks.
+
+dp-accounting's accountants are append-only objects, so an accountant that must also
+answer "what if one more round" and be checkpointed as plain data recomposes its history
+into a fresh library accountant: that is what fedcore's accountants did before
 (``recomposed`` below). Now the RDP accountant asks the library once per (noise multiplier,
 sampling rate) for one round's RDP curve and sums it (RDP composes by addition), and the PLD
 accountant builds one sampled round's PLD once and composes it as the library does
@@ -121,9 +125,12 @@ def render(rows: list[dict[str, Any]], rounds: int, pld_rounds: int) -> str:
         f"on {platform.machine()}, {os.cpu_count()} cores, Python {platform.python_version()}, "
         f"dp-accounting {_version('dp-accounting')}, numpy {numpy.__version__}.",
         "",
-        "What the server's privacy ledger does every round of a DP protocol with a budget "
-        f"(`epsilon_after` at delta {DELTA:g}, then `step`), noise multiplier {NOISE}, client "
-        f"sampling rate q, {rounds} rounds with RDP and {pld_rounds} with PLD. *Recomposed* is "
+        "An accountant called as the server's privacy ledger calls it every round of a DP "
+        f"protocol with a budget (`epsilon_after` at delta {DELTA:g}, then `step`), noise "
+        f"multiplier {NOISE}, sampling rate q, {rounds} rounds with RDP and {pld_rounds} with "
+        "PLD. The ledger itself accounts every round at q = 1 (a public sample claims no "
+        "amplification, docs/protocols/dp-fedavg.md), so the q = 1 row is what a run pays; "
+        "the q < 1 rows are a Poisson-sampled mechanism's cost. *Recomposed* is "
         "fedcore's accountants before 2026-11-22: every epsilon composed the whole history "
         "afresh in a new dp-accounting accountant. *Cached* is the accountants now: RDP sums "
         "one round's RDP curve (from dp-accounting, once per noise multiplier and rate) over "

@@ -15,10 +15,24 @@ from fedcore.spec import FederatedRunSpec
 class PrivacyLedger:
     """Steps the run's accountant once per round for protocols that claim DP.
 
+    What a round is accounted as, so that the epsilon reported (and the budget's stop) is a
+    proven bound for the mechanism fedcore runs:
+
+    - Every client every round (``perRound`` 100%): one Gaussian mechanism of the protocol's
+      multiplier z, exact under add/remove adjacency (one client's data added or removed).
+    - Fewer clients per round: fedcore samples a fixed number of them from a generator
+      seeded by the manifest, so the sample is public and amplification by subsampling (which
+      needs the adversary not to know who took part) cannot be claimed. Under replace-one
+      adjacency (one client's data replaced) a round moves the clipped sum by at most twice
+      the clipping bound when that client is sampled and not at all otherwise, so each round
+      is accounted as a Gaussian mechanism of multiplier z/2 with no sampling: the worst
+      case, a client sampled every round. The sampling then spares compute, not privacy.
+
     Args:
         spec: the run's spec (privacy block, client sampling).
-        noise_multiplier: the protocol's per-round Gaussian noise multiplier; None when the
-            protocol claims no DP (the ledger then does nothing).
+        noise_multiplier: the protocol's per-round Gaussian noise multiplier z, relative to one
+            client's contribution bound; None when the protocol claims no DP (the ledger then
+            does nothing).
         metrics: where epsilon and the budget are exported (None: nowhere).
     """
 
@@ -30,7 +44,18 @@ class PrivacyLedger:
     ) -> None:
         privacy = spec.privacy
         self.noise_multiplier = noise_multiplier
-        self.sample_rate = sampling_rate(spec.clients)
+        self.sampled = sampling_rate(spec.clients) < 1
+        """Whether rounds take part of the clients (accounted under replace-one adjacency)."""
+        self.adjacency = "replace-one" if self.sampled else "add-remove"
+        """The neighbouring relation the reported epsilon holds under."""
+        self.round_multiplier = (
+            None
+            if noise_multiplier is None
+            else noise_multiplier / 2
+            if self.sampled
+            else noise_multiplier
+        )
+        """The multiplier of the Gaussian mechanism each round is accounted as (no sampling)."""
         self.delta = privacy.target_delta if privacy else 1e-5
         self.target = privacy.target_epsilon if privacy else None
         self.accountant = create_accountant(privacy.accountant if privacy else "RDP")
@@ -50,9 +75,9 @@ class PrivacyLedger:
         """Returns the epsilon one more round would reach if that passes the budget, else None."""
         if not self.enabled or self.target is None:
             return None
-        assert self.noise_multiplier is not None
+        assert self.round_multiplier is not None
         after = self.accountant.epsilon_after(
-            self.delta, noise_multiplier=self.noise_multiplier, sample_rate=self.sample_rate
+            self.delta, noise_multiplier=self.round_multiplier, sample_rate=1.0
         )
         self._next = after
         return after if after > self.target else None
@@ -61,8 +86,8 @@ class PrivacyLedger:
         """Accounts one round; returns the epsilon spent so far (None without DP)."""
         if not self.enabled:
             return None
-        assert self.noise_multiplier is not None
-        self.accountant.step(noise_multiplier=self.noise_multiplier, sample_rate=self.sample_rate)
+        assert self.round_multiplier is not None
+        self.accountant.step(noise_multiplier=self.round_multiplier, sample_rate=1.0)
         # The budget check already computed this round's epsilon (when a budget is set).
         self._spent, self._next = self._next, None
         return self.epsilon()

@@ -243,6 +243,14 @@ class Server:
         scheme = create_protocol(self.spec.protocol.name)
         self.protocol: ServerProtocol = scheme.create_server(self.spec, get_weights(model))
         self.privacy = PrivacyLedger(self.spec, scheme.noise_multiplier(self.spec), self.metrics)
+        if self.privacy.enabled and self.privacy.sampled:
+            log.warning(
+                "spec.clients.perRound is below 100%%: the sample of each round is public "
+                "(seeded by the manifest), so no amplification by subsampling is claimed; "
+                "epsilon is accounted under replace-one adjacency as if every client took "
+                "part in every round (noise multiplier %g per round).",
+                self.privacy.round_multiplier,
+            )
         self.evaluator = Evaluator(
             model.to(device), test_dataset(self.spec), self.spec.training, device=device
         )

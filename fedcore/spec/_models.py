@@ -302,7 +302,8 @@ class ClientsSpec(SpecModel):
         "100%",
         description="perRound is how many clients are sampled each round: a count (e.g. 5) or "
         "a whole percentage of count (e.g. '50%', rounded up). Sampling is uniform without "
-        "replacement, seeded by spec.seed and the round. Default '100%'.",
+        "replacement, seeded by spec.seed and the round, so the sample is public: a DP "
+        "protocol's epsilon claims no amplification from it. Default '100%'.",
     )
     quorum: IntOrPercent = Field(
         "100%",

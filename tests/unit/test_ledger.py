@@ -1,0 +1,89 @@
+"""The privacy ledger: what a round is accounted as, the budget's stop, and metrics."""
+
+from __future__ import annotations
+
+import pytest
+
+from fedcore.privacy import PrivacyLedger, create_accountant
+from fedcore.spec import load_manifest
+
+MANIFEST = """
+apiVersion: fedcore.dev/v1alpha1
+kind: FederatedRun
+metadata: {name: ledger}
+spec:
+  protocol: {name: dp-fedavg, dpFedavg: {clippingNorm: 1.0, noiseMultiplier: %(z)s}}
+  model: {kind: MLP, hidden: [8]}
+  data: {source: {kind: Digits}}
+  clients: {count: 10, perRound: %(per_round)s}
+  rounds: 20
+  privacy: {targetEpsilon: %(target)s, targetDelta: 1.0e-5, accountant: RDP}
+"""
+
+
+def ledger_for(per_round: str, *, z: float = 1.1, target: float = 1e6) -> PrivacyLedger:
+    text = MANIFEST % {"z": z, "per_round": per_round, "target": target}
+    spec = load_manifest("ledger", text=text).spec
+    return PrivacyLedger(spec, z)
+
+
+def epsilon_of(z: float, q: float, rounds: int) -> float:
+    accountant = create_accountant("RDP")
+    accountant.step(noise_multiplier=z, sample_rate=q, steps=rounds)
+    return accountant.get_epsilon(1e-5)
+
+
+def run_rounds(ledger: PrivacyLedger, rounds: int) -> list[float]:
+    spent = []
+    for _ in range(rounds):
+        assert ledger.next_round_exceeds() is None
+        epsilon = ledger.record_round()
+        assert epsilon is not None
+        spent.append(epsilon)
+    return spent
+
+
+def test_every_client_every_round_is_one_gaussian_mechanism_per_round_add_remove() -> None:
+    # Prepare
+    ledger = ledger_for('"100%"')
+    # Execute
+    spent = run_rounds(ledger, 5)
+    # Assert: exact, under add/remove adjacency, the protocol's own multiplier.
+    assert ledger.adjacency == "add-remove" and not ledger.sampled
+    assert spent == [epsilon_of(1.1, 1.0, t) for t in range(1, 6)]
+
+
+def test_a_public_sample_claims_no_amplification_replace_one_at_half_the_multiplier() -> None:
+    # Prepare: 3 of 10 clients a round, drawn from the manifest's seed (public).
+    ledger = ledger_for("3")
+    # Execute
+    spent = run_rounds(ledger, 5)
+    # Assert: z/2 with no sampling (a client replaced moves the clipped sum by twice the
+    # bound, in every round in the worst case), far above the Poisson-amplified figure that
+    # would hold only for a secret sample.
+    assert ledger.adjacency == "replace-one" and ledger.sampled
+    assert ledger.round_multiplier == pytest.approx(0.55, rel=0, abs=0)
+    assert spent == [epsilon_of(0.55, 1.0, t) for t in range(1, 6)]
+    assert spent[-1] > 3 * epsilon_of(1.1, 0.3, 5)
+
+
+def test_the_budget_stop_fires_on_the_accounted_bound() -> None:
+    # Prepare: a target between the bound after 3 and after 4 rounds of the sampled run.
+    target = (epsilon_of(0.55, 1.0, 3) + epsilon_of(0.55, 1.0, 4)) / 2
+    ledger = ledger_for("3", target=target)
+    # Execute
+    run_rounds(ledger, 3)
+    would_reach = ledger.next_round_exceeds()
+    # Assert
+    assert would_reach == epsilon_of(0.55, 1.0, 4)
+    assert ledger.epsilon() == epsilon_of(0.55, 1.0, 3)
+
+
+def test_a_protocol_without_dp_is_not_accounted() -> None:
+    # Prepare
+    spec = load_manifest("ledger", text=MANIFEST % {"z": 1.0, "per_round": 3, "target": 1}).spec
+    ledger = PrivacyLedger(spec, None)
+    # Execute / Assert
+    assert not ledger.enabled
+    assert ledger.next_round_exceeds() is None
+    assert ledger.record_round() is None and ledger.epsilon() is None
