@@ -107,6 +107,15 @@ class PrivacyLedger:
         return self.accountant.state_dict()
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
-        """Restores the accountant from a checkpoint."""
+        """Restores the accountant from a checkpoint.
+
+        A checkpoint written before rounds of a public sample were accounted without
+        amplification holds entries (z, q < 1, n) with the protocol's own z: they are restated
+        as (z/2, 1, n), this ledger's accounting of the same rounds, so a resumed run reports
+        the proven bound for every round it has run.
+        """
         self.accountant.load_state_dict(state)
+        self.accountant.history = [
+            (z / 2, 1.0, n) if q < 1 else (z, q, n) for z, q, n in self.accountant.history
+        ]
         self._spent = self._next = None

@@ -87,3 +87,15 @@ def test_a_protocol_without_dp_is_not_accounted() -> None:
     assert not ledger.enabled
     assert ledger.next_round_exceeds() is None
     assert ledger.record_round() is None and ledger.epsilon() is None
+
+
+def test_a_checkpoint_with_poisson_entries_resumes_as_the_proven_bound() -> None:
+    # Prepare: a ledger checkpoint as written before public samples claimed no amplification.
+    ledger = ledger_for("3")
+    old = {"kind": "accountant", "mechanism": "RDP", "history": [[1.1, 0.3, 4]]}
+    # Execute
+    ledger.load_state_dict(old)
+    epsilon = ledger.record_round()
+    # Assert: the four old rounds restated as z/2 without sampling, then the fifth.
+    assert ledger.accountant.history == [(0.55, 1.0, 5)]
+    assert epsilon == epsilon_of(0.55, 1.0, 5)
