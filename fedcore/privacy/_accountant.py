@@ -137,30 +137,29 @@ class RdpAccountant(_DpAccountingAccountant):
 
     _library = rdp.RdpAccountant
 
-    def __init__(self) -> None:
-        super().__init__()
-        self._orders = self._library().orders
-        self._curves: dict[tuple[float, float], np.ndarray] = {}
-
     @classmethod
     def mechanism(cls) -> str:
         return "RDP"
 
     def _epsilon(self, history: History, delta: float) -> float:
-        total = np.zeros_like(self._orders)
+        total = np.zeros_like(_RDP_ORDERS)
         for z, q, n in history:
-            total += n * self._curve(z, q)
-        return float(rdp.rdp_privacy_accountant.compute_epsilon(self._orders, total, delta)[0])
+            total += n * _rdp_round(z, q)
+        return float(rdp.rdp_privacy_accountant.compute_epsilon(_RDP_ORDERS, total, delta)[0])
 
-    def _curve(self, noise_multiplier: float, sample_rate: float) -> np.ndarray:
-        """One round's RDP at every order, as dp-accounting composes it (cached)."""
-        key = (noise_multiplier, sample_rate)
-        curve = self._curves.get(key)
-        if curve is None:
-            accountant = self._library()
-            accountant.compose(_event(noise_multiplier, sample_rate, 1))
-            curve = self._curves[key] = accountant.rdp
-        return curve
+
+_RDP_ORDERS = rdp.RdpAccountant().orders
+"""The orders dp-accounting's RDP accountant evaluates (its defaults)."""
+
+
+@functools.lru_cache(maxsize=64)
+def _rdp_round(noise_multiplier: float, sample_rate: float) -> np.ndarray:
+    """One round's RDP at every order, as dp-accounting composes it (read-only, cached)."""
+    accountant = rdp.RdpAccountant()
+    accountant.compose(_event(noise_multiplier, sample_rate, 1))
+    curve = accountant.rdp
+    curve.setflags(write=False)
+    return curve
 
 
 PLD_DISCRETIZATION = 1e-4
@@ -183,10 +182,6 @@ class PldAccountant(_DpAccountingAccountant):
         pld.PLDAccountant, value_discretization_interval=PLD_DISCRETIZATION
     )
 
-    def __init__(self) -> None:
-        super().__init__()
-        self._rounds: dict[tuple[float, float], _Pld] = {}
-
     @classmethod
     def mechanism(cls) -> str:
         return "PLD"
@@ -198,21 +193,20 @@ class PldAccountant(_DpAccountingAccountant):
             value_discretization_interval=PLD_DISCRETIZATION
         )
         for z, q, n in history:
-            total = total.compose(self._round(z, q).self_compose(n))
+            total = total.compose(_pld_round(z, q).self_compose(n))
         return float(total.get_epsilon_for_delta(delta))
 
-    def _round(self, noise_multiplier: float, sample_rate: float) -> _Pld:
-        """One Poisson-sampled Gaussian round's PLD, as dp-accounting builds it (cached)."""
-        key = (noise_multiplier, sample_rate)
-        found = self._rounds.get(key)
-        if found is None:
-            found = self._rounds[key] = pld.privacy_loss_distribution.from_gaussian_mechanism(
-                standard_deviation=noise_multiplier,
-                value_discretization_interval=PLD_DISCRETIZATION,
-                sampling_prob=sample_rate,
-                neighboring_relation=dp_accounting.NeighboringRelation.ADD_OR_REMOVE_ONE,
-            )
-        return found
+
+@functools.lru_cache(maxsize=64)
+def _pld_round(noise_multiplier: float, sample_rate: float) -> _Pld:
+    """One Poisson-sampled Gaussian round's PLD, as dp-accounting builds it (cached; PLDs are
+    immutable: composing makes new ones)."""
+    return pld.privacy_loss_distribution.from_gaussian_mechanism(
+        standard_deviation=noise_multiplier,
+        value_discretization_interval=PLD_DISCRETIZATION,
+        sampling_prob=sample_rate,
+        neighboring_relation=dp_accounting.NeighboringRelation.ADD_OR_REMOVE_ONE,
+    )
 
 
 _ACCOUNTANTS: dict[str, type[Accountant]] = {

@@ -46,16 +46,6 @@ class PrivacyLedger:
         self.noise_multiplier = noise_multiplier
         self.sampled = sampling_rate(spec.clients) < 1
         """Whether rounds take part of the clients (accounted under replace-one adjacency)."""
-        self.adjacency = "replace-one" if self.sampled else "add-remove"
-        """The neighbouring relation the reported epsilon holds under."""
-        self.round_multiplier = (
-            None
-            if noise_multiplier is None
-            else noise_multiplier / 2
-            if self.sampled
-            else noise_multiplier
-        )
-        """The multiplier of the Gaussian mechanism each round is accounted as (no sampling)."""
         self.delta = privacy.target_delta if privacy else 1e-5
         self.target = privacy.target_epsilon if privacy else None
         self.accountant = create_accountant(privacy.accountant if privacy else "RDP")
@@ -65,6 +55,18 @@ class PrivacyLedger:
         self._spent: float | None = None
         if metrics is not None and self.enabled and self.target is not None:
             metrics.epsilon_budget.set(self.target)
+
+    @property
+    def adjacency(self) -> str:
+        """The neighbouring relation the reported epsilon holds under."""
+        return "replace-one" if self.sampled else "add-remove"
+
+    @property
+    def round_multiplier(self) -> float | None:
+        """The multiplier of the Gaussian mechanism each round is accounted as (no sampling)."""
+        if self.noise_multiplier is None:
+            return None
+        return self.noise_multiplier / 2 if self.sampled else self.noise_multiplier
 
     @property
     def enabled(self) -> bool:
