@@ -20,13 +20,19 @@ class PrivacyLedger:
 
     - Every client every round (``perRound`` 100%): one Gaussian mechanism of the protocol's
       multiplier z, exact under add/remove adjacency (one client's data added or removed).
-    - Fewer clients per round: fedcore samples a fixed number of them from a generator
-      seeded by the manifest, so the sample is public and amplification by subsampling (which
-      needs the adversary not to know who took part) cannot be claimed. Under replace-one
-      adjacency (one client's data replaced) a round moves the clipped sum by at most twice
-      the clipping bound when that client is sampled and not at all otherwise, so each round
-      is accounted as a Gaussian mechanism of multiplier z/2 with no sampling: the worst
-      case, a client sampled every round. The sampling then spares compute, not privacy.
+    - Fewer clients per round, under replace-one adjacency (one client's data replaced): a
+      round moves the clipped sum by at most twice the clipping bound when that client is
+      sampled and not at all otherwise, so a round is a Gaussian mechanism of multiplier z/2
+      on the sampled clients.
+    - ``Seeded`` sampling (the default): fedcore samples a fixed number of clients from a
+      generator seeded by the manifest, so the sample is public and amplification by
+      subsampling (which needs the adversary not to know who took part) cannot be claimed:
+      each round is accounted as that Gaussian with no sampling, the worst case of a client
+      sampled every round. The sampling then spares compute, not privacy.
+    - ``Secret`` sampling: the server draws the fixed number m of the N clients from the OS
+      CSPRNG, so each round is that Gaussian on a uniformly random sample without
+      replacement of rate m/N, whose amplification (Wang, Balle and Kasiviswanathan 2019,
+      replace-one adjacency) dp-accounting's RDP accountant composes.
 
     Args:
         spec: the run's spec (privacy block, client sampling).
@@ -44,11 +50,19 @@ class PrivacyLedger:
     ) -> None:
         privacy = spec.privacy
         self.noise_multiplier = noise_multiplier
-        self.sampled = sampling_rate(spec.clients) < 1
+        rate = sampling_rate(spec.clients)
+        self.sampled = rate < 1
         """Whether rounds take part of the clients (accounted under replace-one adjacency)."""
+        self.secret = self.sampled and spec.clients.sampling == "Secret"
+        """Whether the sample is secret, so that its amplification is claimed."""
+        self.round_rate = rate if self.secret else 1.0
+        """The sampling rate each round is accounted with (1: no amplification claimed)."""
         self.delta = privacy.target_delta if privacy else 1e-5
         self.target = privacy.target_epsilon if privacy else None
-        self.accountant = create_accountant(privacy.accountant if privacy else "RDP")
+        self.accountant = create_accountant(
+            privacy.accountant if privacy else "RDP",
+            "without-replacement" if self.secret else "poisson",
+        )
         self.metrics = metrics
         self._next: float | None = None
         """Epsilon after one more round, computed by the budget check and reused after it."""
@@ -63,7 +77,7 @@ class PrivacyLedger:
 
     @property
     def round_multiplier(self) -> float | None:
-        """The multiplier of the Gaussian mechanism each round is accounted as (no sampling)."""
+        """The multiplier of the Gaussian mechanism each round is accounted as."""
         if self.noise_multiplier is None:
             return None
         return self.noise_multiplier / 2 if self.sampled else self.noise_multiplier
@@ -79,7 +93,7 @@ class PrivacyLedger:
             return None
         assert self.round_multiplier is not None
         after = self.accountant.epsilon_after(
-            self.delta, noise_multiplier=self.round_multiplier, sample_rate=1.0
+            self.delta, noise_multiplier=self.round_multiplier, sample_rate=self.round_rate
         )
         self._next = after
         return after if after > self.target else None
@@ -89,7 +103,7 @@ class PrivacyLedger:
         if not self.enabled:
             return None
         assert self.round_multiplier is not None
-        self.accountant.step(noise_multiplier=self.round_multiplier, sample_rate=1.0)
+        self.accountant.step(noise_multiplier=self.round_multiplier, sample_rate=self.round_rate)
         # The budget check already computed this round's epsilon (when a budget is set).
         self._spent, self._next = self._next, None
         return self.epsilon()
@@ -112,12 +126,17 @@ class PrivacyLedger:
         """Restores the accountant from a checkpoint.
 
         A checkpoint written before rounds of a public sample were accounted without
-        amplification holds entries (z, q < 1, n) with the protocol's own z: they are restated
-        as (z/2, 1, n), this ledger's accounting of the same rounds, so a resumed run reports
-        the proven bound for every round it has run.
+        amplification holds Poisson entries (z, q < 1, n) with the protocol's own z: they are
+        restated as (z/2, 1, n), this ledger's accounting of the same rounds, so a resumed run
+        reports the proven bound for every round it has run. A secret sample's entries are
+        kept as they are.
+
+        Raises:
+            ValueError: the state is not this ledger's accountant's (mechanism or sampling).
         """
         self.accountant.load_state_dict(state)
-        self.accountant.history = [
-            (z / 2, 1.0, n) if q < 1 else (z, q, n) for z, q, n in self.accountant.history
-        ]
+        if self.accountant.sampling == "poisson":
+            self.accountant.history = [
+                (z / 2, 1.0, n) if q < 1 else (z, q, n) for z, q, n in self.accountant.history
+            ]
         self._spent = self._next = None

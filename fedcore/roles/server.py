@@ -243,12 +243,22 @@ class Server:
         scheme = create_protocol(self.spec.protocol.name)
         self.protocol: ServerProtocol = scheme.create_server(self.spec, get_weights(model))
         self.privacy = PrivacyLedger(self.spec, scheme.noise_multiplier(self.spec), self.metrics)
-        if self.privacy.enabled and self.privacy.sampled:
+        if self.privacy.enabled and self.privacy.secret:
+            log.info(
+                "spec.clients.sampling is Secret: each round's sample is drawn from the OS "
+                "CSPRNG, and epsilon claims its amplification (sampling without replacement at "
+                "rate %g, noise multiplier %g, replace-one adjacency) against whoever sees the "
+                "models but not who took part.",
+                self.privacy.round_rate,
+                self.privacy.round_multiplier,
+            )
+        elif self.privacy.enabled and self.privacy.sampled:
             log.warning(
                 "spec.clients.perRound is below 100%%: the sample of each round is public "
                 "(seeded by the manifest), so no amplification by subsampling is claimed; "
                 "epsilon is accounted under replace-one adjacency as if every client took "
-                "part in every round (noise multiplier %g per round).",
+                "part in every round (noise multiplier %g per round). spec.clients.sampling: "
+                "Secret draws a secret sample, whose amplification is claimed.",
                 self.privacy.round_multiplier,
             )
         self.evaluator = Evaluator(

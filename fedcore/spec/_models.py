@@ -302,8 +302,18 @@ class ClientsSpec(SpecModel):
         "100%",
         description="perRound is how many clients are sampled each round: a count (e.g. 5) or "
         "a whole percentage of count (e.g. '50%', rounded up). Sampling is uniform without "
-        "replacement, seeded by spec.seed and the round, so the sample is public: a DP "
-        "protocol's epsilon claims no amplification from it. Default '100%'.",
+        "replacement; spec.clients.sampling says from what, and so whether a DP protocol's "
+        "epsilon may claim amplification from it. Default '100%'.",
+    )
+    sampling: Literal["Seeded", "Secret"] = Field(
+        "Seeded",
+        description="sampling is where each round's sample comes from when perRound is below "
+        "100%. Seeded (default): from spec.seed and the round, so it is reproducible (a resumed "
+        "run and fedcore.simulation draw the same clients) and public: a DP protocol's epsilon "
+        "claims no amplification from it. Secret: the server draws it from the operating "
+        "system's CSPRNG every round, so it is not reproducible, and a DP protocol's epsilon "
+        "claims the amplification of sampling without replacement under replace-one adjacency "
+        "(RDP accountant only), a bound against whoever sees the models but not who took part.",
     )
     quorum: IntOrPercent = Field(
         "100%",
@@ -706,8 +716,10 @@ class FederatedRunSpec(SpecModel):
         0,
         ge=0,
         le=2**53 - 1,
-        description="seed of everything random: sampling, initial model, local shuffles. "
-        "Default 0. The same manifest with the same seed gives the same result. At most "
+        description="seed of everything random that is not secret: Seeded client sampling, "
+        "initial model, local shuffles. Default 0. The same manifest with the same seed gives "
+        "the same result, except where a secret draw is asked for (spec.clients.sampling "
+        "Secret, a DP protocol's secure noise). At most "
         "2^53 - 1, the largest integer every JSON reader (and the API server) keeps exact.",
     )
 

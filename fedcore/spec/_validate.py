@@ -226,6 +226,21 @@ def semantic_issues(run: FederatedRun) -> list[SpecIssue]:
                 f"budget; remove spec.privacy or pick a protocol that claims DP.",
             )
         )
+    if (
+        spec.clients.sampling == "Secret"
+        and sampled < count
+        and facts.claims_dp
+        and spec.privacy is not None
+        and spec.privacy.accountant == "PLD"
+    ):
+        issues.append(
+            SpecIssue(
+                "spec.privacy.accountant",
+                "'PLD' cannot account a secret sample (spec.clients.sampling Secret with perRound "
+                "below 100%): dp-accounting's PLD accountant has no sampling without replacement; "
+                "allowed here: 'RDP'.",
+            )
+        )
     issues.extend(_precondition_issues(run))
     return issues
 

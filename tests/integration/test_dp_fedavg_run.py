@@ -140,3 +140,38 @@ def test_dp_fedavg_run_with_a_budget_stops_when_the_next_round_would_pass_it(
     assert [e["round"] for e in budget] == [k + 1]
     released = load_file(str(done["work"] / "model.safetensors"))
     assert models_equal(released, simulated_weights(manifest, rounds=k))
+
+
+def test_dp_fedavg_run_with_a_secret_sample_claims_sampling_without_replacement(
+    tmp_path: Path,
+) -> None:
+    # Prepare: 1 of 4 clients a round for 8 rounds, drawn by the server from the OS CSPRNG;
+    # the same job with the manifest's seeded sample, simulated, for comparison.
+    rounds = 8
+    secret = {"count": 4, "perRound": 1, "sampling": "Secret"}
+    manifest = write_manifest(
+        tmp_path / "secret.yaml", protocol=PROTOCOL, clients=secret, rounds=rounds
+    )
+    seeded = write_manifest(
+        tmp_path / "seeded.yaml",
+        protocol=PROTOCOL,
+        clients={**secret, "sampling": "Seeded"},
+        rounds=rounds,
+    )
+    accountant = create_accountant("RDP", "without-replacement")
+    accountant.step(noise_multiplier=Z / 2, sample_rate=0.25, steps=rounds)
+    public = create_accountant("RDP")
+    public.step(noise_multiplier=Z / 2, sample_rate=1.0, steps=rounds)
+    # Execute
+    done = run_cli(tmp_path, manifest)
+    # Assert: epsilon is the amplified bound (below the public sample's), every round took
+    # one client, and the rounds did not take the seeded sample (the model differs from the
+    # seeded job's; equal samples in all 8 rounds have probability 4**-8, about 1.5e-5).
+    summary = done["summary"]
+    assert summary["phase"] == "Succeeded" and summary["rounds_completed"] == rounds
+    assert summary["epsilon"] == pytest.approx(accountant.get_epsilon(DELTA), rel=0, abs=1e-9)
+    assert summary["epsilon"] < public.get_epsilon(DELTA)
+    rounds_run = [e for e in events_of(done["work"]) if e["event"] == "round"]
+    assert [e["participants"] for e in rounds_run] == [1] * rounds
+    released = load_file(str(done["work"] / "model.safetensors"))
+    assert not models_equal(released, simulated_weights(seeded))

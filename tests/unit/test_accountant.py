@@ -4,12 +4,14 @@ from __future__ import annotations
 
 import itertools
 import json
+import math
 
 import dp_accounting
 import pytest
 from dp_accounting import pld, rdp
 
 from fedcore.privacy import Accountant, PldAccountant, RdpAccountant, create_accountant
+from fedcore.privacy._accountant import _event, gaussian_epsilon
 
 CASES = [
     # (noise_multiplier, sample_rate, steps, delta)
@@ -51,17 +53,50 @@ def test_pld_accountant_epsilon_equals_dp_accounting_built_directly(z, q, n, del
     )
 
 
-def test_pld_accountant_full_participation_equals_the_plain_gaussian_composed() -> None:
-    # Prepare: q = 1 is no sampling at all, so the event is the Gaussian mechanism itself.
+@pytest.mark.parametrize(
+    "plan",
+    [[(1.0, 5)], [(2.0, 30)], [(1.5, 6), (3.0, 10)], [(3.0, 7), (1.0, 3), (2.0, 11)]],
+)
+def test_pld_accountant_full_participation_is_one_gaussian_with_the_librarys_exact_epsilon(
+    plan,
+) -> None:
+    # Prepare: unsampled Gaussian rounds, some with different noise; dp-accounting's own PLD
+    # accountant composes the same events (discretized), and its analytic Gaussian epsilon
+    # is asked for the single Gaussian of noise 1 / sqrt(sum(n / z**2)).
     accountant = create_accountant("PLD")
     direct = pld.PLDAccountant()
-    direct.compose(dp_accounting.GaussianDpEvent(1.0), 5)
+    for z, n in plan:
+        accountant.step(noise_multiplier=z, sample_rate=1.0, steps=n)
+        direct.compose(dp_accounting.GaussianDpEvent(z), n)
+    sigma = 1 / math.sqrt(math.fsum(n / z**2 for z, n in plan))
+    loss = pld.privacy_loss_mechanism.GaussianPrivacyLoss(sigma, pessimistic_estimate=False)
+    for delta in (1e-3, 1e-5, 1e-6):
+        # Execute
+        epsilon = accountant.get_epsilon(delta)
+        # Assert: the library's exact number for that Gaussian, the library's composition
+        # to 1e-8 relative, and (epsilon, delta) is tight for it (the privacy loss's own
+        # hockey-stick divergence at epsilon is delta).
+        assert epsilon == dp_accounting.get_epsilon_gaussian(sigma, delta)
+        assert epsilon == pytest.approx(float(direct.get_epsilon(delta)), rel=1e-8)
+        assert loss.get_delta_for_epsilon(epsilon) == pytest.approx(delta, rel=1e-6)
+
+
+def test_pld_accountant_full_participation_costs_no_discretized_composition() -> None:
+    # Prepare: 1,000 unsampled rounds, whose discretized PLD dp-accounting builds in about
+    # half a minute here; the budget check asks for one more round.
+    accountant = PldAccountant()
+    accountant.step(noise_multiplier=1.1, sample_rate=1.0, steps=1000)
     # Execute
-    accountant.step(noise_multiplier=1.0, sample_rate=1.0, steps=5)
-    # Assert
-    assert accountant.get_epsilon(1e-5) == pytest.approx(
-        float(direct.get_epsilon(1e-5)), rel=0, abs=1e-9
-    )
+    epsilon = accountant.epsilon_after(1e-5, noise_multiplier=1.1, sample_rate=1.0)
+    # Assert: the closed form, with the history itself untouched.
+    assert epsilon == dp_accounting.get_epsilon_gaussian(1.1 / math.sqrt(1001), 1e-5)
+    assert accountant.history == [(1.1, 1.0, 1000)]
+
+
+def test_gaussian_epsilon_refuses_a_sampled_round() -> None:
+    # Execute / Assert: a Poisson-sampled round is not a Gaussian mechanism.
+    with pytest.raises(ValueError, match="Only unsampled"):
+        gaussian_epsilon([(1.0, 1.0, 3), (1.0, 0.5, 2)], 1e-5)
 
 
 def test_rdp_accountant_mixed_history_is_the_librarys_composition_to_the_last_bit() -> None:
@@ -258,3 +293,75 @@ def test_create_accountant_by_name_builds_that_mechanism(name: str, cls: type) -
     # Assert
     assert isinstance(accountant, cls) and isinstance(accountant, Accountant)
     assert accountant.mechanism() == name
+
+
+def test_rdp_accountant_without_replacement_is_the_librarys_replace_one_composition() -> None:
+    # Prepare: samples of fixed size m of N (q = m/N, not in lowest terms for 30 of 100) and a
+    # full round, composed by dp-accounting's own RDP accountant under replace-one adjacency.
+    accountant = create_accountant("RDP", "without-replacement")
+    direct = rdp.RdpAccountant(neighboring_relation=dp_accounting.NeighboringRelation.REPLACE_ONE)
+    plan = [(0.55, 100, 10, 3), (0.55, 10, 3, 2), (1.0, 100, 30, 4), (0.55, 10, 10, 1)]
+    # Execute
+    for z, population, m, n in plan:
+        for _ in range(n):
+            accountant.step(noise_multiplier=z, sample_rate=m / population)
+        gaussian = dp_accounting.GaussianDpEvent(z)
+        direct.compose(
+            dp_accounting.SampledWithoutReplacementDpEvent(population, m, gaussian)
+            if m < population
+            else gaussian,
+            n,
+        )
+    # Assert: the same float, and it is tighter than the same rounds unsampled.
+    unsampled = create_accountant("RDP")
+    unsampled.step(noise_multiplier=0.55, sample_rate=1.0, steps=5)
+    unsampled.step(noise_multiplier=1.0, sample_rate=1.0, steps=4)
+    unsampled.step(noise_multiplier=0.55, sample_rate=1.0, steps=1)
+    assert accountant.get_epsilon(1e-5) == float(direct.get_epsilon(1e-5))
+    assert accountant.get_epsilon(1e-5) < unsampled.get_epsilon(1e-5)
+
+
+def test_sampling_rate_without_replacement_maps_back_to_the_population_exactly() -> None:
+    # Prepare: every m of the largest populations, and m/N pairs with common factors.
+    pairs = [(m, 10_000) for m in range(1, 10_000)] + [(m, 9_999) for m in range(1, 9_999)]
+    pairs += [(2, 4), (30, 100), (5000, 10_000), (1, 7), (6, 7)]
+    # Execute / Assert: the event fedcore builds has the rate m/N bit for bit.
+    for m, population in pairs:
+        event = _event(1.0, m / population, 1, "without-replacement").event
+        assert event.sample_size / event.source_dataset_size == m / population
+
+
+@pytest.mark.parametrize(
+    ("call", "fragment"),
+    [
+        (lambda: create_accountant("PLD", "without-replacement"), "PLD accountant cannot"),
+        (lambda: PldAccountant("without-replacement"), "use the RDP accountant"),
+        (lambda: create_accountant("RDP", "shuffled"), "Unknown sampling 'shuffled'"),
+    ],
+)
+def test_accountant_sampling_it_cannot_compose_is_refused(call, fragment: str) -> None:
+    # Execute / Assert
+    with pytest.raises(ValueError, match=fragment):
+        call()
+
+
+def test_accountant_state_keeps_its_sampling_and_refuses_another() -> None:
+    # Prepare
+    first = create_accountant("RDP", "without-replacement")
+    first.step(noise_multiplier=0.55, sample_rate=0.1, steps=7)
+    state = json.loads(json.dumps(first.state_dict()))
+    # Execute
+    second = create_accountant("RDP", "without-replacement")
+    second.load_state_dict(state)
+    # Assert: restored; a Poisson accountant refuses it; a state from before the key existed
+    # is Poisson's.
+    assert state["sampling"] == "without-replacement"
+    assert second.get_epsilon(1e-5) == first.get_epsilon(1e-5)
+    with pytest.raises(ValueError, match="composes sampling 'without-replacement'; this"):
+        create_accountant("RDP").load_state_dict(state)
+    old = {"kind": "accountant", "mechanism": "RDP", "history": [[1.0, 0.1, 3]]}
+    poisson = create_accountant("RDP")
+    poisson.load_state_dict(old)
+    assert poisson.history == [(1.0, 0.1, 3)]
+    with pytest.raises(ValueError, match="composes sampling 'poisson'"):
+        create_accountant("RDP", "without-replacement").load_state_dict(old)

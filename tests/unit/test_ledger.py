@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dp_accounting
 import pytest
 
 from fedcore.privacy import PrivacyLedger, create_accountant
@@ -15,14 +16,16 @@ spec:
   protocol: {name: dp-fedavg, dpFedavg: {clippingNorm: 1.0, noiseMultiplier: %(z)s}}
   model: {kind: MLP, hidden: [8]}
   data: {source: {kind: Digits}}
-  clients: {count: 10, perRound: %(per_round)s}
+  clients: {count: 10, perRound: %(per_round)s, sampling: %(sampling)s}
   rounds: 20
   privacy: {targetEpsilon: %(target)s, targetDelta: 1.0e-5, accountant: RDP}
 """
 
 
-def ledger_for(per_round: str, *, z: float = 1.1, target: float = 1e6) -> PrivacyLedger:
-    text = MANIFEST % {"z": z, "per_round": per_round, "target": target}
+def ledger_for(
+    per_round: str, *, z: float = 1.1, target: float = 1e6, sampling: str = "Seeded"
+) -> PrivacyLedger:
+    text = MANIFEST % {"z": z, "per_round": per_round, "target": target, "sampling": sampling}
     spec = load_manifest("ledger", text=text).spec
     return PrivacyLedger(spec, z)
 
@@ -81,7 +84,9 @@ def test_the_budget_stop_fires_on_the_accounted_bound() -> None:
 
 def test_a_protocol_without_dp_is_not_accounted() -> None:
     # Prepare
-    spec = load_manifest("ledger", text=MANIFEST % {"z": 1.0, "per_round": 3, "target": 1}).spec
+    spec = load_manifest(
+        "ledger", text=MANIFEST % {"z": 1.0, "per_round": 3, "target": 1, "sampling": "Secret"}
+    ).spec
     ledger = PrivacyLedger(spec, None)
     # Execute / Assert
     assert not ledger.enabled
@@ -99,3 +104,56 @@ def test_a_checkpoint_with_poisson_entries_resumes_as_the_proven_bound() -> None
     # Assert: the four old rounds restated as z/2 without sampling, then the fifth.
     assert ledger.accountant.history == [(0.55, 1.0, 5)]
     assert epsilon == epsilon_of(0.55, 1.0, 5)
+
+
+def wor_epsilon(z: float, population: int, m: int, rounds: int) -> float:
+    """dp-accounting's own RDP composition of a Gaussian on samples without replacement."""
+    accountant = dp_accounting.rdp.RdpAccountant(
+        neighboring_relation=dp_accounting.NeighboringRelation.REPLACE_ONE
+    )
+    event = dp_accounting.SampledWithoutReplacementDpEvent(
+        population, m, dp_accounting.GaussianDpEvent(z)
+    )
+    accountant.compose(event, rounds)
+    return float(accountant.get_epsilon(1e-5))
+
+
+def test_a_secret_sample_claims_sampling_without_replacement_at_half_the_multiplier() -> None:
+    # Prepare: 3 of 10 clients a round, drawn by the server from the OS CSPRNG.
+    ledger = ledger_for("3", sampling="Secret")
+    # Execute
+    spent = run_rounds(ledger, 5)
+    # Assert: dp-accounting's replace-one composition of z/2 on samples of 3 of 10, to the
+    # bit; below the public sample's bound for the same rounds.
+    assert ledger.secret and ledger.adjacency == "replace-one"
+    assert ledger.round_multiplier == 0.55 and ledger.round_rate == 0.3
+    assert spent == [wor_epsilon(0.55, 10, 3, t) for t in range(1, 6)]
+    assert spent[-1] < epsilon_of(0.55, 1.0, 5)
+
+
+def test_a_secret_sample_of_every_client_is_no_sample() -> None:
+    # Prepare / Execute: Secret changes nothing when every client takes part.
+    ledger = ledger_for('"100%"', sampling="Secret")
+    spent = run_rounds(ledger, 3)
+    # Assert
+    assert not ledger.secret and ledger.adjacency == "add-remove"
+    assert spent == [epsilon_of(1.1, 1.0, t) for t in range(1, 4)]
+
+
+def test_a_secret_sample_budget_stops_and_its_checkpoint_resumes_unchanged() -> None:
+    # Prepare: a target between the bound after 3 and after 4 secret rounds.
+    target = (wor_epsilon(0.55, 10, 3, 3) + wor_epsilon(0.55, 10, 3, 4)) / 2
+    ledger = ledger_for("3", target=target, sampling="Secret")
+    run_rounds(ledger, 3)
+    state = ledger.state_dict()
+    # Execute
+    resumed = ledger_for("3", target=target, sampling="Secret")
+    resumed.load_state_dict(state)
+    would_reach = resumed.next_round_exceeds()
+    # Assert: the entries are kept (not restated as a public sample's), the stop fires, and
+    # a public-sample ledger refuses the checkpoint.
+    assert resumed.accountant.history == [(0.55, 0.3, 3)]
+    assert would_reach == wor_epsilon(0.55, 10, 3, 4)
+    assert resumed.epsilon() == wor_epsilon(0.55, 10, 3, 3)
+    with pytest.raises(ValueError, match="sampling 'without-replacement'"):
+        ledger_for("3").load_state_dict(state)

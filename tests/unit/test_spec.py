@@ -225,6 +225,22 @@ INVALID = [
         "makes no differential-privacy claim",
     ),
     _case(
+        "secret-sample-with-pld",
+        {
+            ("spec", "protocol"): {"name": "dp-fedavg"},
+            ("spec", "clients"): {"count": 10, "perRound": 3, "sampling": "Secret"},
+            ("spec", "privacy"): {"accountant": "PLD"},
+        },
+        "spec.privacy.accountant",
+        "'PLD' cannot account a secret sample",
+    ),
+    _case(
+        "sampling-lowercase",
+        {("spec", "clients"): {"count": 10, "sampling": "secret"}},
+        "spec.clients.sampling",
+        "allowed: one of 'Seeded', 'Secret'",
+    ),
+    _case(
         "dtype-float16",
         {("spec", "model", "dtype"): "float16"},
         "spec.model.dtype",
@@ -490,3 +506,30 @@ def test_model_is_frozen() -> None:
     with pytest.raises(ValueError, match="frozen"):
         run.spec.rounds = 5  # type: ignore[misc]
     assert isinstance(run, FederatedRun)
+
+
+@pytest.mark.parametrize(
+    "changes",
+    [
+        {
+            ("spec", "clients"): {"count": 10, "sampling": "Secret"},
+            ("spec", "protocol"): {"name": "dp-fedavg"},
+            ("spec", "privacy"): {"accountant": "PLD"},
+        },
+        {
+            ("spec", "clients"): {"count": 10, "perRound": 3, "sampling": "Secret"},
+            ("spec", "protocol"): {"name": "dp-fedavg"},
+            ("spec", "privacy"): {"accountant": "RDP"},
+        },
+        {
+            ("spec", "clients"): {"count": 10, "perRound": 3, "sampling": "Secret"},
+            ("spec", "privacy"): {"accountant": "PLD"},
+        },
+    ],
+    ids=["pld-every-client", "rdp-sampled", "pld-without-dp"],
+)
+def test_a_secret_sample_is_refused_only_where_pld_would_account_it(changes) -> None:
+    # Execute
+    run = parse_manifest(_mutated(changes))
+    # Assert
+    assert run.spec.clients.sampling == "Secret"

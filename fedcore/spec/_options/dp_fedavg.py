@@ -25,9 +25,10 @@ class DpFedAvgOptions(SpecModel):
         description="noiseMultiplier z: the server adds Gaussian noise of standard deviation "
         "z*C to the sum of the clipped updates (z*C/m on their mean, m the clients sampled per "
         "round). The accountant composes one Gaussian mechanism of multiplier z each round "
-        "with every client every round; with perRound below 100% one of multiplier z/2, with "
-        "no amplification by sampling (the sample is public), under replace-one adjacency. "
-        "Default 1.0.",
+        "with every client every round; with perRound below 100% one of multiplier z/2 under "
+        "replace-one adjacency, with no amplification by sampling for a public sample "
+        "(spec.clients.sampling Seeded) and sampled without replacement for a secret one "
+        "(Secret). Default 1.0.",
     )
     secure_noise: bool = Field(
         True,
