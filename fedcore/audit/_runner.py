@@ -81,6 +81,21 @@ def kept_rounds(last: int) -> set[int]:
     return {t for t in range(1, last + 1) if t <= EDGE_ROUNDS or t > last - EDGE_ROUNDS}
 
 
+def audited(run: FederatedRun) -> FederatedRun:
+    """The run as the audit simulates it: a secret sample replaced by the seeded one.
+
+    The audit's attacker observes the round's messages, so it sees who takes part, and a
+    secret sample claims nothing against such an observer: the seeded sample lets the audit
+    choose its attacker among the clients of the rounds it records and be reproduced, and its
+    epsilon is then the public sample's bound, the one that holds against that attacker.
+    """
+    clients = run.spec.clients
+    if clients.sampling != "Secret":
+        return run
+    seeded = clients.model_copy(update={"sampling": "Seeded"})
+    return run.model_copy(update={"spec": run.spec.model_copy(update={"clients": seeded})})
+
+
 def choose_attacker(run: FederatedRun, rounds: set[int]) -> int:
     """The client sampled in the most recorded rounds (the lowest index among equals)."""
     spec = run.spec
@@ -103,6 +118,9 @@ def run_audit(
 ) -> AuditReport:
     """Simulates ``run`` with an attacker attached, runs ``attacks`` and writes the report.
 
+    A secret sample (``spec.clients.sampling: Secret``) is audited as the seeded one
+    (:func:`audited`).
+
     Args:
         run: the manifest to audit.
         out: the report's folder (``report.md``, ``report.json``, ``figures/``).
@@ -124,6 +142,7 @@ def run_audit(
     unknown = [name for name in chosen if name not in known]
     if unknown:
         raise ValueError(f"Unknown attack(s) {', '.join(unknown)}; known: {', '.join(known)}.")
+    run = audited(run)
     spec = run.spec
     last = spec.rounds if rounds is None else min(rounds, spec.rounds)
     keep = kept_rounds(last)

@@ -16,6 +16,7 @@ from sklearn.datasets import load_digits
 from fedcore.audit import Budget, Recording, registered_attacks, run_audit
 from fedcore.audit._inversion import plane_intersection
 from fedcore.audit._metrics import proportion, psnr, roc_auc, ssim, wilson
+from fedcore.audit._runner import audited, choose_attacker, kept_rounds
 from fedcore.simulation import simulate
 from fedcore.spec import FederatedRun, parse_manifest
 
@@ -329,3 +330,28 @@ def test_unknown_attack_is_refused_and_every_attack_is_documented(tmp_path: Path
     for name, attack in registered_attacks().items():
         assert f"`{name}`" in docs, name
         assert attack.assumes
+
+
+def test_a_secret_sample_is_audited_as_the_seeded_one(tmp_path: Path) -> None:
+    # Prepare: 2 of 6 clients a round, secret; the same manifest seeded.
+    base = one_example_clients(tmp_path, 6, {"name": "fedsgd"}, rounds=12)
+    clients = {"count": 6, "perRound": 2}
+    secret = parse_manifest(
+        {**base.model_dump(by_alias=True, mode="json", exclude_none=True)}
+        | {
+            "spec": {
+                **base.spec.model_dump(by_alias=True, mode="json", exclude_none=True),
+                "clients": {**clients, "sampling": "Secret"},
+            }
+        }
+    )
+    seeded = audited(secret)
+    rounds = kept_rounds(12)
+    # Execute
+    attackers = {choose_attacker(audited(secret), rounds) for _ in range(5)}
+    # Assert: only the sampling changed, and the attacker is chosen the same way every time
+    # (a secret draw would pick among different clients from call to call).
+    assert seeded.spec.clients.sampling == "Seeded" and secret.spec.clients.sampling == "Secret"
+    assert seeded.spec.model_copy(update={"clients": secret.spec.clients}) == secret.spec
+    assert attackers == {choose_attacker(seeded, rounds)}
+    assert audited(seeded) is seeded
