@@ -196,6 +196,16 @@ INVALID = [
     ("unknown protocol", {"protocol": {"name": "magic"}}, "spec.protocol.name"),
     ("quorum over count", {"clients": {"count": 3, "quorum": 5}}, "spec.clients.quorum"),
     ("perturb with biases", {"protocol": {"name": "perturb"}}, "spec.model"),
+    ("sampling misspelt", {"clients": {"count": 3, "sampling": "secret"}}, "spec.clients.sampling"),
+    (
+        "secret sample with PLD",
+        {
+            "protocol": {"name": "dp-fedavg"},
+            "clients": {"count": 3, "perRound": 2, "sampling": "Secret"},
+            "privacy": {"accountant": "PLD"},
+        },
+        "'PLD' cannot account a secret sample",
+    ),
     (
         "privileged template",
         {
