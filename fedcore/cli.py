@@ -298,6 +298,7 @@ def _simulate(run: Any, *, as_json: bool) -> None:
         "accuracy": result.accuracy,
         "loss": result.loss,
         "epsilon": result.epsilon,
+        "epsilon_claim": result.epsilon_claim,
         "wall_seconds": round(time.monotonic() - started, 4),
         "mode": "simulation",
     }

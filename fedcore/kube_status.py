@@ -52,6 +52,10 @@ def status_patch(run: FederatedRun, event: dict[str, Any]) -> dict[str, Any]:
                 "delta": privacy.target_delta,
                 "targetEpsilon": privacy.target_epsilon,
             }
+        if event.get("adjacency") is not None:
+            patch.setdefault("privacy", {}).update(
+                {"adjacency": event["adjacency"], "amplification": event.get("amplification")}
+            )
     elif kind == "round":
         done = int(event["round"])
         patch = {"round": done, "rounds": rounds, "progress": f"{done}/{rounds}"}

@@ -80,6 +80,8 @@ class LocalRunResult:
     reason: str | None = None
     message: str | None = None
     epsilon: float | None = None
+    epsilon_claim: dict[str, str] | None = None
+    """What epsilon bounds: its adjacency and amplification (None without DP)."""
     rounds_completed: int | None = None
     bytes_sent: int | None = None
     bytes_received: int | None = None
@@ -102,6 +104,7 @@ class LocalRunResult:
             "model": self.model,
             "rounds_completed": self.rounds_completed,
             "epsilon": self.epsilon,
+            "epsilon_claim": self.epsilon_claim,
             "server_bytes_sent": self.bytes_sent,
             "server_bytes_received": self.bytes_received,
             "restarts": dict(self.restarts),
@@ -446,6 +449,7 @@ class LocalRun:
                     result.accuracy = event.get("accuracy")
                     result.loss = event.get("loss")
                     result.epsilon = event.get("epsilon")
+                    result.epsilon_claim = event.get("epsilon_claim")
                     result.reason = event.get("reason")
                     result.rounds_completed = event.get("rounds_completed")
                     result.bytes_sent = event.get("bytes_sent")

@@ -43,6 +43,7 @@ class SimulationResult:
         loss: held-out loss of the final model.
         history: one entry per round (participants, train_loss, epsilon, seconds).
         epsilon: the privacy spent, for protocols that claim DP (else None).
+        epsilon_claim: what epsilon bounds (``PrivacyLedger.claim``; None without DP).
         rounds_completed: the rounds run (fewer than spec.rounds when the budget stopped it).
         reason: RoundsCompleted, or BudgetExhausted.
     """
@@ -52,6 +53,7 @@ class SimulationResult:
     loss: float
     history: list[dict[str, Any]] = field(default_factory=list)
     epsilon: float | None = None
+    epsilon_claim: dict[str, str] | None = None
     rounds_completed: int = 0
     reason: str = "RoundsCompleted"
 
@@ -225,6 +227,7 @@ def _simulate(
         loss=final.loss,
         history=history,
         epsilon=ledger.epsilon(),
+        epsilon_claim=ledger.claim() or None,
         rounds_completed=completed,
         reason=reason,
     )

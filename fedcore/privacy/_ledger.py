@@ -82,6 +82,20 @@ class PrivacyLedger:
             return None
         return self.noise_multiplier / 2 if self.sampled else self.noise_multiplier
 
+    def claim(self) -> dict[str, str]:
+        """What the reported epsilon is a bound of, for events, status and the final JSON.
+
+        ``adjacency``: ``AddRemove`` (one client's data added or removed) or ``ReplaceOne``
+        (replaced); ``amplification``: ``None`` or ``SamplingWithoutReplacement`` (a secret
+        sample). Empty without DP.
+        """
+        if not self.enabled:
+            return {}
+        return {
+            "adjacency": "ReplaceOne" if self.sampled else "AddRemove",
+            "amplification": "SamplingWithoutReplacement" if self.secret else "None",
+        }
+
     @property
     def enabled(self) -> bool:
         """Whether the protocol claims DP, so that rounds are accounted."""

@@ -362,7 +362,13 @@ class Server:
             self.events.emit("failed", reason=exc.reason, message=str(exc), round=exc.round)
             raise
         self.rpc.start()
-        self.events.emit("ready", role="server", port=self.rpc.port, start_round=start_round)
+        self.events.emit(
+            "ready",
+            role="server",
+            port=self.rpc.port,
+            start_round=start_round,
+            **self.privacy.claim(),
+        )
         try:
             try:
                 summary = self._rounds(start_round)
@@ -442,6 +448,7 @@ class Server:
             "accuracy": last_eval.get("accuracy"),
             "loss": last_eval.get("loss"),
             "epsilon": self.privacy.epsilon(),
+            "epsilon_claim": self.privacy.claim() or None,
             "bytes_sent": self.metrics.traffic()[0],
             "bytes_received": self.metrics.traffic()[1],
         }

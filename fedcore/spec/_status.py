@@ -57,6 +57,18 @@ class PrivacyStatus(SpecModel):
     epsilon: float | None = Field(None, description="epsilon spent so far.")
     delta: float | None = Field(None, description="delta of the accounting.")
     target_epsilon: float | None = Field(None, description="targetEpsilon: the budget, if any.")
+    adjacency: Literal["AddRemove", "ReplaceOne"] | None = Field(
+        None,
+        description="adjacency epsilon holds under: AddRemove (one client's data added or "
+        "removed: every client takes part every round) or ReplaceOne (replaced: a sample of "
+        "the clients each round).",
+    )
+    amplification: Literal["None", "SamplingWithoutReplacement"] | None = Field(
+        None,
+        description="amplification epsilon claims from the client sample: None (every client, "
+        "or a public seeded sample) or SamplingWithoutReplacement (a secret sample, "
+        "spec.clients.sampling Secret).",
+    )
 
 
 class CheckpointStatus(SpecModel):

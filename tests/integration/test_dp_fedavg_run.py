@@ -78,6 +78,7 @@ def test_dp_fedavg_run_reports_the_accountants_epsilon(finished_run: dict[str, A
     assert summary["phase"] == "Succeeded"
     assert summary["rounds_completed"] == 3
     assert summary["epsilon"] == pytest.approx(accountant_epsilon(3), rel=0, abs=1e-9)
+    assert summary["epsilon_claim"] == {"adjacency": "ReplaceOne", "amplification": "None"}
     assert [e["round"] for e in rounds] == [1, 2, 3]
     assert all(e["participants"] == 2 for e in rounds)
     spent = [e["epsilon"] for e in rounds]
@@ -171,6 +172,10 @@ def test_dp_fedavg_run_with_a_secret_sample_claims_sampling_without_replacement(
     assert summary["phase"] == "Succeeded" and summary["rounds_completed"] == rounds
     assert summary["epsilon"] == pytest.approx(accountant.get_epsilon(DELTA), rel=0, abs=1e-9)
     assert summary["epsilon"] < public.get_epsilon(DELTA)
+    assert summary["epsilon_claim"] == {
+        "adjacency": "ReplaceOne",
+        "amplification": "SamplingWithoutReplacement",
+    }
     rounds_run = [e for e in events_of(done["work"]) if e["event"] == "round"]
     assert [e["participants"] for e in rounds_run] == [1] * rounds
     released = load_file(str(done["work"] / "model.safetensors"))

@@ -67,3 +67,22 @@ def test_merge_coalesces_nested_patches() -> None:
     pending = {"round": 1, "privacy": {"epsilon": 0.5, "delta": 1e-5}}
     merge(pending, {"round": 2, "privacy": {"epsilon": 0.7}})
     assert pending == {"round": 2, "privacy": {"epsilon": 0.7, "delta": 1e-5}}
+
+
+def test_ready_reports_what_epsilon_bounds_with_or_without_a_budget() -> None:
+    # Prepare: the server's ready event carries its ledger's claim.
+    claim = {"adjacency": "ReplaceOne", "amplification": "SamplingWithoutReplacement"}
+    without_budget = parse_manifest(
+        {
+            "apiVersion": "fedcore.dev/v1alpha1",
+            "kind": "FederatedRun",
+            "metadata": {"name": "demo"},
+            "spec": {"protocol": {"name": "dp-fedavg"}, "clients": {"count": 4}, "rounds": 10},
+        }
+    )
+    # Execute
+    with_budget = status_patch(RUN, {"event": "ready", "start_round": 1, "time": 0, **claim})
+    bare = status_patch(without_budget, {"event": "ready", "start_round": 1, "time": 0, **claim})
+    # Assert
+    assert with_budget["privacy"] == {"delta": 1e-5, "targetEpsilon": 8.0, **claim}
+    assert bare["privacy"] == claim

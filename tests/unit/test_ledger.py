@@ -157,3 +157,25 @@ def test_a_secret_sample_budget_stops_and_its_checkpoint_resumes_unchanged() -> 
     assert resumed.epsilon() == wor_epsilon(0.55, 10, 3, 3)
     with pytest.raises(ValueError, match="sampling 'without-replacement'"):
         ledger_for("3").load_state_dict(state)
+
+
+@pytest.mark.parametrize(
+    ("per_round", "sampling", "z", "claim"),
+    [
+        ('"100%"', "Secret", 1.1, {"adjacency": "AddRemove", "amplification": "None"}),
+        ("3", "Seeded", 1.1, {"adjacency": "ReplaceOne", "amplification": "None"}),
+        (
+            "3",
+            "Secret",
+            1.1,
+            {"adjacency": "ReplaceOne", "amplification": "SamplingWithoutReplacement"},
+        ),
+        ("3", "Secret", None, {}),
+    ],
+)
+def test_the_claim_says_what_epsilon_bounds(per_round, sampling, z, claim) -> None:
+    # Prepare
+    text = MANIFEST % {"z": 1.1, "per_round": per_round, "target": 1e6, "sampling": sampling}
+    ledger = PrivacyLedger(load_manifest("ledger", text=text).spec, z)
+    # Execute / Assert
+    assert ledger.claim() == claim
