@@ -18,6 +18,8 @@ import yaml
 from kubernetes.client import ApiClient, Configuration
 from kubernetes.client.exceptions import ApiException
 
+from fedcore.kube_status import status_patch
+from fedcore.spec import parse_manifest
 from fedcore_operator import objects
 from fedcore_operator.crd import GROUP, PLURAL, VERSION
 from fedcore_operator.kube import request
@@ -352,6 +354,38 @@ def test_generated_crd_prunes_undeclared_status_fields(
         control_plane.kubectl("get", "crd", f"{PLURAL}.{GROUP}", "-o", "yaml").stdout
     )
     assert schema["spec"]["versions"][0]["subresources"] == {"status": {}}
+
+
+def test_status_keeps_what_epsilon_bounds_and_refuses_other_values(
+    control_plane: ControlPlane, operator: OperatorProcess, namespace: str
+) -> None:
+    # Prepare: a dp-fedavg run with a secret sample, and the status patch its server's ready
+    # event makes (the server's own mapping, as its StatusReporter sends it).
+    body = run_manifest(
+        "claim", "dp-fedavg", clients={"count": 3, "perRound": 2, "sampling": "Secret"}
+    )
+    apply(control_plane, namespace, body)
+    claim = {"adjacency": "ReplaceOne", "amplification": "SamplingWithoutReplacement"}
+    ready = status_patch(
+        parse_manifest(body), {"event": "ready", "start_round": 1, "time": 0, **claim}
+    )
+    api = control_plane.api_client()
+    path = f"/apis/{GROUP}/{VERSION}/namespaces/{namespace}/{PLURAL}/claim/status"
+    # Execute
+    result = request(
+        api, "PATCH", path, body={"status": ready}, content_type="application/merge-patch+json"
+    )
+    # Assert: kept by the CRD's schema, and a value outside its enum refused.
+    assert {k: result["status"]["privacy"][k] for k in claim} == claim
+    with pytest.raises(ApiException) as refused:
+        request(
+            api,
+            "PATCH",
+            path,
+            body={"status": {"privacy": {"adjacency": "Maybe"}}},
+            content_type="application/merge-patch+json",
+        )
+    assert refused.value.status == 422
 
 
 def test_only_the_lease_holder_reconciles_and_a_follower_takes_over(
