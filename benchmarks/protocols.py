@@ -71,8 +71,14 @@ PROTOCOLS: dict[str, dict[str, Any]] = {
 ``mpdp faithful`` is the paper's mode (the corrections travel unmasked, in float64), ``mpdp``
 the default Hardened mode."""
 
-TARGETED = ("perturb", "perturb m=2", "mpdp", "mpdp faithful")
-"""The rows issue 4's round-time target applies to."""
+TARGETS = {
+    "perturb": "perturb (m = 10 cells)",
+    "perturb m=2": "perturb (m = 2 cells)",
+    "mpdp": "mpdp (Hardened)",
+    "mpdp faithful": "mpdp (Faithful)",
+}
+"""The rows issue 4's round-time target applies to, and their names in the targets table."""
+TARGETED = tuple(TARGETS)
 
 
 def slug(row: str) -> str:
@@ -526,12 +532,7 @@ def target_rows(record: dict[str, Any]) -> list[str]:
     rows = record["rows"]
     base = rows["fedsgd"]["median_round"]
     found = []
-    for protocol, what in (
-        ("perturb", "perturb (m = 10 cells)"),
-        ("perturb m=2", "perturb (m = 2 cells)"),
-        ("mpdp", "mpdp (Hardened)"),
-        ("mpdp faithful", "mpdp (Faithful)"),
-    ):
+    for protocol, what in TARGETS.items():
         if protocol in rows:
             ratio = rows[protocol]["median_round"] / base
             found.append(

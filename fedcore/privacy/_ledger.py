@@ -11,6 +11,9 @@ from fedcore.privacy._accountant import create_accountant
 from fedcore.sampling import sampling_rate
 from fedcore.spec import FederatedRunSpec
 
+_STATUS_NAMES = {"add-remove": "AddRemove", "replace-one": "ReplaceOne"}
+"""``PrivacyLedger.adjacency`` as the status and final JSON spell it."""
+
 
 class PrivacyLedger:
     """Steps the run's accountant once per round for protocols that claim DP.
@@ -92,7 +95,7 @@ class PrivacyLedger:
         if not self.enabled:
             return {}
         return {
-            "adjacency": "ReplaceOne" if self.sampled else "AddRemove",
+            "adjacency": _STATUS_NAMES[self.adjacency],
             "amplification": "SamplingWithoutReplacement" if self.secret else "None",
         }
 
