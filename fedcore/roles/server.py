@@ -62,6 +62,8 @@ log = logging.getLogger(__name__)
 
 GOODBYE_SECONDS = 10.0
 """How long the server waits at the end for every present client to hear "done"."""
+FAILURE_GRACE_SECONDS = 1.0
+"""How long a round that stops on a failure waits for the failures that follow it."""
 
 
 @dataclass
@@ -174,7 +176,9 @@ class RoundBoard(SessionHandler):
 
     def wait_settled(self, deadline: float, *, stop_on_failure: bool = False) -> Attempt:
         """Blocks until the current attempt is settled or ``deadline`` passes (or, with
-        ``stop_on_failure``, until a planned client fails)."""
+        ``stop_on_failure``, until a planned client fails, plus ``FAILURE_GRACE_SECONDS`` for
+        the failures it causes: a killed client's neighbours may drop out first, and the
+        error should name every client lost, the cause among them)."""
         with self.cond:
             attempt = self.current
             assert attempt is not None
@@ -186,6 +190,10 @@ class RoundBoard(SessionHandler):
                             attempt.failed[client] = "timeout"
                     break
                 self.cond.wait(left)
+            if stop_on_failure and attempt.failed:
+                grace = min(deadline, time.monotonic() + FAILURE_GRACE_SECONDS)
+                while not attempt.settled() and (left := grace - time.monotonic()) > 0:
+                    self.cond.wait(left)
             self.current = None
             return attempt
 
