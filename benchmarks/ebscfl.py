@@ -40,10 +40,10 @@ from threadpoolctl import threadpool_limits
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.spine import write_section
-from fedcore import aggregators
 from fedcore.protocols import KeyChannel
-from fedcore.protocols import _ebscfl_maths as maths
-from fedcore.protocols.ebscfl import EbscflKdc, EbscflServer
+from fedcore.protocols.ebscfl import maths
+from fedcore.protocols.ebscfl.protocol import EbscflKdc, EbscflServer
+from fedcore.protocols.fedavg import aggregators
 from fedcore.simulation import LocalKeyChannel
 from fedcore.spec._options import EbscflOptions
 from fedcore.transport import Identity, Payload

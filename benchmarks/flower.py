@@ -59,7 +59,7 @@ from benchmarks.measure import (
     wall,
 )
 from benchmarks.spine import write_section
-from fedcore._ports import free_port
+from fedcore.local.ports import free_port
 
 BEGIN = "<!-- flower:begin -->"
 END = "<!-- flower:end -->"

@@ -1,6 +1,6 @@
 """LPPA against plain DSGT and the two DP baselines: accuracy, round time, bytes, privacy proxies.
 
-Accuracy: every variant runs the same job in one process (``fedcore.decentralized``: the client
+Accuracy: every variant runs the same job in one process (``fedcore.simulation.peer``: the client
 code of ``fedcore run``, each client a thread, peer messages in memory) on digits and on the
 5,000-image MNIST subset, IID and Dirichlet(0.5), with 5 peers on the complete graph (the
 paper's setting) and 20 peers on a 4-regular graph; an MLP with 64 hidden units, one minibatch
@@ -93,7 +93,7 @@ def accuracy_table(
     """Runs every (data, partition, peers, variant) for every seed in one process."""
     import torch
 
-    from fedcore.decentralized import simulate_decentralized
+    from fedcore.simulation.peer import simulate_decentralized
     from fedcore.spec import parse_manifest
 
     torch.set_num_threads(1)
@@ -176,8 +176,8 @@ def expected_bytes(peers: int) -> float:
 
 def decay_table() -> list[dict[str, Any]]:
     """rho(W), |W^t E| / |E| at t = 1, 5, 10, and the rounds until it is below 1e-3."""
-    from fedcore.protocols._lppa_maths import laplace_noise, matrix_noise_differences
-    from fedcore.topology import build_graph, mixing_matrix, second_eigenvalue
+    from fedcore.protocols.lppa.maths import laplace_noise, matrix_noise_differences
+    from fedcore.spec.topology import build_graph, mixing_matrix, second_eigenvalue
 
     rows = []
     for name, count, kind, options in (
@@ -224,8 +224,8 @@ def decay_table() -> list[dict[str, Any]]:
 
 def inversion_table(trials: int = 400) -> list[dict[str, Any]]:
     """Median MSE of x = g_w / g_b from the tracker an out-neighbour receives (digest B3)."""
-    from fedcore.protocols._lppa_maths import laplace_noise
-    from fedcore.topology import build_graph
+    from fedcore.protocols.lppa.maths import laplace_noise
+    from fedcore.spec.topology import build_graph
 
     rng = np.random.default_rng(1)
     size, beta = 784, 0.025

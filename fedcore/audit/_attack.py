@@ -20,7 +20,7 @@ import numpy as np
 
 from fedcore.audit._metrics import Estimate
 from fedcore.audit._views import ProtocolView
-from fedcore.data import ArrayDataset, client_dataset, test_dataset
+from fedcore.learning.data import ArrayDataset, client_dataset, test_dataset
 from fedcore.protocols import RoundResult, Weights
 from fedcore.simulation import Observer, SimulationResult
 from fedcore.spec import FederatedRun, FederatedRunSpec

@@ -36,9 +36,9 @@ from fedcore.audit._metrics import (
     roc_curve,
 )
 from fedcore.audit._views import BroadcastModel, PlainView
-from fedcore.data import ArrayDataset
-from fedcore.models import build_model, get_weights, set_weights
-from fedcore.training import LocalLearner
+from fedcore.learning.data import ArrayDataset
+from fedcore.learning.models import build_model, get_weights, set_weights
+from fedcore.learning.training import LocalLearner
 from fedcore.transport import Payload
 
 REFERENCE = "true model (reference)"

@@ -34,8 +34,8 @@ from fedcore.audit import _figures
 from fedcore.audit._attack import Attack, AttackResult, AuditContext
 from fedcore.audit._metrics import Estimate, bootstrap_mean, proportion
 from fedcore.audit._views import BroadcastModel, PlainView, ProtocolView, UpdateKind
-from fedcore.protocols import _ebscfl_maths as maths
-from fedcore.protocols.ebscfl import OPEN, SCORE, cluster_name
+from fedcore.protocols.ebscfl import maths
+from fedcore.protocols.ebscfl.protocol import OPEN, SCORE, cluster_name
 from fedcore.spec import FederatedRunSpec
 from fedcore.transport import Payload
 

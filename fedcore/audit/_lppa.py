@@ -25,9 +25,9 @@ from fedcore.audit._attack import Attack, AttackResult, AuditContext, peer_tenso
 from fedcore.audit._metrics import Estimate
 from fedcore.audit._reconstruct import Bounds, Scores, invert, scale_direction
 from fedcore.audit._views import BroadcastModel, PlainView, ProtocolView, UpdateKind
-from fedcore.models import build_model, get_weights
+from fedcore.learning.models import build_model, get_weights
 from fedcore.protocols._batches import batch_rows
-from fedcore.protocols._lppa_maths import unflatten
+from fedcore.protocols.lppa.maths import unflatten
 from fedcore.spec import FederatedRunSpec
 from fedcore.transport import Payload
 

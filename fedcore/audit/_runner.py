@@ -18,7 +18,7 @@ from fedcore.audit._attack import (
 )
 from fedcore.audit._metrics import Estimate
 from fedcore.audit._views import view_for
-from fedcore.sampling import sample_clients
+from fedcore.privacy.sampling import sample_clients
 from fedcore.simulation import simulate
 from fedcore.spec import FederatedRun
 

@@ -22,8 +22,8 @@ import torch
 from torch import nn
 from torch.func import functional_call
 
-from fedcore.data import dataset_info
-from fedcore.models import build_model
+from fedcore.learning.data import dataset_info
+from fedcore.learning.models import build_model
 from fedcore.privacy import clip_by_global_norm
 from fedcore.protocols.dp_fedavg import expected_clients
 from fedcore.spec import FederatedRunSpec
@@ -254,7 +254,7 @@ class AdaptiveView(PlainView):
 
     def private_rows(self, client: int, count: int) -> np.ndarray:
         """The client's private rows (the rest of its shard is held out for the distortion)."""
-        from fedcore.protocols.adaptive import AdaptiveClient
+        from fedcore.protocols.adaptive.protocol import AdaptiveClient
 
         return AdaptiveClient(self.spec, client).split(count)[0]
 
@@ -330,7 +330,7 @@ class PerturbView(ProtocolView):
     perturbed = True
 
     def broadcast(self, instruction: Payload) -> BroadcastModel:
-        from fedcore.protocols.perturb import OUTPUT_NOISE
+        from fedcore.protocols.perturb.protocol import OUTPUT_NOISE
 
         names = [n for n in instruction.tensors if n != OUTPUT_NOISE]
         params = {n: torch.as_tensor(np.asarray(instruction.tensors[n], np.float64)) for n in names}
@@ -343,13 +343,13 @@ class PerturbView(ProtocolView):
     def server_gradient(
         self, instruction: Payload, upload: Payload
     ) -> tuple[dict[str, np.ndarray], UpdateKind] | None:
-        from fedcore.protocols.perturb import OUTPUT_NOISE, grad_name
+        from fedcore.protocols.perturb.protocol import OUTPUT_NOISE, grad_name
 
         names = [n for n in instruction.tensors if n != OUTPUT_NOISE]
         return {n: np.asarray(upload.tensors[grad_name(n)], np.float64) for n in names}, "gradient"
 
     def first_layer(self, instruction: Payload) -> np.ndarray | None:
-        from fedcore.protocols.perturb import OUTPUT_NOISE
+        from fedcore.protocols.perturb.protocol import OUTPUT_NOISE
 
         first = next(n for n in instruction.tensors if n != OUTPUT_NOISE)
         return np.asarray(instruction.tensors[first], np.float64)

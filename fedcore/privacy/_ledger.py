@@ -6,9 +6,9 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from fedcore.metrics import RoleMetrics
+from fedcore.observe.metrics import RoleMetrics
 from fedcore.privacy._accountant import create_accountant
-from fedcore.sampling import sampling_rate
+from fedcore.privacy.sampling import sampling_rate
 from fedcore.spec import FederatedRunSpec
 
 _STATUS_NAMES = {"add-remove": "AddRemove", "replace-one": "ReplaceOne"}

@@ -12,14 +12,14 @@ from fedcore.protocols._base import (
     Weights,
 )
 from fedcore.protocols._registry import create_protocol, register_protocol, registered_protocols
-from fedcore.protocols.adaptive import Adaptive
+from fedcore.protocols.adaptive.protocol import Adaptive
 from fedcore.protocols.dp_fedavg import DpFedAvg
-from fedcore.protocols.ebscfl import Ebscfl
-from fedcore.protocols.fedavg import FedAvg
+from fedcore.protocols.ebscfl.protocol import Ebscfl
+from fedcore.protocols.fedavg.protocol import FedAvg
 from fedcore.protocols.fedsgd import FedSgd
-from fedcore.protocols.lppa import Lppa
-from fedcore.protocols.mpdp import Mpdp
-from fedcore.protocols.perturb import Perturb
+from fedcore.protocols.lppa.protocol import Lppa
+from fedcore.protocols.mpdp.protocol import Mpdp
+from fedcore.protocols.perturb.protocol import Perturb
 
 register_protocol(FedAvg.name, FedAvg)
 register_protocol(FedSgd.name, FedSgd)

@@ -18,7 +18,7 @@ from fedcore.spec import FederatedRunSpec, ProtocolFacts
 from fedcore.transport import Identity, Payload
 
 if TYPE_CHECKING:
-    from fedcore.training import LocalLearner
+    from fedcore.learning.training import LocalLearner
 
 Weights = dict[str, np.ndarray]
 """A model's parameters by name, in the model's state_dict order."""

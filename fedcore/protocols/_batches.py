@@ -12,9 +12,9 @@ import torch
 import torch.nn.functional as F
 from torch.func import functional_call, grad, vmap
 
-from fedcore.models import set_weights
+from fedcore.learning.models import set_weights
+from fedcore.learning.training import LocalLearner
 from fedcore.protocols._base import Weights
-from fedcore.training import LocalLearner
 
 BATCH_STREAM = 0xB47C
 """Keeps the minibatch draws apart from other uses of the seed."""

@@ -175,7 +175,8 @@ def _sum_rows(products: torch.Tensor) -> torch.Tensor:
 
     A vector-matrix product (``alpha @ cells``) would be a BLAS gemv, which MKL splits over the
     examples across threads, so its bits would depend on the thread count. The matrix products
-    elsewhere can too, which is why ``simulate()`` runs at the roles' count (fedcore/threads.py).
+    elsewhere can too, which is why ``simulate()`` runs at the roles' count
+    (fedcore/local/threads.py).
     """
     return products.sum(dim=0)
 

@@ -31,7 +31,7 @@ from fedcore.protocols._base import (
     Weights,
 )
 from fedcore.protocols._maths import mean_loss
-from fedcore.protocols.fedavg import LocalTrainingClient, ModelAveragingServer
+from fedcore.protocols.fedavg.protocol import LocalTrainingClient, ModelAveragingServer
 from fedcore.spec import FederatedRunSpec
 from fedcore.transport import Payload
 

@@ -9,10 +9,10 @@ from __future__ import annotations
 
 import numpy as np
 
+from fedcore.learning.training import LocalLearner
 from fedcore.protocols._base import ClientProtocol, Protocol, ServerProtocol, Weights
-from fedcore.protocols.fedavg import ModelAveragingServer
+from fedcore.protocols.fedavg.protocol import ModelAveragingServer
 from fedcore.spec import FederatedRunSpec
-from fedcore.training import LocalLearner
 from fedcore.transport import Payload
 
 

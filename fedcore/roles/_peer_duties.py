@@ -18,16 +18,16 @@ from pathlib import Path
 from safetensors.numpy import save_file
 
 from fedcore.checkpoint import Checkpointer, open_store
-from fedcore.data import test_dataset
 from fedcore.errors import CheckpointError, FedcoreError
-from fedcore.metrics import RoleMetrics
-from fedcore.models import build_model
+from fedcore.learning.data import test_dataset
+from fedcore.learning.models import build_model
+from fedcore.learning.training import Evaluator
+from fedcore.observe.metrics import RoleMetrics
 from fedcore.protocols import ClientProtocol, PeerClientProtocol
 from fedcore.roles._common import RoleConfig, spec_fingerprint
 from fedcore.roles._peers import PeerMesh
 from fedcore.spec import FederatedRun, peer_graph
-from fedcore.topology import peer_plans
-from fedcore.training import Evaluator
+from fedcore.spec.topology import peer_plans
 from fedcore.transport import Limits, Payload, RetryPolicy, TlsBundle
 
 log = logging.getLogger(__name__)

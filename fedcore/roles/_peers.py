@@ -23,7 +23,7 @@ from collections.abc import Callable, Mapping
 
 from fedcore.errors import MessageRejected, PeerLost
 from fedcore.protocols import PeerChannel
-from fedcore.topology import PeerPlan
+from fedcore.spec.topology import PeerPlan
 from fedcore.transport import (
     ClientSession,
     Identity,

@@ -7,10 +7,12 @@ import random
 import time
 from typing import Any
 
-from fedcore.data import client_dataset
 from fedcore.errors import FedcoreError
-from fedcore.metrics import RoleMetrics
-from fedcore.models import build_model
+from fedcore.learning.data import client_dataset
+from fedcore.learning.models import build_model
+from fedcore.learning.training import LocalLearner
+from fedcore.local.threads import limit_threads
+from fedcore.observe.metrics import RoleMetrics
 from fedcore.protocols import ClientProtocol, KeyChannel, create_protocol
 from fedcore.roles._common import (
     KDC_SERVICE,
@@ -22,8 +24,6 @@ from fedcore.roles._common import (
 )
 from fedcore.roles._peer_duties import PeerDuties, PeerSettings
 from fedcore.spec import FederatedRun, protocol_facts
-from fedcore.threads import limit_threads
-from fedcore.training import LocalLearner
 from fedcore.transport import Identity, Payload, RemoteError, RpcClient, TlsBundle
 
 log = logging.getLogger(__name__)

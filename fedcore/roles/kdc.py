@@ -24,8 +24,8 @@ from fedcore.checkpoint import (
     split_tensors,
 )
 from fedcore.errors import CheckpointError, FedcoreError, MessageRejected, NotReady, RunAborted
-from fedcore.events import EventLog
-from fedcore.metrics import RoleMetrics
+from fedcore.observe.events import EventLog
+from fedcore.observe.metrics import RoleMetrics
 from fedcore.protocols import KdcProtocol, create_protocol
 from fedcore.roles._common import KDC_SERVICE, RoleConfig, limits_of, role_checkpointer
 from fedcore.spec import FederatedRun

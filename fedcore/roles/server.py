@@ -19,7 +19,6 @@ from typing import Any
 from safetensors.numpy import save_file
 
 from fedcore.checkpoint import Checkpointer, S3ObjectStore, server_checkpointer
-from fedcore.data import dataset_info, test_dataset
 from fedcore.errors import (
     CheckpointError,
     EncodingRejected,
@@ -28,11 +27,15 @@ from fedcore.errors import (
     RecoveryError,
     RunAborted,
 )
-from fedcore.events import EventLog
-from fedcore.kube_status import status_listeners
-from fedcore.metrics import RoleMetrics
-from fedcore.models import build_model, get_weights
+from fedcore.learning.data import dataset_info, test_dataset
+from fedcore.learning.models import build_model, get_weights
+from fedcore.learning.training import Evaluator
+from fedcore.local.threads import limit_threads
+from fedcore.observe.events import EventLog
+from fedcore.observe.kube_status import status_listeners
+from fedcore.observe.metrics import RoleMetrics
 from fedcore.privacy import PrivacyLedger
+from fedcore.privacy.sampling import sample_clients
 from fedcore.protocols import ServerProtocol, create_protocol
 from fedcore.roles._common import (
     KDC_SERVICE,
@@ -44,10 +47,7 @@ from fedcore.roles._common import (
     role_checkpointer,
 )
 from fedcore.roles.client import RpcKeyChannel
-from fedcore.sampling import sample_clients
 from fedcore.spec import FederatedRun, protocol_facts
-from fedcore.threads import limit_threads
-from fedcore.training import Evaluator
 from fedcore.transport import (
     Identity,
     Payload,

@@ -5,7 +5,7 @@ from __future__ import annotations
 from fedcore.spec._facts import protocol_facts
 from fedcore.spec._models import FederatedRunSpec
 from fedcore.spec._options.lppa import lppa_graph
-from fedcore.topology import Graph, MixingMatrix, mixing_matrix
+from fedcore.spec.topology import Graph, MixingMatrix, mixing_matrix
 
 
 def peer_graph(spec: FederatedRunSpec) -> tuple[Graph, MixingMatrix]:

@@ -14,7 +14,7 @@ import click
 import kopf
 from kubernetes import client, config
 
-from fedcore.kube_status import load_in_cluster
+from fedcore.observe.kube_status import load_in_cluster
 from fedcore_operator.crd import crd_yaml, write_crd
 from fedcore_operator.kube import Kube
 from fedcore_operator.leader import LeaseElector

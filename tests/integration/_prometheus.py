@@ -14,7 +14,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
-from fedcore._ports import free_port
+from fedcore.local.ports import free_port
 
 MISSING = (
     "The {name} binary is missing: run `bash hack/testenv.sh` (it installs Debian's prometheus "

@@ -19,7 +19,7 @@ from pathlib import Path
 import boto3
 from botocore.config import Config
 
-from fedcore._ports import free_ports
+from fedcore.local.ports import free_ports
 
 ACCESS_KEY = "fedcore-test-key"
 SECRET_KEY = "fedcore-test-secret"

@@ -19,9 +19,9 @@ import pytest
 import yaml
 from prometheus_client import CollectorRegistry, start_http_server
 
-from fedcore._ports import free_port
-from fedcore.metrics import RoleMetrics
-from fedcore.runner import LocalRun
+from fedcore.local.ports import free_port
+from fedcore.local.runner import LocalRun
+from fedcore.observe.metrics import RoleMetrics
 from fedcore.spec import load_manifest
 from fedcore_operator.metrics import OperatorMetrics
 from tests.integration._prometheus import (

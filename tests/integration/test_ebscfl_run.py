@@ -16,11 +16,18 @@ import pytest
 from safetensors.numpy import load_file
 
 from fedcore.checkpoint import kdc_checkpointer, open_store
-from fedcore.poisoning import attackers
-from fedcore.protocols.ebscfl import CLIENT_KEYS, OPEN, SCORE, SCORE_KEYS, SERVER_KEYS, EbscflKdc
+from fedcore.learning.poisoning import attackers
+from fedcore.local.runner import LocalRun
+from fedcore.protocols.ebscfl.protocol import (
+    CLIENT_KEYS,
+    OPEN,
+    SCORE,
+    SCORE_KEYS,
+    SERVER_KEYS,
+    EbscflKdc,
+)
 from fedcore.roles._common import RoleConfig, spec_fingerprint
 from fedcore.roles.kdc import Kdc
-from fedcore.runner import LocalRun
 from fedcore.simulation import simulate
 from fedcore.spec import load_manifest
 from fedcore.transport import Identity, Limits, Payload, RemoteError, RpcClient, issue_run_bundles

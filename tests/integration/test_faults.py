@@ -18,12 +18,12 @@ import pytest
 from safetensors.numpy import load_file
 
 from fedcore.checkpoint import Checkpointer, S3ObjectStore, kdc_checkpointer, open_store
-from fedcore.data import dataset_info
 from fedcore.errors import RoleFailed, RunAborted
-from fedcore.events import read_events
-from fedcore.models import build_model, get_weights
+from fedcore.learning.data import dataset_info
+from fedcore.learning.models import build_model, get_weights
+from fedcore.local.runner import Child, LocalRun
+from fedcore.observe.events import read_events
 from fedcore.roles._common import spec_fingerprint
-from fedcore.runner import Child, LocalRun
 from fedcore.simulation import simulate
 from fedcore.spec import FederatedRun, load_manifest
 from tests.integration._proxy import StallingProxy

@@ -345,7 +345,7 @@ def test_kdc_restarted_with_resume_serves_its_checkpointed_state_and_without_for
 
 def test_mpdp_kdc_saves_a_registration_before_answering_it(tmp_path: Path) -> None:
     # Prepare
-    from fedcore.protocols.mpdp import PUBLIC_KEY_KIND, MpdpKdc
+    from fedcore.protocols.mpdp.protocol import PUBLIC_KEY_KIND, MpdpKdc
 
     kdc, under_test = start_kdc(tmp_path, MpdpKdc(2), resume=False)
     key = np.frombuffer(bytes(range(1, 33)), dtype=np.uint8).copy()

@@ -16,7 +16,7 @@ from safetensors.numpy import load_file
 
 from fedcore.checkpoint import Checkpointer, LocalObjectStore
 from fedcore.errors import RoleFailed, RunAborted
-from fedcore.runner import LocalRun
+from fedcore.local.runner import LocalRun
 from fedcore.simulation import simulate
 from fedcore.spec import load_manifest
 from fedcore.transport import (
@@ -131,7 +131,7 @@ def test_resume_from_round_2_checkpoint_ends_with_the_uninterrupted_model(
 def wait_for_event(run: LocalRun, kind: str, timeout: float = 180, **match: object) -> dict:
     deadline = time.monotonic() + timeout
     offset = 0
-    from fedcore.events import read_events
+    from fedcore.observe.events import read_events
 
     while time.monotonic() < deadline:
         events, offset = read_events(run.events_path, offset)

@@ -22,15 +22,15 @@ import pytest
 import yaml
 from safetensors.numpy import load_file
 
-from fedcore.decentralized import simulate_decentralized
 from fedcore.errors import PeerLost, RoleFailed, RunAborted
-from fedcore.events import read_events
-from fedcore.protocols.lppa import UPLOAD_KEYS
+from fedcore.local.runner import LocalRun, peer_arguments
+from fedcore.observe.events import read_events
+from fedcore.protocols.lppa.protocol import UPLOAD_KEYS
 from fedcore.roles import RoleConfig, Server
 from fedcore.roles._peers import PeerMesh
-from fedcore.runner import LocalRun, peer_arguments
+from fedcore.simulation.peer import simulate_decentralized
 from fedcore.spec import FederatedRun, load_manifest, peer_graph
-from fedcore.topology import PeerPlan, build_graph, mixing_matrix, peer_plans
+from fedcore.spec.topology import PeerPlan, build_graph, mixing_matrix, peer_plans
 from fedcore.transport import Limits, Payload, RetryPolicy, issue_run_bundles
 from tests.integration._runs import fedcore, last_json
 
@@ -430,7 +430,7 @@ def test_a_client_that_cannot_start_fails_the_run_at_once_naming_it(
             found[index] = [f"1=127.0.0.1:{port}" if arg.startswith("1=") else arg for arg in args]
         return found
 
-    monkeypatch.setattr("fedcore.runner.peer_arguments", with_port_taken)
+    monkeypatch.setattr("fedcore.local.runner.peer_arguments", with_port_taken)
     started = time.monotonic()
     # Execute
     try:

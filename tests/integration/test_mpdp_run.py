@@ -13,13 +13,13 @@ import numpy as np
 import pytest
 from safetensors.numpy import load_file
 
-from fedcore.data import client_dataset
-from fedcore.events import read_events
-from fedcore.models import build_model, get_weights
-from fedcore.runner import LocalRun
+from fedcore.learning.data import client_dataset
+from fedcore.learning.models import build_model, get_weights
+from fedcore.learning.training import LocalLearner
+from fedcore.local.runner import LocalRun
+from fedcore.observe.events import read_events
 from fedcore.simulation import simulate
 from fedcore.spec import FederatedRun, load_manifest
-from fedcore.training import LocalLearner
 from tests.integration._runs import fedcore, last_json, write_manifest
 
 pytestmark = pytest.mark.integration

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from fedcore.runner import LocalRun
+from fedcore.local.runner import LocalRun
 from fedcore.spec import load_manifest
 from tests.integration._prometheus import log_tail, poll, query, running_prometheus
 from tests.integration._runs import write_manifest

@@ -17,7 +17,7 @@ from typing import Any
 from kubernetes.client.exceptions import ApiException
 from prometheus_client.parser import text_string_to_metric_families
 
-from fedcore._ports import free_ports
+from fedcore.local.ports import free_ports
 from fedcore.transport import RunCa
 from fedcore_operator.crd import CHART_CRD_PATH, CRD_NAME, GROUP, PLURAL, VERSION
 from tests.kube.cluster import ControlPlane

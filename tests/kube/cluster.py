@@ -41,7 +41,7 @@ from cryptography.hazmat.primitives.asymmetric import ec, rsa
 from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 from kubernetes.client.rest import ApiException
 
-from fedcore._ports import free_ports
+from fedcore.local.ports import free_ports
 
 BIN_ENV = "FEDCORE_K8S_BIN"
 KUBECONFIG_ENV = "FEDCORE_TEST_KUBECONFIG"

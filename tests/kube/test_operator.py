@@ -18,7 +18,7 @@ import yaml
 from kubernetes.client import ApiClient, Configuration
 from kubernetes.client.exceptions import ApiException
 
-from fedcore.kube_status import status_patch
+from fedcore.observe.kube_status import status_patch
 from fedcore.spec import parse_manifest
 from fedcore_operator import objects
 from fedcore_operator.crd import GROUP, PLURAL, VERSION

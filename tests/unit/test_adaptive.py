@@ -10,11 +10,13 @@ from typing import Any
 import numpy as np
 import pytest
 
-from fedcore.data import client_dataset
 from fedcore.errors import SpecError
-from fedcore.models import build_model, get_weights
+from fedcore.learning.data import client_dataset
+from fedcore.learning.models import build_model, get_weights
+from fedcore.learning.training import LocalLearner
 from fedcore.protocols import create_protocol
-from fedcore.protocols._adaptive_maths import (
+from fedcore.protocols._batches import BATCH_STREAM, batch_rows
+from fedcore.protocols.adaptive.maths import (
     cap,
     dp_laplace_scale,
     empirical_leakage,
@@ -24,10 +26,8 @@ from fedcore.protocols._adaptive_maths import (
     project_shell,
     random_at_norm,
 )
-from fedcore.protocols._batches import BATCH_STREAM, batch_rows
-from fedcore.protocols.adaptive import AdaptiveClient, AdaptiveServer
+from fedcore.protocols.adaptive.protocol import AdaptiveClient, AdaptiveServer
 from fedcore.spec import FederatedRun, parse_manifest
-from fedcore.training import LocalLearner
 from fedcore.transport import Payload
 
 pytestmark = pytest.mark.filterwarnings("ignore:adaptive draws its distortion:UserWarning")

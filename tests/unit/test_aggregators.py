@@ -7,10 +7,10 @@ from typing import Any
 import numpy as np
 import pytest
 
-from fedcore import aggregators
 from fedcore.errors import ProtocolError
 from fedcore.protocols._maths import cluster_name
-from fedcore.protocols.robust import RobustAveragingServer, RobustTrainingClient
+from fedcore.protocols.fedavg import aggregators
+from fedcore.protocols.fedavg.robust import RobustAveragingServer, RobustTrainingClient
 from fedcore.spec._models import FedAvgOptions
 from fedcore.transport import Payload
 
@@ -144,7 +144,7 @@ def test_a_sign_flipping_client_uploads_minus_scale_times_its_update() -> None:
         num_examples = 7
 
         def train(self, weights: dict[str, np.ndarray], *, round: int) -> tuple[Any, Any]:
-            from fedcore.training import LocalStats
+            from fedcore.learning.training import LocalStats
 
             return {k: v + 1.0 for k, v in weights.items()}, LocalStats(7, 0.3, 1)
 

@@ -1,4 +1,4 @@
-"""Tests of fedcore.data: sources, the train/test split and the partitions."""
+"""Tests of fedcore.learning.data: sources, the train/test split and the partitions."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import pytest
 from sklearn.datasets import load_digits
 from sklearn.model_selection import train_test_split
 
-from fedcore import data as fd
+from fedcore.learning import data as fd
 from fedcore.spec import (
     ClientsSpec,
     DataSourceSpec,

@@ -17,10 +17,10 @@ from fedcore.privacy import (
     global_norm,
     noise_generator,
 )
+from fedcore.privacy.sampling import sampling_rate
 from fedcore.protocols import DpFedAvg, create_protocol, registered_protocols
 from fedcore.protocols.dp_fedavg import DpFedAvgServer, expected_clients
-from fedcore.protocols.fedavg import LocalTrainingClient, ModelAveragingServer
-from fedcore.sampling import sampling_rate
+from fedcore.protocols.fedavg.protocol import LocalTrainingClient, ModelAveragingServer
 from fedcore.spec import load_manifest
 from fedcore.transport import Payload
 

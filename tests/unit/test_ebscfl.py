@@ -14,14 +14,13 @@ from typing import Any
 import numpy as np
 import pytest
 
-from fedcore import aggregators
 from fedcore.audit import _ebscfl as leaks
 from fedcore.audit._ebscfl import readout
 from fedcore.errors import EncodingRejected, MessageRejected, NotReady, ProtocolError
 from fedcore.protocols import KeyChannel
-from fedcore.protocols import _ebscfl_keys as keys_
-from fedcore.protocols import _ebscfl_maths as maths
-from fedcore.protocols.ebscfl import (
+from fedcore.protocols.ebscfl import keys as keys_
+from fedcore.protocols.ebscfl import maths
+from fedcore.protocols.ebscfl.protocol import (
     CLIENT_KEYS,
     OPEN,
     SCORE,
@@ -30,6 +29,7 @@ from fedcore.protocols.ebscfl import (
     EbscflKdc,
     EbscflServer,
 )
+from fedcore.protocols.fedavg import aggregators
 from fedcore.simulation import LocalKeyChannel
 from fedcore.spec._options import EbscflOptions
 from fedcore.transport import Identity, Payload
@@ -713,10 +713,10 @@ def test_a_protocol_round_moves_each_model_by_the_plaintext_rfca_aggregate(
     mode: str, layout: str, segment: int
 ) -> None:
     # Prepare: the three sides as the roles run them, over an in-process KDC
-    from fedcore.data import client_dataset, dataset_info
-    from fedcore.models import build_model, get_weights
-    from fedcore.protocols.ebscfl import Ebscfl
-    from fedcore.training import LocalLearner
+    from fedcore.learning.data import client_dataset, dataset_info
+    from fedcore.learning.models import build_model, get_weights
+    from fedcore.learning.training import LocalLearner
+    from fedcore.protocols.ebscfl.protocol import Ebscfl
 
     run = ebscfl_run(mode=mode, layout=layout, segment=segment)
     spec = run.spec
@@ -763,7 +763,7 @@ def test_a_protocol_round_moves_each_model_by_the_plaintext_rfca_aggregate(
 
 def test_a_malformed_encoding_is_rejected_and_the_simulated_round_completes_without_it() -> None:
     # Prepare: one attacker of four tampers with its encoding
-    from fedcore.poisoning import attackers
+    from fedcore.learning.poisoning import attackers
     from fedcore.simulation import simulate
 
     run = ebscfl_run(attack="  attack: {kind: MalformedEncoding, fraction: 0.25, scale: 0.01}")

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from fedcore.kube_status import merge, status_patch
+from fedcore.observe.kube_status import merge, status_patch
 from fedcore.spec import parse_manifest
 
 RUN = parse_manifest(

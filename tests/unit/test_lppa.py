@@ -12,10 +12,9 @@ from typing import Any
 import numpy as np
 import pytest
 
-from fedcore.decentralized import simulate_decentralized
 from fedcore.errors import PeerLost, ProtocolError
 from fedcore.protocols import create_protocol
-from fedcore.protocols._lppa_maths import (
+from fedcore.protocols.lppa.maths import (
     dsgt_step,
     laplace_noise,
     matrix_dsgt,
@@ -23,9 +22,10 @@ from fedcore.protocols._lppa_maths import (
     noise_difference,
     noise_grid,
 )
-from fedcore.protocols.lppa import LppaClient, LppaCoordinator
+from fedcore.protocols.lppa.protocol import LppaClient, LppaCoordinator
+from fedcore.simulation.peer import simulate_decentralized
 from fedcore.spec import FederatedRun, parse_manifest, peer_graph
-from fedcore.topology import Graph, build_graph, mixing_matrix
+from fedcore.spec.topology import Graph, build_graph, mixing_matrix
 from fedcore.transport import Payload
 
 pytestmark = pytest.mark.filterwarnings("ignore:lppa draws its noise:UserWarning")

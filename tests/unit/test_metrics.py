@@ -6,7 +6,7 @@ from pathlib import Path
 
 from prometheus_client import generate_latest
 
-from fedcore.metrics import RoleMetrics
+from fedcore.observe.metrics import RoleMetrics
 
 DOC = Path(__file__).resolve().parents[2] / "docs" / "metrics.md"
 

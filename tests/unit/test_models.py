@@ -1,4 +1,4 @@
-"""Tests of fedcore.models: the model zoo and the weight round trip."""
+"""Tests of fedcore.learning.models: the model zoo and the weight round trip."""
 
 from __future__ import annotations
 
@@ -10,8 +10,8 @@ import pytest
 import torch
 from torch import nn
 
-from fedcore.data import load_split
-from fedcore.models import build_model, get_weights, set_weights
+from fedcore.learning.data import load_split
+from fedcore.learning.models import build_model, get_weights, set_weights
 from fedcore.spec import DataSourceSpec, DataSpec, ModelSpec
 
 

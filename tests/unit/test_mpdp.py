@@ -16,16 +16,16 @@ import torch
 from dp_accounting import rdp
 from scipy import stats
 
-from fedcore.data import ArrayDataset, client_dataset, test_dataset
 from fedcore.errors import MessageRejected, NotReady, ProtocolError
-from fedcore.models import build_model, get_weights
+from fedcore.learning.data import ArrayDataset, client_dataset, test_dataset
+from fedcore.learning.models import build_model, get_weights
+from fedcore.learning.training import LocalLearner
 from fedcore.protocols import KeyChannel, create_protocol
-from fedcore.protocols import _mpdp_keys as keys_
-from fedcore.protocols import _mpdp_maths as maths
-from fedcore.protocols.mpdp import Mpdp, MpdpClient, MpdpKdc, MpdpServer
+from fedcore.protocols.mpdp import keys as keys_
+from fedcore.protocols.mpdp import maths
+from fedcore.protocols.mpdp.protocol import Mpdp, MpdpClient, MpdpKdc, MpdpServer
 from fedcore.simulation import LocalKeyChannel, simulate
 from fedcore.spec import FederatedRun, FederatedRunSpec, load_manifest
-from fedcore.training import LocalLearner
 from fedcore.transport import Identity, Payload, encode_chunks
 
 MANIFEST = """

@@ -11,12 +11,13 @@ import torch
 import torch.nn.functional as F
 from sklearn.datasets import load_digits
 
-from fedcore.data import ArrayDataset
 from fedcore.errors import ProtocolError, RecoveryError, SpecError
-from fedcore.models import build_model, get_weights
+from fedcore.learning.data import ArrayDataset
+from fedcore.learning.models import build_model, get_weights
+from fedcore.learning.training import LocalLearner
 from fedcore.protocols import Perturb, create_protocol
 from fedcore.protocols._maths import weighted_mean
-from fedcore.protocols._perturb_maths import (
+from fedcore.protocols.perturb.maths import (
     RoundSecrets,
     balance_residual,
     draw_secrets,
@@ -26,10 +27,9 @@ from fedcore.protocols._perturb_maths import (
     recover_gradient,
     recover_value,
 )
-from fedcore.protocols.perturb import OUTPUT_NOISE, PerturbServer, grad_name
+from fedcore.protocols.perturb.protocol import OUTPUT_NOISE, PerturbServer, grad_name
 from fedcore.simulation import simulate
 from fedcore.spec import load_manifest
-from fedcore.training import LocalLearner
 from fedcore.transport import Payload, encode_chunks
 
 MANIFEST = """

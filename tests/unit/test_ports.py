@@ -6,8 +6,8 @@ import socket
 
 import pytest
 
-from fedcore import _ports
-from fedcore._ports import LOOPBACK, ephemeral_range, free_port, free_ports
+from fedcore.local import ports as _ports
+from fedcore.local.ports import LOOPBACK, ephemeral_range, free_port, free_ports
 
 
 def test_ports_are_distinct_free_and_below_the_ephemeral_range() -> None:

@@ -9,9 +9,10 @@ import pytest
 import torch
 from sklearn.datasets import load_digits
 
-from fedcore.data import ArrayDataset
 from fedcore.errors import ProtocolError
-from fedcore.models import build_model, get_weights
+from fedcore.learning.data import ArrayDataset
+from fedcore.learning.models import build_model, get_weights
+from fedcore.learning.training import LocalLearner
 from fedcore.protocols import (
     FedAvg,
     FedSgd,
@@ -20,9 +21,8 @@ from fedcore.protocols import (
     register_protocol,
     registered_protocols,
 )
-from fedcore.protocols.fedavg import ModelAveragingServer
+from fedcore.protocols.fedavg.protocol import ModelAveragingServer
 from fedcore.spec import load_manifest
-from fedcore.training import LocalLearner
 from fedcore.transport import Payload
 
 MANIFEST = """

@@ -9,9 +9,9 @@ import pytest
 import torch
 from scipy import stats
 
-from fedcore.protocols import _mpdp_keys as keys_
-from fedcore.protocols import _mpdp_maths as mpdp_maths
 from fedcore.protocols import _relu_mlp
+from fedcore.protocols.mpdp import keys as keys_
+from fedcore.protocols.mpdp import maths as mpdp_maths
 
 
 def autograd_terms(

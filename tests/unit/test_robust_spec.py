@@ -8,10 +8,10 @@ from typing import Any
 import numpy as np
 import pytest
 
-from fedcore.data import client_dataset, root_shards, test_dataset
-from fedcore.data._sources import load_split
 from fedcore.errors import SpecError
-from fedcore.poisoning import attack_of, attackers, poison_update, tamper
+from fedcore.learning.data import client_dataset, root_shards, test_dataset
+from fedcore.learning.data._sources import load_split
+from fedcore.learning.poisoning import attack_of, attackers, poison_update, tamper
 from fedcore.spec import load_manifest
 
 BASE = """

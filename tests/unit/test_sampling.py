@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections import Counter
 
-from fedcore.sampling import sample_clients, sampling_rate
+from fedcore.privacy.sampling import sample_clients, sampling_rate
 from fedcore.spec import ClientsSpec
 
 

@@ -5,9 +5,9 @@ from __future__ import annotations
 import torch
 from threadpoolctl import threadpool_info
 
+from fedcore.local.threads import ROLE_THREADS, threads_limited
 from fedcore.simulation import Observer, simulate
 from fedcore.spec import load_manifest
-from fedcore.threads import ROLE_THREADS, threads_limited
 from fedcore.transport import Payload
 
 MANIFEST = """

@@ -9,7 +9,7 @@ import pytest
 
 from fedcore.errors import SpecError
 from fedcore.spec import parse_manifest, peer_graph
-from fedcore.topology import (
+from fedcore.spec.topology import (
     Graph,
     TopologyError,
     build_graph,
@@ -112,7 +112,7 @@ def test_a_row_stochastic_matrix_is_not_accepted_as_doubly_stochastic() -> None:
     rows = matrix.rows
     values = np.ones(len(rows)) / np.bincount(rows)[rows]
     # Execute
-    from fedcore.topology import MixingMatrix
+    from fedcore.spec.topology import MixingMatrix
 
     plain = MixingMatrix(graph.count, rows, matrix.cols, values)
     # Assert

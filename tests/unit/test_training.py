@@ -1,4 +1,4 @@
-"""Tests of fedcore.training: local training, full-shard gradients and evaluation."""
+"""Tests of fedcore.learning.training: local training, full-shard gradients and evaluation."""
 
 from __future__ import annotations
 
@@ -10,10 +10,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from fedcore.data import ArrayDataset, load_split
-from fedcore.models import build_model, get_weights, set_weights
+from fedcore.learning.data import ArrayDataset, load_split
+from fedcore.learning.models import build_model, get_weights, set_weights
+from fedcore.learning.training import EvalResult, Evaluator, LocalLearner, LocalStats
 from fedcore.spec import DataSpec, ModelSpec, OptimizerSpec, TrainingSpec
-from fedcore.training import EvalResult, Evaluator, LocalLearner, LocalStats
 
 SEED = 5
 CLIENT = 2

@@ -8,7 +8,7 @@ from pydantic import Field
 
 from fedcore.errors import SpecIssue
 from fedcore.spec._base import SpecModel
-from fedcore.topology import (
+from fedcore.spec.topology import (
     Graph,
     TopologyError,
     build_graph,

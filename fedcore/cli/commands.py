@@ -1,0 +1,666 @@
+"""The ``fedcore`` command: run a manifest locally, validate one, or start one role."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import os
+import signal
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import click
+from rich.console import Console
+
+from fedcore.errors import FedcoreError, RunAborted, SpecError
+from fedcore.local.threads import ROLE_THREADS
+
+stderr = Console(stderr=True)
+
+ROLE_OPTIONS = [
+    click.option(
+        "--manifest",
+        type=click.Path(exists=True, dir_okay=False, path_type=Path),
+        required=True,
+        envvar="FEDCORE_MANIFEST",
+        help="The FederatedRun manifest file.",
+    ),
+    click.option(
+        "--tls-dir",
+        type=click.Path(file_okay=False, path_type=Path),
+        required=True,
+        envvar="FEDCORE_TLS_DIR",
+        help="The folder holding this role's ca.crt, tls.crt and tls.key.",
+    ),
+    click.option(
+        "--workdir",
+        type=click.Path(file_okay=False, path_type=Path),
+        default=Path("."),
+        envvar="FEDCORE_WORKDIR",
+        show_default=True,
+        help="The run's folder for checkpoints and the final model.",
+    ),
+    click.option(
+        "--metrics-port",
+        type=click.IntRange(0, 65535),
+        default=0,
+        envvar="FEDCORE_METRICS_PORT",
+        help="Serve Prometheus /metrics on this port (0: do not serve).",
+    ),
+    click.option(
+        "--metrics-address",
+        default="127.0.0.1",
+        envvar="FEDCORE_METRICS_ADDRESS",
+        show_default=True,
+        help="The address /metrics binds to.",
+    ),
+    click.option(
+        "--events",
+        type=click.Path(dir_okay=False, path_type=Path),
+        default=None,
+        help="Append progress events as JSON lines to this file.",
+    ),
+    click.option(
+        "--threads",
+        type=click.IntRange(1, 1024),
+        default=1,
+        envvar="FEDCORE_THREADS",
+        show_default=True,
+        help="Torch threads in this process.",
+    ),
+    click.option(
+        "--log-level",
+        type=click.Choice(["DEBUG", "INFO", "WARNING", "ERROR"]),
+        default="INFO",
+        show_default=True,
+        help="How much the role logs.",
+    ),
+]
+
+
+def role_options(func: Any) -> Any:
+    """Adds the options every role command shares."""
+    for option in reversed(ROLE_OPTIONS):
+        func = option(func)
+    return func
+
+
+def role_config(options: dict[str, Any]) -> Any:
+    """Builds a RoleConfig from the shared options."""
+    from fedcore.roles import RoleConfig
+
+    return RoleConfig(
+        manifest=options["manifest"],
+        tls_dir=options["tls_dir"],
+        workdir=options["workdir"],
+        metrics_port=options["metrics_port"],
+        metrics_address=options["metrics_address"],
+        events=options["events"],
+        threads=options["threads"],
+    )
+
+
+@contextlib.contextmanager
+def role_errors(role: str) -> Iterator[None]:
+    """Turns any error of a role process into one logged line (traceback at DEBUG) and exit 1.
+
+    A role that finished exits 0 at once, without the interpreter's finalization: the role has
+    closed its channels and flushed its status by then, and tearing down grpc's C++ threads
+    during finalization sometimes aborts the process ("terminate called without an active
+    exception", SIGABRT), which turned a finished client into a failed pod that was recreated.
+    """
+    try:
+        yield
+    except (SystemExit, KeyboardInterrupt):
+        raise
+    except BaseException as exc:
+        logger = logging.getLogger(f"fedcore.{role}")
+        logger.debug("Traceback of the failure:", exc_info=True)
+        logger.error("%s: %s", type(exc).__name__, exc)
+        sys.exit(1)
+    exit_now(0)
+
+
+def exit_now(code: int) -> None:
+    """Flushes the logs and standard streams, then ends the process with ``code`` at once."""
+    logging.shutdown()
+    for stream in (sys.stdout, sys.stderr):
+        with contextlib.suppress(Exception):
+            stream.flush()
+    os._exit(code)
+
+
+def fail(exc: BaseException, code: int = 1) -> None:
+    """Prints ``TypeName: message`` in red on stderr and exits with ``code``."""
+    stderr.print(
+        f"[bold red]{type(exc).__name__}[/]: {exc}", markup=True, highlight=False, soft_wrap=True
+    )
+    sys.exit(code)
+
+
+class FedcoreGroup(click.Group):
+    """A click group that turns every FedcoreError into a red one-liner and exit code 1."""
+
+    def invoke(self, ctx: click.Context) -> Any:
+        try:
+            return super().invoke(ctx)
+        except RunAborted as exc:
+            fail(exc, 130 if exc.reason == "Interrupted" else 1)
+        except FedcoreError as exc:
+            fail(exc)
+
+
+@click.group(cls=FedcoreGroup)
+@click.version_option(package_name="fedcore")
+def main() -> None:
+    """fedcore: privacy-preserving federated learning, on one machine or on Kubernetes."""
+
+
+@main.command()
+@click.argument("manifest", type=click.Path(exists=True, dir_okay=False, path_type=Path))
+def validate(manifest: Path) -> None:
+    """Validates MANIFEST and prints what it would run."""
+    from fedcore.spec import load_manifest, protocol_facts
+
+    run = load_manifest(manifest)
+    facts = protocol_facts(run.spec.protocol.name)
+    click.echo(
+        f"{manifest}: valid FederatedRun {run.metadata.name!r}: protocol "
+        f"{facts.name}, {run.spec.clients.count} clients, {run.spec.rounds} rounds"
+        f"{', with a KDC' if facts.needs_kdc else ''}."
+    )
+
+
+@main.command()
+@click.argument("manifest", type=click.Path(exists=True, dir_okay=False, path_type=Path))
+@click.option(
+    "--workdir",
+    type=click.Path(file_okay=False, path_type=Path),
+    default=None,
+    help="The run's folder (default: runs/<name>).",
+)
+@click.option("--resume", is_flag=True, help="Start from the latest good checkpoint.")
+@click.option(
+    "--json", "as_json", is_flag=True, help="Print one JSON summary as the last line of stdout."
+)
+@click.option("--no-metrics", is_flag=True, help="Do not serve /metrics from the roles.")
+@click.option(
+    "--threads",
+    type=click.IntRange(1, 1024),
+    default=ROLE_THREADS,
+    show_default=True,
+    help="Torch threads per role process.",
+)
+@click.option("--quiet", is_flag=True, help="No progress bar.")
+@click.option(
+    "--spawn",
+    type=click.Choice(["fork", "exec"]),
+    default="fork",
+    show_default=True,
+    help="fork: roles fork from a warm forkserver (fast start); exec: each role is a fresh "
+    "`python -m fedcore <role>` command, as in a pod.",
+)
+@click.option(
+    "--simulate",
+    is_flag=True,
+    help="Run the protocol's maths in this one process (no network, no roles, no "
+    "checkpoints): the same hooks in the same order, for a quick check of a manifest.",
+)
+def run(
+    manifest: Path,
+    workdir: Path | None,
+    resume: bool,
+    as_json: bool,
+    no_metrics: bool,
+    threads: int,
+    quiet: bool,
+    spawn: str,
+    simulate: bool,
+) -> None:
+    """Runs MANIFEST on this machine: KDC, server and clients as processes over mutual TLS."""
+    from fedcore.cli.progress import RunProgress
+    from fedcore.local.runner import LocalRun
+    from fedcore.spec import load_manifest
+
+    try:
+        spec_run = load_manifest(manifest)
+    except SpecError as exc:
+        if as_json:
+            click.echo(
+                json.dumps(
+                    {
+                        "phase": "Failed",
+                        "rounds": None,
+                        "accuracy": None,
+                        "wall_seconds": None,
+                        "reason": "SpecError",
+                        "message": str(exc),
+                    }
+                )
+            )
+        raise
+    if simulate:
+        _simulate(spec_run, as_json=as_json)
+        return
+    folder = workdir or Path("runs") / spec_run.metadata.name
+    local = LocalRun(
+        spec_run,
+        manifest,
+        workdir=folder,
+        resume=resume,
+        metrics=not no_metrics,
+        threads=threads,
+        spawn="exec" if spawn == "exec" else "fork",
+    )
+    signal.signal(signal.SIGTERM, _raise_interrupt)
+    progress = RunProgress(stderr, spec_run, enabled=not quiet)
+    try:
+        with progress:
+            result = local.execute(on_event=progress.update)
+    except FedcoreError as exc:
+        if as_json:
+            reason = exc.reason if isinstance(exc, RunAborted) else type(exc).__name__
+            failed = {
+                "phase": "Failed",
+                "rounds": spec_run.spec.rounds,
+                "accuracy": None,
+                "wall_seconds": None,
+                "reason": reason,
+                "message": str(exc),
+            }
+            click.echo(json.dumps(failed))
+        raise
+    summary = result.as_json()
+    if not quiet:
+        progress.print_summary(summary, local.metrics_ports)
+    if as_json:
+        click.echo(json.dumps(summary))
+
+
+def _simulate(run: Any, *, as_json: bool) -> None:
+    """``fedcore run --simulate``: every party in this process; prints the summary."""
+    import time
+
+    from fedcore.local.threads import limit_threads
+    from fedcore.simulation import simulate
+
+    limit_threads(ROLE_THREADS)
+    started = time.monotonic()
+    result = simulate(run)
+    summary = {
+        "phase": "Succeeded",
+        "rounds": run.spec.rounds,
+        "rounds_completed": result.rounds_completed,
+        "reason": result.reason,
+        "accuracy": result.accuracy,
+        "loss": result.loss,
+        "epsilon": result.epsilon,
+        "epsilon_claim": result.epsilon_claim,
+        "wall_seconds": round(time.monotonic() - started, 4),
+        "mode": "simulation",
+    }
+    if as_json:
+        click.echo(json.dumps(summary))
+    else:
+        stderr.print(
+            f"Simulated {run.metadata.name}: accuracy {result.accuracy:.4f}, loss "
+            f"{result.loss:.4f} after {run.spec.rounds} rounds."
+        )
+
+
+@main.command()
+@click.argument("manifest", type=click.Path(exists=True, dir_okay=False, path_type=Path))
+@click.option(
+    "--out",
+    type=click.Path(file_okay=False, path_type=Path),
+    default=None,
+    help="The report's folder (default: runs/<name>/audit).",
+)
+@click.option(
+    "--attacks",
+    default=None,
+    help="Comma-separated attack names (default: all; see docs/audit.md).",
+)
+@click.option(
+    "--seed",
+    type=click.IntRange(0),
+    default=0,
+    show_default=True,
+    help="The attacker's randomness.",
+)
+@click.option(
+    "--rounds", type=click.IntRange(1), default=None, help="Simulate only the first ROUNDS rounds."
+)
+@click.option("--json", "as_json", is_flag=True, help="Print the report as one JSON object.")
+def audit(
+    manifest: Path,
+    out: Path | None,
+    attacks: str | None,
+    seed: int,
+    rounds: int | None,
+    as_json: bool,
+) -> None:
+    """Simulates MANIFEST with an attacker attached; writes a privacy report (Markdown, PNG)."""
+    from fedcore.audit import registered_attacks, run_audit
+    from fedcore.local.threads import limit_threads
+    from fedcore.spec import load_manifest
+
+    spec_run = load_manifest(manifest)
+    names = None if attacks is None else [a.strip() for a in attacks.split(",") if a.strip()]
+    unknown = sorted(set(names or []) - set(registered_attacks()))
+    if unknown:
+        raise click.BadParameter(
+            f"unknown attack(s) {', '.join(unknown)}; known: {', '.join(registered_attacks())}.",
+            param_hint="--attacks",
+        )
+    limit_threads(ROLE_THREADS)
+    folder = out or Path("runs") / spec_run.metadata.name / "audit"
+    report = run_audit(
+        spec_run, folder, attacks=names, seed=seed, rounds=rounds, source=str(manifest)
+    )
+    if as_json:
+        click.echo(json.dumps(report.as_json()))
+        return
+    for result in report.results:
+        verdict = result.verdict
+        if verdict is None:
+            line = f"skipped ({result.skipped})"
+        else:
+            beats = {True: "beats blind guessing", False: "does not beat blind guessing"}
+            line = (
+                f"{verdict.name} {verdict.value:.3g} [{verdict.low:.3g}, {verdict.high:.3g}]: "
+                f"{beats.get(bool(verdict.beats_chance), '')}"
+            )
+        stderr.print(f"{result.attack}: {line}", highlight=False, soft_wrap=True)
+    stderr.print(f"Report: {report.markdown}", highlight=False, soft_wrap=True)
+
+
+def _raise_interrupt(*_: Any) -> None:
+    raise KeyboardInterrupt
+
+
+@main.command()
+@role_options
+@click.option(
+    "--listen",
+    default="0.0.0.0:7070",
+    envvar="FEDCORE_LISTEN",
+    show_default=True,
+    help="host:port to serve clients on (port 0: any free port).",
+)
+@click.option(
+    "--resume", is_flag=True, envvar="FEDCORE_RESUME", help="Start from the latest good checkpoint."
+)
+@click.option(
+    "--kdc",
+    "kdc_address",
+    default=None,
+    envvar="FEDCORE_KDC",
+    help="host:port of the KDC, for protocols whose server calls it (ebscfl).",
+)
+@click.option(
+    "--kdc-name",
+    default=None,
+    envvar="FEDCORE_KDC_NAME",
+    help="The name on the KDC's certificate when it differs from the host.",
+)
+def server(
+    listen: str, resume: bool, kdc_address: str | None, kdc_name: str | None, **options: Any
+) -> None:
+    """Runs the server role of one run."""
+    from fedcore.roles import run_server
+    from fedcore.roles._common import configure_logging
+
+    configure_logging("server", options["log_level"])
+    with role_errors("server"):
+        run_server(
+            role_config(options),
+            listen=listen,
+            resume=resume,
+            kdc=kdc_address,
+            server_name=kdc_name,
+        )
+
+
+@main.command()
+@role_options
+@click.option(
+    "--index",
+    type=click.IntRange(0),
+    required=True,
+    envvar="FEDCORE_CLIENT_INDEX",
+    help="This client's index, 0 to count-1 (its certificate must say the same).",
+)
+@click.option(
+    "--server",
+    "server_address",
+    required=True,
+    envvar="FEDCORE_SERVER",
+    help="host:port of the server.",
+)
+@click.option(
+    "--kdc",
+    "kdc_address",
+    default=None,
+    envvar="FEDCORE_KDC",
+    help="host:port of the KDC, for protocols that need one.",
+)
+@click.option(
+    "--server-name",
+    default=None,
+    envvar="FEDCORE_SERVER_NAME",
+    help="The name on the server's certificate when it differs from the host.",
+)
+@click.option(
+    "--peer-listen",
+    default=None,
+    envvar="FEDCORE_PEER_LISTEN",
+    help="host:port to serve peer links on (decentralized protocols).",
+)
+@click.option(
+    "--peer",
+    "peer_addresses",
+    multiple=True,
+    metavar="INDEX=HOST:PORT",
+    help="An out-neighbour's peer address (repeat per neighbour; decentralized protocols).",
+)
+@click.option(
+    "--peer-template",
+    default=None,
+    envvar="FEDCORE_PEER_TEMPLATE",
+    help="Peer address of any client, with {index} (e.g. client-{index}.run-clients.ns.svc:7072).",
+)
+def client(
+    index: int,
+    server_address: str,
+    kdc_address: str | None,
+    server_name: str | None,
+    peer_listen: str | None,
+    peer_addresses: tuple[str, ...],
+    peer_template: str | None,
+    **options: Any,
+) -> None:
+    """Runs one client role of one run."""
+    from fedcore.roles import run_client
+    from fedcore.roles._common import configure_logging
+    from fedcore.roles._peer_duties import PeerSettings
+
+    configure_logging(f"client-{index}", options["log_level"])
+    with role_errors(f"client-{index}"):
+        peers = None
+        if peer_listen is not None:
+            addresses: dict[int, str] = {}
+            for item in peer_addresses:
+                key, sep, address = item.partition("=")
+                if not sep or not key.isdigit() or not address:
+                    raise click.BadParameter(
+                        f"{item!r} is not INDEX=HOST:PORT.", param_hint="--peer"
+                    )
+                addresses[int(key)] = address
+            peers = PeerSettings(peer_listen, addresses, peer_template)
+        run_client(
+            role_config(options),
+            index=index,
+            server=server_address,
+            kdc=kdc_address,
+            server_name=server_name,
+            peers=peers,
+        )
+
+
+@main.command()
+@role_options
+@click.option(
+    "--listen",
+    default="0.0.0.0:7071",
+    envvar="FEDCORE_LISTEN",
+    show_default=True,
+    help="host:port to serve key requests on (port 0: any free port).",
+)
+@click.option(
+    "--resume",
+    is_flag=True,
+    envvar="FEDCORE_RESUME",
+    help="Start from the KDC's latest good checkpoint (a restarted KDC).",
+)
+def kdc(listen: str, resume: bool, **options: Any) -> None:
+    """Runs the KDC role of one run (only for protocols that need one)."""
+    from fedcore.roles import run_kdc
+    from fedcore.roles._common import configure_logging
+
+    configure_logging("kdc", options["log_level"])
+    with role_errors("kdc"):
+        run_kdc(role_config(options), listen=listen, resume=resume)
+
+
+# ------------------------------------------------------------------------------ checkpoints
+
+
+@main.group()
+def checkpoint() -> None:
+    """Inspects, marks and cleans up a run's checkpoints (local folder or S3)."""
+
+
+CHECKPOINT_ARGS = [
+    click.argument("manifest", type=click.Path(exists=True, dir_okay=False, path_type=Path)),
+    click.option(
+        "--workdir",
+        type=click.Path(file_okay=False, path_type=Path),
+        default=None,
+        help="The run's folder, which a relative local checkpoint path starts from "
+        "(default: runs/<name>).",
+    ),
+]
+
+
+def checkpoint_args(func: Any) -> Any:
+    """Adds MANIFEST and --workdir."""
+    for option in reversed(CHECKPOINT_ARGS):
+        func = option(func)
+    return func
+
+
+def _checkpointers(manifest: Path, workdir: Path | None) -> tuple[Any, Any, Any]:
+    """The run's store and its server and KDC checkpointers."""
+    from fedcore.checkpoint import kdc_checkpointer, open_store, server_checkpointer
+    from fedcore.roles._common import spec_fingerprint
+    from fedcore.spec import load_manifest
+
+    run = load_manifest(manifest)
+    name = run.metadata.name
+    spec = run.spec.checkpoint
+    store = open_store(spec, name=name, workdir=workdir or Path("runs") / name)
+    fingerprint = spec_fingerprint(run)
+    return (
+        store,
+        server_checkpointer(store, spec, run=name, fingerprint=fingerprint),
+        kdc_checkpointer(store, spec, run=name, fingerprint=fingerprint),
+    )
+
+
+@checkpoint.command("list")
+@checkpoint_args
+@click.option("--verify", is_flag=True, help="Read every checkpoint and check its checksums.")
+@click.option("--json", "as_json", is_flag=True, help="Print one JSON object.")
+def checkpoint_list(manifest: Path, workdir: Path | None, verify: bool, as_json: bool) -> None:
+    """Lists the run's checkpoints: the server's rounds and the KDC's state versions."""
+    from fedcore.errors import CheckpointError
+
+    store, server_ckpt, kdc_ckpt = _checkpointers(manifest, workdir)
+    report: dict[str, Any] = {"store": store.describe(), "server": [], "kdc": []}
+    bad = 0
+    for side, checkpointer in (("server", server_ckpt), ("kdc", kdc_ckpt)):
+        for info in checkpointer.entries():
+            entry: dict[str, Any] = {
+                "round" if side == "server" else "version": info.round,
+                "bytes": info.bytes,
+                "marked": info.marked,
+                "location": info.location,
+            }
+            if verify:
+                try:
+                    checkpointer.load(info.round)
+                    entry["verified"] = True
+                except CheckpointError as exc:
+                    entry["verified"] = False
+                    entry["error"] = str(exc)
+                    bad += 1
+            report[side].append(entry)
+    if as_json:
+        click.echo(json.dumps(report))
+    else:
+        click.echo(f"Checkpoints in {report['store']}:")
+        for side, label in (("server", "round"), ("kdc", "kdc version")):
+            for entry in report[side]:
+                flags = ["marked" if entry["marked"] else ""]
+                if verify:
+                    flags.append("ok" if entry["verified"] else f"BAD: {entry['error']}")
+                size = f"{entry['bytes'] / 1e6:.2f} MB" if entry["bytes"] >= 0 else "unreadable"
+                text = "  ".join(flag for flag in flags if flag)
+                click.echo(f"  {label} {entry[label.split()[-1]]:>8}  {size:>12}  {text}".rstrip())
+        if not report["server"] and not report["kdc"]:
+            click.echo("  (none)")
+    if bad:
+        sys.exit(1)
+
+
+@checkpoint.command("mark")
+@checkpoint_args
+@click.argument("round_", metavar="ROUND", type=click.IntRange(0))
+@click.option("--note", default="", help="Why it is kept (stored with the mark).")
+def checkpoint_mark(manifest: Path, workdir: Path | None, round_: int, note: str) -> None:
+    """Marks the checkpoint of ROUND to keep: retention never deletes it."""
+    _, server_ckpt, _ = _checkpointers(manifest, workdir)
+    server_ckpt.mark(round_, note)
+    click.echo(f"Marked the checkpoint of round {round_} to keep.")
+
+
+@checkpoint.command("unmark")
+@checkpoint_args
+@click.argument("round_", metavar="ROUND", type=click.IntRange(0))
+def checkpoint_unmark(manifest: Path, workdir: Path | None, round_: int) -> None:
+    """Removes the mark of ROUND; retention may then delete it after the next checkpoint."""
+    _, server_ckpt, _ = _checkpointers(manifest, workdir)
+    was = server_ckpt.unmark(round_)
+    click.echo(
+        f"Unmarked the checkpoint of round {round_}."
+        if was
+        else f"The checkpoint of round {round_} was not marked."
+    )
+
+
+@checkpoint.command("purge")
+@checkpoint_args
+@click.option("--yes", is_flag=True, help="Really delete (without it, only list what would go).")
+def checkpoint_purge(manifest: Path, workdir: Path | None, yes: bool) -> None:
+    """Deletes every object of the run's checkpoint store: server, KDC, marks, leftovers."""
+    store, _, _ = _checkpointers(manifest, workdir)
+    keys = store.list("")
+    if not yes:
+        click.echo(f"Would delete {len(keys)} objects in {store.describe()}; pass --yes to do it.")
+        return
+    store.delete(keys)
+    click.echo(f"Deleted {len(keys)} objects in {store.describe()}.")

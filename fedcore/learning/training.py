@@ -1,0 +1,354 @@
+"""Local training and evaluation: what a client does with a model, and how the server scores it."""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from fedcore.learning.data import ArrayDataset
+from fedcore.learning.models import get_weights, set_weights
+from fedcore.spec import TrainingSpec
+
+_TORCH_SEED_TAG = 0x7F
+"""Appended to the shuffle's seed words to seed torch's RNG (dropout) apart from the shuffle."""
+
+
+@dataclass(frozen=True)
+class LocalStats:
+    """What a client reports about its local work in one round.
+
+    Attributes:
+        num_examples: the size of the client's shard (the weight of ShardSize averaging).
+        loss: the mean training loss over the examples seen (for a gradient: at the weights
+            received).
+        steps: the number of optimizer steps taken (1 for a gradient).
+    """
+
+    num_examples: int
+    loss: float
+    steps: int
+
+
+@dataclass(frozen=True)
+class EvalResult:
+    """The score of a model on a data set.
+
+    Attributes:
+        loss: the mean loss over the examples (the training loss's definition).
+        accuracy: the share of examples whose largest logit is the label's.
+        num_examples: the number of examples scored.
+    """
+
+    loss: float
+    accuracy: float
+    num_examples: int
+
+
+class LocalLearner:
+    """Trains a model on one client's shard, starting from weights it is given each round.
+
+    The shard is converted to tensors once, on ``device`` and in the model's dtype. Every call
+    starts from the weights passed in and a fresh optimizer, so rounds do not share state.
+
+    Args:
+        model: the network; it is moved to ``device`` and its weights are overwritten on
+            every call.
+        data: the client's shard; must not be empty.
+        training: the manifest's ``spec.training``.
+        seed: the run's seed (``spec.seed``).
+        client_index: the client's index, from 0.
+        device: the torch device to train on.
+
+    Raises:
+        ValueError: if ``data`` is empty or ``seed`` or ``client_index`` is negative.
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        data: ArrayDataset,
+        training: TrainingSpec,
+        *,
+        seed: int,
+        client_index: int,
+        device: str = "cpu",
+    ) -> None:
+        if len(data) == 0:
+            raise ValueError(f"Client {client_index} has no training examples.")
+        if seed < 0 or client_index < 0:
+            raise ValueError(
+                f"The seed and client index must be non-negative, got {seed} and {client_index}."
+            )
+        self._device = torch.device(device)
+        self._model = model.to(self._device)
+        self._training = training
+        self._seed = seed
+        self._client_index = client_index
+        self._x, self._y, self._targets = _as_tensors(model, data, self._device)
+
+    @property
+    def num_examples(self) -> int:
+        """The number of examples in the client's shard."""
+        return int(self._y.shape[0])
+
+    @property
+    def model(self) -> nn.Module:
+        """The network (its weights are whatever the last call loaded)."""
+        return self._model
+
+    @property
+    def features(self) -> torch.Tensor:
+        """The shard's inputs, on the learner's device, in the model's dtype."""
+        return self._x
+
+    @property
+    def labels(self) -> torch.Tensor:
+        """The shard's integer labels, on the learner's device."""
+        return self._y
+
+    @property
+    def targets(self) -> torch.Tensor:
+        """The shard's one-hot targets in the model's dtype (the MSE loss's targets)."""
+        return self._targets
+
+    def train(
+        self, weights: dict[str, np.ndarray], *, round: int, epochs: int | None = None
+    ) -> tuple[dict[str, np.ndarray], LocalStats]:
+        """Trains from ``weights`` for some epochs of minibatch steps.
+
+        Each epoch visits the shard in an order drawn from
+        ``np.random.default_rng([seed, round, client_index])`` (one permutation per epoch,
+        from the same generator) in batches of ``training.batch_size``; the last batch may be
+        smaller.
+
+        Args:
+            weights: the starting weights, as :func:`fedcore.learning.models.get_weights` returns;
+                not changed.
+            round: the round number, from 0; it seeds the shuffle.
+            epochs: the number of epochs; ``training.local_epochs`` when None.
+
+        Returns:
+            The trained weights and the round's statistics.
+
+        Raises:
+            ValueError: if ``weights`` do not fit the model, ``round`` is negative or
+                ``epochs`` is below 1.
+        """
+        epochs = self._training.local_epochs if epochs is None else epochs
+        if epochs < 1:
+            raise ValueError(f"The number of local epochs must be at least 1, got {epochs}.")
+        self._check_round(round)
+        set_weights(self._model, weights)
+        self._model.train()
+        optimizer = _optimizer(self._model, self._training)
+        order = np.random.default_rng([self._seed, round, self._client_index])
+        n = self.num_examples
+        batch_size = self._training.batch_size
+        losses: list[torch.Tensor] = []
+        sizes: list[int] = []
+        steps = 0
+        with self._forked_rng(round):
+            for _ in range(epochs):
+                permutation = torch.from_numpy(order.permutation(n)).to(self._device)
+                for start in range(0, n, batch_size):
+                    rows = permutation[start : start + batch_size]
+                    optimizer.zero_grad(set_to_none=True)
+                    loss = self._loss(self._model(self._x[rows]), rows)
+                    loss.backward()
+                    optimizer.step()
+                    losses.append(loss.detach())
+                    sizes.append(len(rows))
+                    steps += 1
+        per_step = torch.stack(losses).to("cpu", torch.float64).numpy()
+        mean_loss = float(np.dot(per_step, np.asarray(sizes, dtype=np.float64))) / (epochs * n)
+        return get_weights(self._model), LocalStats(n, mean_loss, steps)
+
+    def gradient(
+        self, weights: dict[str, np.ndarray], *, round: int
+    ) -> tuple[dict[str, np.ndarray], LocalStats]:
+        """Returns the gradient of the mean loss over the whole shard at ``weights``.
+
+        The shard is one full batch. Weight decay is not part of the loss, so it is not in
+        the gradient.
+
+        Args:
+            weights: the point to differentiate at; not changed.
+            round: the round number, from 0; it seeds torch's RNG (dropout, if any).
+
+        Returns:
+            One gradient array per weight name, in the weights' order, shapes and dtypes
+            (zeros for buffers and frozen parameters), and the statistics (loss at
+            ``weights``, steps 1).
+
+        Raises:
+            ValueError: if ``weights`` do not fit the model or ``round`` is negative.
+        """
+        self._check_round(round)
+        set_weights(self._model, weights)
+        self._model.train()
+        self._model.zero_grad(set_to_none=True)
+        with self._forked_rng(round):
+            loss = self._loss(self._model(self._x), None)
+            loss.backward()
+        parameters = dict(self._model.named_parameters(remove_duplicate=False))
+        gradients: dict[str, np.ndarray] = {}
+        for name, tensor in self._model.state_dict().items():
+            grad = parameters[name].grad if name in parameters else None
+            source = torch.zeros_like(tensor) if grad is None else grad
+            gradients[name] = source.detach().to("cpu", copy=True).numpy()
+        self._model.zero_grad(set_to_none=True)
+        return gradients, LocalStats(self.num_examples, float(loss.item()), 1)
+
+    def _loss(self, logits: torch.Tensor, rows: torch.Tensor | None) -> torch.Tensor:
+        """The mean training loss of ``logits`` against the labels of ``rows`` (None: all)."""
+        if self._training.loss == "MSE":
+            targets = self._targets if rows is None else self._targets[rows]
+            return F.mse_loss(logits, targets)
+        labels = self._y if rows is None else self._y[rows]
+        return F.cross_entropy(logits, labels)
+
+    def _check_round(self, round: int) -> None:
+        """Refuses a negative round, which cannot seed a generator."""
+        if round < 0:
+            raise ValueError(f"The round must be non-negative, got {round}.")
+
+    @contextlib.contextmanager
+    def _forked_rng(self, round: int) -> Iterator[None]:
+        """Seeds torch's RNG from (seed, round, client) and restores the global one after."""
+        words = np.random.SeedSequence(
+            [self._seed, round, self._client_index, _TORCH_SEED_TAG]
+        ).generate_state(1, np.uint64)
+        devices = [self._device] if self._device.type == "cuda" else []
+        with torch.random.fork_rng(devices=devices, device_type=self._device.type):
+            # Seed only the generators in use: torch.manual_seed also queues lazy seeding of
+            # every accelerator backend, which costs a stack capture each (0.4 ms per call).
+            torch.default_generator.manual_seed(int(words[0]))
+            if self._device.type == "cuda":
+                torch.cuda.manual_seed(int(words[0]))
+            yield
+
+
+class Evaluator:
+    """Scores weights on a fixed data set (the server's test split), without gradients.
+
+    Args:
+        model: the network; it is moved to ``device`` and its weights are overwritten.
+        data: the examples to score; must not be empty.
+        training: the manifest's ``spec.training`` (for its loss).
+        device: the torch device to score on.
+        batch_size: the number of examples per forward pass.
+
+    Raises:
+        ValueError: if ``data`` is empty or ``batch_size`` is below 1.
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        data: ArrayDataset,
+        training: TrainingSpec,
+        *,
+        device: str = "cpu",
+        batch_size: int = 2048,
+    ) -> None:
+        if len(data) == 0:
+            raise ValueError("The evaluation data set has no examples.")
+        if batch_size < 1:
+            raise ValueError(f"The evaluation batch size must be at least 1, got {batch_size}.")
+        self._device = torch.device(device)
+        self._model = model.to(self._device)
+        self._training = training
+        self._batch_size = batch_size
+        self._x, self._y, self._targets = _as_tensors(model, data, self._device)
+
+    def evaluate(
+        self, weights: dict[str, np.ndarray], *, rows: tuple[int, int] | None = None
+    ) -> EvalResult:
+        """Scores ``weights`` on the data set.
+
+        Args:
+            weights: the weights to score; not changed.
+            rows: score only rows [start, stop) (default: all).
+
+        Returns:
+            The mean loss, the accuracy and the number of examples.
+
+        Raises:
+            ValueError: if ``weights`` do not fit the model.
+        """
+        set_weights(self._model, weights)
+        self._model.eval()
+        first, last = (0, int(self._y.shape[0])) if rows is None else rows
+        n = last - first
+        total = torch.zeros((), dtype=torch.float64, device=self._device)
+        correct = torch.zeros((), dtype=torch.int64, device=self._device)
+        with torch.no_grad():
+            for start in range(first, last, self._batch_size):
+                stop = min(start + self._batch_size, last)
+                logits = self._model(self._x[start:stop])
+                labels = self._y[start:stop]
+                if self._training.loss == "MSE":
+                    targets = self._targets[start:stop]
+                    # The mean over all n * classes entries, as the training loss.
+                    batch = F.mse_loss(logits, targets, reduction="sum") / targets.shape[1]
+                else:
+                    batch = F.cross_entropy(logits, labels, reduction="sum")
+                total += batch.to(torch.float64)
+                correct += (logits.argmax(dim=1) == labels).sum()
+        return EvalResult(float(total.item()) / n, int(correct.item()) / n, n)
+
+    def evaluate_models(
+        self, models: Sequence[dict[str, np.ndarray]], parts: int = 1
+    ) -> EvalResult:
+        """Scores a protocol's models (``ServerProtocol.models()``).
+
+        One model: as ``evaluate``. Several (a clustered protocol's): the data set is ``parts``
+        equal consecutive blocks (one per data cluster, ``spec.data.clusters``); each block is
+        scored by the model with the lowest loss on it (IFCA's rule), and the result is the
+        mean over the blocks, weighted by their sizes.
+        """
+        if len(models) == 1:
+            return self.evaluate(models[0])
+        n = int(self._y.shape[0])
+        bounds = np.linspace(0, n, max(1, parts) + 1).astype(int)
+        loss = accuracy = 0.0
+        for first, last in itertools.pairwise(bounds):
+            if last <= first:
+                continue
+            scores = [self.evaluate(w, rows=(int(first), int(last))) for w in models]
+            best = min(scores, key=lambda r: r.loss)
+            loss += best.loss * best.num_examples
+            accuracy += best.accuracy * best.num_examples
+        return EvalResult(loss / n, accuracy / n, n)
+
+
+def _as_tensors(
+    model: nn.Module, data: ArrayDataset, device: torch.device
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Converts a data set once: features in the model's dtype, labels, one-hot targets."""
+    dtype = next((p.dtype for p in model.parameters() if p.is_floating_point()), torch.float32)
+    x = torch.tensor(data.x, dtype=dtype, device=device)
+    y = torch.tensor(data.y, dtype=torch.int64, device=device)
+    targets = F.one_hot(y, num_classes=data.num_classes).to(dtype)
+    return x, y, targets
+
+
+def _optimizer(model: nn.Module, training: TrainingSpec) -> torch.optim.Optimizer:
+    """A fresh optimizer over the model's trainable parameters."""
+    spec = training.optimizer
+    parameters = [p for p in model.parameters() if p.requires_grad]
+    if spec.kind == "Adam":
+        return torch.optim.Adam(parameters, lr=spec.learning_rate, weight_decay=spec.weight_decay)
+    return torch.optim.SGD(
+        parameters,
+        lr=spec.learning_rate,
+        momentum=spec.momentum,
+        weight_decay=spec.weight_decay,
+    )

@@ -1,0 +1,481 @@
+"""The local runner: one FederatedRun as KDC, server and client processes on loopback.
+
+It does on one machine what the operator does on Kubernetes: issues the run's CA and a
+certificate per role, starts the KDC (only when the protocol needs one) and waits for it, then
+the server, then the clients; follows the server's progress events; and stops every child on
+Ctrl-C or when the server or KDC fails, showing that role's error. A client that exits with an
+error before the server has seen its clients join (a bad address, a port taken, a crash at
+start) fails the run at once too: the server would otherwise wait
+``spec.failurePolicy.connectTimeoutSeconds`` for it. Later, a lost client is the protocol's
+dropout policy's business.
+
+A server or KDC that dies without reporting a failure (killed, crashed) is restarted on the
+same port with ``--resume``, up to ``spec.failurePolicy.serverRestarts`` / ``kdcRestarts``
+times: it continues from its latest checkpoint while the clients reconnect to it. A role that
+reported its failure (quorum lost, checkpoint failed, ...) is not restarted.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import shutil
+import signal
+import statistics
+import subprocess
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from fedcore.errors import RoleFailed, RunAborted
+from fedcore.local.launch import RoleProcess, SpawnMode, start_role
+from fedcore.local.ports import LOOPBACK, free_port
+from fedcore.local.threads import ROLE_THREADS
+from fedcore.observe.events import EventLog, read_events
+from fedcore.spec import FederatedRun, FederatedRunSpec, peer_graph, protocol_facts
+from fedcore.transport import issue_run_bundles
+
+TLS_NAME = "localhost"
+READY_SECONDS = 120.0
+"""How long a role may take to start (imports included) before the run fails."""
+STOP_SECONDS = 10.0
+"""How long children get after SIGTERM before SIGKILL."""
+
+ProgressCallback = Callable[[dict[str, Any]], None]
+
+
+@dataclass
+class Child:
+    """One role process and where its output goes."""
+
+    name: str
+    process: RoleProcess
+    log_path: Path
+    metrics_port: int
+
+    def tail(self, lines: int = 25) -> str:
+        """Returns the last lines of the child's log."""
+        try:
+            text = self.log_path.read_text(encoding="utf-8", errors="replace")
+        except OSError:
+            return ""
+        return "\n".join(text.splitlines()[-lines:])
+
+
+@dataclass
+class LocalRunResult:
+    """What a finished local run reports (``fedcore run --json`` prints ``as_json()``)."""
+
+    phase: str
+    rounds: int
+    accuracy: float | None
+    loss: float | None
+    wall_seconds: float
+    startup_seconds: float | None
+    round_seconds: list[float] = field(default_factory=list)
+    workdir: str = ""
+    model: str | None = None
+    reason: str | None = None
+    message: str | None = None
+    epsilon: float | None = None
+    epsilon_claim: dict[str, str] | None = None
+    """What epsilon bounds: its adjacency and amplification (None without DP)."""
+    rounds_completed: int | None = None
+    bytes_sent: int | None = None
+    bytes_received: int | None = None
+    restarts: dict[str, int] = field(default_factory=dict)
+
+    def as_json(self) -> dict[str, Any]:
+        """Returns the summary as one JSON-able object."""
+        median = statistics.median(self.round_seconds) if self.round_seconds else None
+        return {
+            "phase": self.phase,
+            "rounds": self.rounds,
+            "accuracy": self.accuracy,
+            "loss": self.loss,
+            "wall_seconds": round(self.wall_seconds, 4),
+            "startup_seconds": None
+            if self.startup_seconds is None
+            else round(self.startup_seconds, 4),
+            "median_round_seconds": None if median is None else round(median, 6),
+            "workdir": self.workdir,
+            "model": self.model,
+            "rounds_completed": self.rounds_completed,
+            "epsilon": self.epsilon,
+            "epsilon_claim": self.epsilon_claim,
+            "server_bytes_sent": self.bytes_sent,
+            "server_bytes_received": self.bytes_received,
+            "restarts": dict(self.restarts),
+            "reason": self.reason,
+            "message": self.message,
+        }
+
+
+def peer_arguments(spec: FederatedRunSpec) -> dict[int, list[str]]:
+    """Each client's peer options on loopback: a free port to listen on, and the address of
+    every out-neighbour (``--peer-listen``, ``--peer INDEX=HOST:PORT``)."""
+    graph, _ = peer_graph(spec)
+    ports = [free_port() for _ in range(spec.clients.count)]
+    return {
+        index: [
+            "--peer-listen",
+            f"{LOOPBACK}:{ports[index]}",
+            *(
+                item
+                for to in graph.out_neighbours(index)
+                for item in ("--peer", f"{to}={LOOPBACK}:{ports[to]}")
+            ),
+        ]
+        for index in range(spec.clients.count)
+    }
+
+
+class LocalRun:
+    """Runs one FederatedRun as local processes.
+
+    Args:
+        run: the validated manifest.
+        manifest: the manifest file the roles read.
+        workdir: the run's folder (PKI, logs, events, checkpoints, final model).
+        resume: start the server from the latest checkpoint.
+        metrics: serve /metrics on a free port per role.
+        threads: torch threads per role process.
+        spawn: ``fork`` roles from a warm forkserver (fast) or ``exec`` each as a command.
+    """
+
+    def __init__(
+        self,
+        run: FederatedRun,
+        manifest: Path,
+        *,
+        workdir: Path,
+        resume: bool = False,
+        metrics: bool = True,
+        threads: int = ROLE_THREADS,
+        spawn: SpawnMode = "fork",
+    ) -> None:
+        self.run = run
+        self.manifest = manifest
+        self.workdir = workdir
+        self.resume = resume
+        self.metrics = metrics
+        self.threads = threads
+        self.spawn: SpawnMode = spawn
+        self.children: dict[str, Child] = {}
+        self.events_path = workdir / "events.jsonl"
+        self.kdc_events_path = workdir / "kdc-events.jsonl"
+        self.metrics_ports: dict[str, int] = {}
+        self.restarts: dict[str, int] = {}
+        self._launch: dict[str, tuple[list[str], int, Path]] = {}
+        self._ports: dict[str, int] = {}
+        self._kdc_offset = 0
+        self._started = time.monotonic()
+        self._started_wall = time.time()
+
+    # ------------------------------------------------------------------------- set-up
+
+    def _prepare(self) -> None:
+        self.workdir.mkdir(parents=True, exist_ok=True)
+        (self.workdir / "logs").mkdir(exist_ok=True)
+        pki = self.workdir / "pki"
+        if pki.exists():
+            shutil.rmtree(pki)  # a fresh CA for every start, resumed or not
+        count = self.run.spec.clients.count
+        # A decentralized run's clients also serve peer links: each certificate names its
+        # client, which is what a peer dials (fedcore.roles._peers).
+        hosts = (
+            {f"client-{i}": [f"client-{i}"] for i in range(count)}
+            if protocol_facts(self.run.spec.protocol.name).decentralized
+            else None
+        )
+        _, bundles = issue_run_bundles(self.run.metadata.name, num_clients=count, hosts=hosts)
+        for common_name, bundle in bundles.items():
+            bundle.write(pki / common_name)
+        shutil.copyfile(self.manifest, self.workdir / "manifest.yaml")
+        self.events_path.unlink(missing_ok=True)
+
+    def _role_args(self, role: str, tls_name: str, events: Path | None) -> tuple[list[str], int]:
+        port = free_port() if self.metrics else 0
+        args = [
+            role,
+            "--manifest",
+            str(self.workdir / "manifest.yaml"),
+            "--tls-dir",
+            str(self.workdir / "pki" / tls_name),
+            "--workdir",
+            str(self.workdir),
+            "--metrics-port",
+            str(port),
+            "--threads",
+            str(self.threads),
+        ]
+        if events is not None:
+            args += ["--events", str(events)]
+        return args, port
+
+    def _spawn(self, name: str, args: list[str], port: int) -> Child:
+        log_path = self.workdir / "logs" / f"{name}.log"
+        env = dict(os.environ)
+        env.setdefault("OMP_NUM_THREADS", str(self.threads))
+        env["PYTHONUNBUFFERED"] = "1"
+        process = start_role(self.spawn, args, log_path, env)
+        child = Child(name, process, log_path, port)
+        self.children[name] = child
+        if port:
+            self.metrics_ports[name] = port
+        return child
+
+    def _wait_ready(self, child: Child, events: Path, offset: int = 0) -> tuple[int, int]:
+        """Waits for ``child``'s ready event after ``offset``; returns (port, new offset)."""
+        deadline = time.monotonic() + READY_SECONDS
+        while time.monotonic() < deadline:
+            found, offset = read_events(events, offset)
+            for event in found:
+                if event.get("event") == "ready":
+                    return int(event["port"]), offset
+                if event.get("event") == "failed":
+                    raise RoleFailed(child.name, f"{event.get('message')}\n{child.tail()}")
+            code = child.process.poll()
+            if code is not None:
+                raise RoleFailed(
+                    child.name,
+                    f"exited with code {code} while starting:\n{child.tail()}",
+                    exit_code=code,
+                )
+            time.sleep(0.05)
+        raise RoleFailed(child.name, f"was not ready after {READY_SECONDS} s:\n{child.tail()}")
+
+    def start(self) -> None:
+        """Issues the PKI and starts the KDC (if needed), the server, then every client."""
+        self._started = time.monotonic()
+        self._started_wall = time.time()
+        self._prepare()
+        spec = self.run.spec
+        kdc_address = None
+        resume = ["--resume"] if self.resume else []
+        if protocol_facts(spec.protocol.name).needs_kdc:
+            events = self.kdc_events_path
+            events.unlink(missing_ok=True)
+            args, port = self._role_args("kdc", "kdc", events)
+            self._launch["kdc"] = (args, port, events)
+            child = self._spawn("kdc", [*args, "--listen", f"{LOOPBACK}:0", *resume], port)
+            self._ports["kdc"], self._kdc_offset = self._wait_ready(child, events)
+            kdc_address = f"{LOOPBACK}:{self._ports['kdc']}"
+        args, port = self._role_args("server", "server", self.events_path)
+        if kdc_address and protocol_facts(spec.protocol.name).server_uses_kdc:
+            args += ["--kdc", kdc_address, "--kdc-name", TLS_NAME]
+        self._launch["server"] = (args, port, self.events_path)
+        server = self._spawn("server", [*args, "--listen", f"{LOOPBACK}:0", *resume], port)
+        self._ports["server"], _ = self._wait_ready(server, self.events_path)
+        server_address = f"{LOOPBACK}:{self._ports['server']}"
+        peers = peer_arguments(spec) if protocol_facts(spec.protocol.name).decentralized else {}
+        for index in range(spec.clients.count):
+            args, port = self._role_args("client", f"client-{index}", None)
+            args += ["--index", str(index), "--server", server_address, "--server-name", TLS_NAME]
+            if kdc_address:
+                args += ["--kdc", kdc_address]
+            args += peers.get(index, [])
+            self._spawn(f"client-{index}", args, port)
+
+    # ------------------------------------------------------------------------ running
+
+    def follow(self, on_event: ProgressCallback | None = None) -> Iterator[dict[str, Any]]:
+        """Yields the server's events until it exits, restarting a server or KDC that died
+        without reporting a failure (within the spec's restart budget).
+
+        Raises:
+            RoleFailed: the server or KDC exited with an error and is not restarted.
+        """
+        offset = 0
+        reported = False  # the current server reported a failure
+        joined = False  # the server saw its clients join (dropouts are its business from then)
+        while True:
+            found, offset = read_events(self.events_path, offset)
+            reported = reported or any(e.get("event") == "failed" for e in found)
+            joined = joined or any(e.get("event") == "joined" for e in found)
+            yield from found
+            if not joined:
+                self._check_clients_started()
+            server = self.children["server"]
+            exited = server.process.poll()
+            if exited is not None:
+                found, offset = read_events(self.events_path, offset)
+                reported = reported or any(e.get("event") == "failed" for e in found)
+                yield from found
+                if exited == 0:
+                    return
+                if not reported and self._may_restart("server"):
+                    self._restart("server", exited)
+                    continue
+                raise RoleFailed(
+                    "server", f"exited with code {exited}:\n{server.tail()}", exit_code=exited
+                )
+            kdc = self.children.get("kdc")
+            code = None if kdc is None else kdc.process.poll()
+            if kdc is not None and code is not None:
+                if not self._kdc_reported_failure() and self._may_restart("kdc"):
+                    self._restart("kdc", code)
+                    continue
+                raise RoleFailed("kdc", f"exited with code {code}:\n{kdc.tail()}", exit_code=code)
+            time.sleep(0.02)
+
+    def _check_clients_started(self) -> None:
+        """Raises RoleFailed for a client that already exited with an error.
+
+        Raises:
+            RoleFailed: a client process ended with a non-zero exit code.
+        """
+        for name, child in self.children.items():
+            if not name.startswith("client-"):
+                continue
+            code = child.process.poll()
+            if code is not None and code != 0:
+                raise RoleFailed(
+                    name,
+                    f"exited with code {code} before the run's clients joined:\n{child.tail()}",
+                    exit_code=code,
+                )
+
+    def _may_restart(self, role: str) -> bool:
+        policy = self.run.spec.failure_policy
+        budget = policy.server_restarts if role == "server" else policy.kdc_restarts
+        return role in self._launch and self.restarts.get(role, 0) < budget
+
+    def _kdc_reported_failure(self) -> bool:
+        found, self._kdc_offset = read_events(self.kdc_events_path, self._kdc_offset)
+        return any(event.get("event") == "failed" for event in found)
+
+    def _restart(self, role: str, exit_code: int) -> None:
+        """Starts ``role`` again on its port with ``--resume`` and waits until it is ready.
+
+        The dead process's log is kept as ``logs/<role>.log.<n>``.
+
+        Raises:
+            RoleFailed: the restarted role did not come up.
+        """
+        count = self.restarts.get(role, 0) + 1
+        self.restarts[role] = count
+        args, metrics_port, events = self._launch[role]
+        old = self.children[role]
+        with contextlib.suppress(OSError):
+            old.log_path.rename(old.log_path.with_name(f"{old.log_path.name}.{count}"))
+        EventLog(self.events_path).emit("restarted", role=role, restart=count, exit_code=exit_code)
+        offset = events.stat().st_size if events.exists() else 0
+        listen = ["--listen", f"{LOOPBACK}:{self._ports[role]}"]
+        child = self._spawn(role, [*args, *listen, "--resume"], metrics_port)
+        _, offset = self._wait_ready(child, events, offset)
+        if role == "kdc":
+            self._kdc_offset = offset
+
+    def stop(self, grace: float = STOP_SECONDS) -> None:
+        """Stops every child: SIGTERM, then SIGKILL after ``grace`` seconds."""
+        for child in self.children.values():
+            if child.process.poll() is None:
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(child.process.pid, signal.SIGTERM)
+        deadline = time.monotonic() + grace
+        for child in self.children.values():
+            try:
+                child.process.wait(max(0.0, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(child.process.pid, signal.SIGKILL)
+                child.process.wait()
+
+    def wait_clients(self, timeout: float) -> None:
+        """Waits up to ``timeout`` seconds for the clients to exit on their own."""
+        deadline = time.monotonic() + timeout
+        for name, child in self.children.items():
+            if name.startswith("client-"):
+                with contextlib.suppress(subprocess.TimeoutExpired):
+                    child.process.wait(max(0.0, deadline - time.monotonic()))
+
+    def _events_until_exit(self) -> Iterator[dict[str, Any]]:
+        """Like ``follow``, but a server that reported its own failure ends the stream quietly."""
+        reported = False
+        try:
+            for event in self.follow():
+                reported = reported or event.get("event") == "failed"
+                yield event
+        except RoleFailed as exc:
+            if not (reported and exc.role == "server"):
+                raise
+
+    def execute(self, on_event: ProgressCallback | None = None) -> LocalRunResult:
+        """Starts the run, follows it to the end, stops every child; returns the summary.
+
+        Raises:
+            RoleFailed: a role failed (its log's tail is in the message).
+            RunAborted: the server stopped the run (e.g. quorum lost) or Ctrl-C.
+        """
+        self._started = time.monotonic()
+        self._started_wall = time.time()
+        try:
+            self.start()
+        except BaseException:
+            self.stop()
+            raise
+        return self.wait(on_event)
+
+    def wait(self, on_event: ProgressCallback | None = None) -> LocalRunResult:
+        """Follows a started run to its end, then stops every child; returns the summary.
+
+        Raises:
+            RoleFailed: a role failed (its log's tail is in the message).
+            RunAborted: the server stopped the run (e.g. quorum lost) or Ctrl-C.
+        """
+        result = LocalRunResult(
+            phase="Failed",
+            rounds=self.run.spec.rounds,
+            accuracy=None,
+            loss=None,
+            wall_seconds=0.0,
+            startup_seconds=None,
+            workdir=str(self.workdir),
+        )
+        failed: dict[str, Any] | None = None
+        try:
+            for event in self._events_until_exit():
+                kind = event.get("event")
+                if kind == "round":
+                    result.round_seconds.append(float(event["seconds"]))
+                    if result.startup_seconds is None:
+                        first_round_began = float(event["time"]) - float(event["seconds"])
+                        result.startup_seconds = first_round_began - self._started_wall
+                elif kind == "finished":
+                    result.phase = "Succeeded"
+                    result.accuracy = event.get("accuracy")
+                    result.loss = event.get("loss")
+                    result.epsilon = event.get("epsilon")
+                    result.epsilon_claim = event.get("epsilon_claim")
+                    result.reason = event.get("reason")
+                    result.rounds_completed = event.get("rounds_completed")
+                    result.bytes_sent = event.get("bytes_sent")
+                    result.bytes_received = event.get("bytes_received")
+                elif kind == "restarted":
+                    result.restarts = dict(self.restarts)
+                elif kind == "failed":
+                    failed = event
+                if on_event is not None:
+                    on_event(event)
+            self.wait_clients(STOP_SECONDS)
+        except KeyboardInterrupt:
+            raise RunAborted(
+                "The run was interrupted (Ctrl-C); every role was stopped.", reason="Interrupted"
+            ) from None
+        finally:
+            self.stop()
+            result.wall_seconds = time.monotonic() - self._started
+        if failed is not None:
+            raise RunAborted(
+                str(failed.get("message")),
+                reason=str(failed.get("reason")),
+                round=failed.get("round"),
+            )
+        model = self.workdir / "model.safetensors"
+        result.model = str(model) if model.exists() else None
+        if result.model is None and (self.workdir / "models").is_dir():
+            result.model = str(self.workdir / "models")  # each client's own (decentralized)
+        return result

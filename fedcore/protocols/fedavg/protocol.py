@@ -1,0 +1,124 @@
+"""FedAvg: local epochs on each client, the server takes the weighted mean of the models.
+
+McMahan et al., "Communication-Efficient Learning of Deep Networks from Decentralized Data",
+AISTATS 2017, https://arxiv.org/abs/1602.05629. A plain baseline: it protects nothing.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from fedcore.learning.training import LocalLearner
+from fedcore.protocols._base import (
+    ClientProtocol,
+    Protocol,
+    RoundResult,
+    ServerProtocol,
+    Weights,
+)
+from fedcore.protocols._maths import (
+    check_like,
+    copy_weights,
+    example_count,
+    mean_loss,
+    restore_weights,
+    weighted_mean,
+)
+from fedcore.spec import FederatedRunSpec
+from fedcore.transport import Payload
+
+
+class ModelAveragingServer(ServerProtocol):
+    """Sends the global model; replaces it with the weighted mean of what comes back.
+
+    Args:
+        kind: the state's tag (the protocol's name).
+        initial: the initial global model.
+        weighting: ``ShardSize`` or ``Uniform``.
+    """
+
+    kind = "fedavg"
+
+    def __init__(self, initial: Weights, *, weighting: str) -> None:
+        self._weights = copy_weights(initial)
+        self._weighting = weighting
+
+    def plan_round(self, round: int, clients: Sequence[int]) -> Mapping[int, Payload]:
+        instruction = Payload(meta={"round": round}, tensors=self._weights)
+        return {client: instruction for client in clients}
+
+    def check_upload(self, round: int, client: int, upload: Payload) -> None:
+        """Refuses an upload that does not look like this model (see ``check_like``)."""
+        check_like(self._weights, upload, what=f"upload of client {client} in round {round}")
+        example_count(upload, what=f"upload of client {client} in round {round}")
+
+    def combine(
+        self, round: int, uploads: Mapping[int, Payload], failures: Sequence[int]
+    ) -> RoundResult | None:
+        if not uploads:
+            return None
+        order = sorted(uploads)
+        weights = {
+            k: float(example_count(uploads[k], what=f"upload of client {k}"))
+            if self._weighting == "ShardSize"
+            else 1.0
+            for k in order
+        }
+        self._weights = self._apply(
+            weighted_mean([uploads[k].tensors for k in order], [weights[k] for k in order])
+        )
+        return RoundResult(participants=len(order), train_loss=mean_loss(uploads, weights))
+
+    def _apply(self, mean: Weights) -> Weights:
+        """Turns the uploads' mean into the next global model (here: the mean itself)."""
+        return mean
+
+    def global_weights(self) -> Weights:
+        return self._weights
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"kind": self.kind, "version": 1, "weights": copy_weights(self._weights)}
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        self._weights = restore_weights(state, self.kind, self._weights)
+
+
+class LocalTrainingClient(ClientProtocol):
+    """Trains the received model for the spec's local epochs and uploads the result."""
+
+    def compute_upload(
+        self, round: int, instruction: Payload, learner: LocalLearner, keys: Payload | None
+    ) -> Payload:
+        weights, stats = learner.train(instruction.tensors, round=round)
+        return Payload(
+            meta={"num_examples": stats.num_examples, "loss": stats.loss, "steps": stats.steps},
+            tensors=weights,
+        )
+
+
+class FedAvg(Protocol):
+    """Federated averaging (see the module docstring)."""
+
+    name = "fedavg"
+
+    def create_server(self, spec: FederatedRunSpec, initial: Weights) -> ServerProtocol:
+        options = spec.protocol.fedavg
+        if options.aggregator == "Mean" and options.clusters == 1:
+            return ModelAveragingServer(initial, weighting=options.weighting)
+        from fedcore.protocols.fedavg.robust import RobustAveragingServer, root_learner
+
+        fltrust = options.aggregator == "FLTrust"
+        root = root_learner(spec, options.root_examples) if fltrust else None
+        return RobustAveragingServer(initial, options=options, root=root, seed=spec.seed)
+
+    def create_client(self, spec: FederatedRunSpec, index: int) -> ClientProtocol:
+        from fedcore.learning.poisoning import attack_of
+
+        attack = attack_of(spec, index)
+        if spec.protocol.fedavg.clusters == 1 and attack not in {"SignFlip", "Scale"}:
+            return LocalTrainingClient()
+        from fedcore.protocols.fedavg.robust import RobustTrainingClient
+
+        scale = 1.0 if spec.attack is None else spec.attack.scale
+        return RobustTrainingClient(attack=attack, scale=scale)

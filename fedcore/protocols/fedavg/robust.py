@@ -1,0 +1,216 @@
+"""fedavg with a robust aggregator (Median, TrimmedMean, Krum, FLTrust) or IFCA's clusters.
+
+``spec.protocol.fedavg.aggregator`` picks the rule of ``aggregators`` that combines the
+clients' updates (uploaded model minus the model sent); ``clusters`` > 1 runs IFCA (Ghosh et
+al., "An Efficient Framework for Clustered Federated Learning", NeurIPS 2020): the server keeps
+that many models, every client trains the one with the lowest loss on its shard and names it,
+and each model combines its own clients' updates with the rule. Plain fedavg (Mean, one
+cluster) keeps using ``ModelAveragingServer``. These are EBS-CFL's baselines (digest 004): they
+protect nothing, and their robustness is measured in benchmarks/ebscfl.py.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import numpy as np
+
+from fedcore.errors import ProtocolError
+from fedcore.learning.training import LocalLearner
+from fedcore.protocols._base import (
+    ClientProtocol,
+    RoundResult,
+    ServerProtocol,
+    Weights,
+)
+from fedcore.protocols._cluster_models import ClusterModels
+from fedcore.protocols._maths import (
+    check_like,
+    cluster_name,
+    example_count,
+    flatten,
+    mean_loss,
+    unflatten,
+)
+from fedcore.protocols.fedavg import aggregators
+from fedcore.spec import FederatedRunSpec
+from fedcore.spec._models import FedAvgOptions
+from fedcore.transport import Payload
+
+log = logging.getLogger(__name__)
+
+
+class RobustAveragingServer(ClusterModels, ServerProtocol):
+    """fedavg's server with a robust rule and/or IFCA's cluster models.
+
+    Args:
+        initial: the initial global model.
+        options: ``spec.protocol.fedavg``.
+        root: FLTrust's learner on the server's root data (None for the other rules).
+        seed: ``spec.seed`` (IFCA's models start from different seeds' perturbations).
+    """
+
+    kind = "fedavg-robust"
+
+    def __init__(
+        self,
+        initial: Weights,
+        *,
+        options: FedAvgOptions,
+        root: LocalLearner | None = None,
+        seed: int = 0,
+    ) -> None:
+        self._like = {n: np.asarray(w) for n, w in initial.items()}
+        self._names = list(initial)
+        self._options = options
+        self._root = root
+        start = flatten(initial, self._names)
+        m = options.clusters
+        rng = np.random.default_rng([seed, 0x1FCA])
+        scale = float(np.std(start)) if start.size else 0.0
+        # IFCA starts its models apart (random initialisations); cluster 0 is the run's model.
+        self._theta = np.stack(
+            [start] + [start + scale * rng.standard_normal(start.size) for _ in range(m - 1)]
+        )
+        if options.aggregator == "FLTrust" and (root is None or m != 1):
+            raise ProtocolError("FLTrust needs the server's root data and one cluster.")
+
+    def plan_round(self, round: int, clients: Sequence[int]) -> Mapping[int, Payload]:
+        m = self._options.clusters
+        if m == 1:
+            instruction = Payload(meta={"round": round}, tensors=self.global_weights())
+        else:
+            tensors = {
+                cluster_name(j, n): v
+                for j in range(m)
+                for n, v in unflatten(self._theta[j], self._like).items()
+            }
+            instruction = Payload(meta={"round": round, "clusters": m}, tensors=tensors)
+        return {client: instruction for client in clients}
+
+    def check_upload(self, round: int, client: int, upload: Payload) -> None:
+        """Refuses an upload unlike the model, or (IFCA) naming no cluster."""
+        what = f"upload of client {client} in round {round}"
+        check_like(self._like, upload, what=what)
+        example_count(upload, what=what)
+        if self._options.clusters > 1:
+            cluster = upload.meta.get("cluster")
+            if isinstance(cluster, bool) or not isinstance(cluster, int):
+                raise ProtocolError(f"The {what} names no cluster (IFCA).")
+            if not 0 <= cluster < self._options.clusters:
+                raise ProtocolError(f"The {what} names cluster {cluster}, not one of the models.")
+
+    def combine(
+        self, round: int, uploads: Mapping[int, Payload], failures: Sequence[int]
+    ) -> RoundResult | None:
+        if not uploads:
+            return None
+        options = self._options
+        order = sorted(uploads)
+        weights = {
+            k: float(example_count(uploads[k], what=f"upload of client {k}"))
+            if options.weighting == "ShardSize"
+            else 1.0
+            for k in order
+        }
+        metrics: dict[str, float] = {}
+        for j in range(options.clusters):
+            members = [k for k in order if int(uploads[k].meta.get("cluster", 0)) == j]
+            if not members:
+                continue
+            updates = [flatten(uploads[k].tensors, self._names) - self._theta[j] for k in members]
+            server_update = None
+            if options.aggregator == "FLTrust":
+                assert self._root is not None
+                trained, _ = self._root.train(unflatten(self._theta[j], self._like), round=round)
+                server_update = flatten(trained, self._names) - self._theta[j]
+                scores = aggregators.trust_scores(updates, server_update)
+                metrics["trusted"] = float(np.count_nonzero(scores))
+            rule = options.aggregator
+            if rule == "Krum" and len(updates) < options.krum_byzantine + 3:
+                log.warning(
+                    "Round %d cluster %d: %d updates are too few for Krum with f = %d; using "
+                    "Median for it.",
+                    round,
+                    j,
+                    len(updates),
+                    options.krum_byzantine,
+                )
+                rule = "Median"
+            self._theta[j] = self._theta[j] + aggregators.aggregate(
+                rule,
+                updates,
+                weights=[weights[k] for k in members],
+                trim=options.trim_fraction,
+                byzantine=options.krum_byzantine,
+                server_update=server_update,
+            )
+            metrics[f"cluster_{j}_clients"] = float(len(members))
+        return RoundResult(
+            participants=len(order), train_loss=mean_loss(uploads, weights), metrics=metrics
+        )
+
+
+class RobustTrainingClient(ClientProtocol):
+    """A fedavg client that (IFCA) picks its model, and (as an attacker) poisons its update.
+
+    Args:
+        attack: this client's update attack (SignFlip, Scale) or None.
+        scale: the attack's scale.
+    """
+
+    def __init__(self, *, attack: str | None = None, scale: float = 1.0) -> None:
+        self._attack = attack
+        self._scale = scale
+
+    def compute_upload(
+        self, round: int, instruction: Payload, learner: LocalLearner, keys: Payload | None
+    ) -> Payload:
+        clusters = int(instruction.meta.get("clusters", 1))
+        if clusters == 1:
+            models = [dict(instruction.tensors)]
+        else:
+            prefix = cluster_name(0, "")
+            names = [n[len(prefix) :] for n in instruction.tensors if n.startswith(prefix)]
+            models = [
+                {n: instruction.tensors[cluster_name(j, n)] for n in names} for j in range(clusters)
+            ]
+        cluster = 0
+        if clusters > 1:
+            losses = [learner.gradient(w, round=round)[1].loss for w in models]
+            cluster = int(np.argmin(losses))
+        start = models[cluster]
+        trained, stats = learner.train(start, round=round)
+        if self._attack in {"SignFlip", "Scale"}:
+            from fedcore.learning.poisoning import poison_update
+
+            names = list(start)
+            update = poison_update(
+                flatten(trained, names) - flatten(start, names), self._attack, self._scale
+            )
+            trained = unflatten(flatten(start, names) + update, start)
+        meta: dict[str, Any] = {
+            "num_examples": stats.num_examples,
+            "loss": stats.loss,
+            "steps": stats.steps,
+        }
+        if clusters > 1:
+            meta["cluster"] = cluster
+        return Payload(meta=meta, tensors=trained)
+
+
+def root_learner(spec: FederatedRunSpec, examples: int) -> LocalLearner:
+    """FLTrust's learner on the server's root data (every data cluster's shards together)."""
+    from fedcore.learning.data import ArrayDataset, root_shards
+    from fedcore.learning.models import build_model
+
+    shards = [shard for _, shard in root_shards(spec, examples)]
+    data = ArrayDataset(
+        np.concatenate([s.x for s in shards]),
+        np.concatenate([s.y for s in shards]),
+        shards[0].num_classes,
+    )
+    model = build_model(spec.model, data.input_shape, data.num_classes, seed=spec.seed)
+    return LocalLearner(model, data, spec.training, seed=spec.seed, client_index=spec.clients.count)

@@ -1,0 +1,233 @@
+"""The simulation mode: a run's protocol maths in one process, no network and no processes.
+
+It calls the same protocol hooks in the same order as the roles do (sample, plan, compute each
+upload, check, combine, evaluate), so a run simulated here ends with bit-identical weights to
+the same run over processes and mutual TLS whenever the protocol's randomness is seeded by the
+spec (fedavg, fedsgd, and the DP protocols with their secure randomness switched off). Unit
+tests and large client counts use it.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from fedcore.errors import EncodingRejected
+from fedcore.learning.data import client_dataset, dataset_info, test_dataset
+from fedcore.learning.models import build_model, get_weights
+from fedcore.learning.training import Evaluator, LocalLearner
+from fedcore.local.threads import ROLE_THREADS, threads_limited
+from fedcore.privacy import PrivacyLedger
+from fedcore.privacy.sampling import sample_clients
+from fedcore.protocols import (
+    ClientProtocol,
+    KdcProtocol,
+    KeyChannel,
+    RoundResult,
+    Weights,
+    create_protocol,
+)
+from fedcore.spec import FederatedRun
+from fedcore.transport import Identity, Payload
+
+
+@dataclass
+class SimulationResult:
+    """What a simulated run ends with.
+
+    Attributes:
+        weights: the final global model.
+        accuracy: held-out accuracy of the final model.
+        loss: held-out loss of the final model.
+        history: one entry per round (participants, train_loss, epsilon, seconds).
+        epsilon: the privacy spent, for protocols that claim DP (else None).
+        epsilon_claim: what epsilon bounds (``PrivacyLedger.claim``; None without DP).
+        rounds_completed: the rounds run (fewer than spec.rounds when the budget stopped it).
+        reason: RoundsCompleted, or BudgetExhausted.
+    """
+
+    weights: Weights
+    accuracy: float
+    loss: float
+    history: list[dict[str, Any]] = field(default_factory=list)
+    epsilon: float | None = None
+    epsilon_claim: dict[str, str] | None = None
+    rounds_completed: int = 0
+    reason: str = "RoundsCompleted"
+
+
+class Observer:
+    """Sees what the parties of a simulated run exchange, as they exchange it.
+
+    ``simulate(run, observer=...)`` calls these hooks (all no-ops here) with the very objects
+    the protocol hooks produced: an attacker (``fedcore.audit``) subclasses it to see exactly
+    what the server, or a client, sees. Only the simulation calls it; the roles never do, so
+    it costs the production path nothing. Observers must not mutate what they are given.
+    """
+
+    def on_round_start(self, round: int, clients: Sequence[int], weights: Weights) -> None:
+        """A round begins: the sampled clients and the server's global model before it."""
+
+    def on_instruction(self, round: int, client: int, instruction: Payload) -> None:
+        """The server planned ``instruction`` for ``client`` (what that client receives)."""
+
+    def on_keys(self, round: int, party: Identity, keys: Payload) -> None:
+        """The KDC issued ``keys`` to ``party`` for the round."""
+
+    def on_upload(self, round: int, client: int, upload: Payload) -> None:
+        """``client`` uploaded ``upload`` (what the server receives)."""
+
+    def on_round_end(self, round: int, result: RoundResult | None, weights: Weights) -> None:
+        """The server combined the round; ``weights`` is its global model after it."""
+
+    def on_exchange(self, party: Identity, request: Payload, answer: Payload) -> None:
+        """``party`` handed the KDC ``request`` through its key channel; ``answer`` came back."""
+
+    def on_peer_message(self, sender: int, receiver: int, tag: str, message: Payload) -> None:
+        """Decentralized protocols: ``sender`` sent ``receiver`` ``message`` under ``tag`` (shown
+        after the run, in sending order, every message of every round)."""
+
+
+class LocalKeyChannel(KeyChannel):
+    """A party's channel to a KDC side in the same process (shown to ``observer``, if any)."""
+
+    def __init__(self, kdc: KdcProtocol, party: Identity, observer: Observer | None = None) -> None:
+        self._kdc = kdc
+        self._party = party
+        self._observer = observer
+
+    def submit(self, payload: Payload) -> Payload:
+        answer = self._kdc.accept(self._party, payload)
+        if self._observer is not None:
+            self._observer.on_exchange(self._party, payload, answer)
+        return answer
+
+
+def simulate(
+    run: FederatedRun,
+    *,
+    rounds: int | None = None,
+    observer: Observer | None = None,
+    threads: int = ROLE_THREADS,
+) -> SimulationResult:
+    """Runs ``run`` (or its first ``rounds`` rounds) in this process and returns the result.
+
+    ``observer``, if given, is shown every instruction, key issue and upload as it happens.
+    The maths runs at ``threads`` torch and BLAS threads (restored afterwards): at the role
+    processes' count, the result equals ``fedcore run``'s bit for bit (``fedcore.local.threads``).
+    """
+    with threads_limited(threads):
+        return _simulate(run, rounds=rounds, observer=observer)
+
+
+def _simulate(
+    run: FederatedRun, *, rounds: int | None, observer: Observer | None
+) -> SimulationResult:
+    spec = run.spec
+    protocol = create_protocol(spec.protocol.name)
+    if protocol.facts.decentralized:  # no server model: clients step with their peers
+        from fedcore.simulation.peer import simulate_decentralized
+
+        peers = simulate_decentralized(run, rounds=rounds, record=observer is not None)
+        if observer is not None and peers.network is not None:
+            for sender, receiver, tag, message in peers.network.messages:
+                observer.on_peer_message(sender, receiver, tag, message)
+        return SimulationResult(
+            weights=peers.mean,
+            accuracy=peers.accuracy,
+            loss=peers.loss,
+            history=peers.history,
+            rounds_completed=peers.rounds_completed,
+        )
+    input_shape, num_classes = dataset_info(spec)
+    model = build_model(spec.model, input_shape, num_classes, seed=spec.seed)
+    server = protocol.create_server(spec, get_weights(model))
+    evaluator = Evaluator(model, test_dataset(spec), spec.training)
+    kdc = protocol.create_kdc(spec)
+    server.setup(
+        LocalKeyChannel(kdc, Identity("server"), observer)
+        if kdc is not None and protocol.facts.server_uses_kdc
+        else None
+    )
+    # Every client is set up before the first round, as every client process is before it
+    # takes a task: a KDC may need all of them registered (e.g. public keys) to serve any.
+    clients: dict[int, ClientProtocol] = {}
+    for index in range(spec.clients.count):
+        clients[index] = protocol.create_client(spec, index)
+        clients[index].setup(
+            None if kdc is None else LocalKeyChannel(kdc, Identity("client", index), observer)
+        )
+    learners: dict[int, LocalLearner] = {}
+    history: list[dict[str, Any]] = []
+    last = spec.rounds if rounds is None else rounds
+    ledger = PrivacyLedger(spec, protocol.noise_multiplier(spec))
+    reason = "RoundsCompleted"
+    completed = 0
+    for round_ in range(1, last + 1):
+        if ledger.next_round_exceeds() is not None:
+            reason = "BudgetExhausted"
+            break
+        started = time.perf_counter()
+        sampled = sample_clients(spec.clients, seed=spec.seed, round=round_)
+        if observer is not None:
+            observer.on_round_start(round_, sampled, server.global_weights())
+        participants = sampled
+        for _ in range(spec.failure_policy.max_round_retries + 1):
+            uploads = {}
+            rejected: list[int] = []
+            for index, instruction in server.plan_round(round_, participants).items():
+                if observer is not None:
+                    observer.on_instruction(round_, index, instruction)
+                if index not in learners:
+                    data = client_dataset(spec, index)
+                    client_model = build_model(
+                        spec.model, data.input_shape, data.num_classes, seed=spec.seed
+                    )
+                    learners[index] = LocalLearner(
+                        client_model, data, spec.training, seed=spec.seed, client_index=index
+                    )
+                keys = None
+                if kdc is not None:
+                    keys = clients[index].reusable_keys(round_, instruction) or kdc.issue_keys(
+                        round_, Identity("client", index)
+                    )
+                if observer is not None and keys is not None:
+                    observer.on_keys(round_, Identity("client", index), keys)
+                upload = clients[index].compute_upload(round_, instruction, learners[index], keys)
+                if observer is not None:
+                    observer.on_upload(round_, index, upload)
+                try:
+                    server.check_upload(round_, index, upload)
+                except EncodingRejected:  # refused as the server role refuses it
+                    rejected.append(index)
+                    continue
+                uploads[index] = upload
+            if not rejected or protocol.facts.dropout_policy == "Skip":
+                break
+            participants = sorted(uploads)  # Redo: again, without the rejected clients
+        result = server.combine(round_, uploads, rejected)
+        if observer is not None:
+            observer.on_round_end(round_, result, server.global_weights())
+        epsilon = ledger.record_round()
+        completed = round_
+        entry: dict[str, Any] = {
+            "round": round_,
+            "seconds": time.perf_counter() - started,
+            "participants": len(uploads),
+            "train_loss": None if result is None else result.train_loss,
+            "epsilon": epsilon,
+        }
+        history.append(entry)
+    final = evaluator.evaluate_models(server.models(), spec.data.clusters.count)
+    return SimulationResult(
+        weights=server.global_weights(),
+        accuracy=final.accuracy,
+        loss=final.loss,
+        history=history,
+        epsilon=ledger.epsilon(),
+        epsilon_claim=ledger.claim() or None,
+        rounds_completed=completed,
+        reason=reason,
+    )
