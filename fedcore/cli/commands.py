@@ -664,3 +664,8 @@ def checkpoint_purge(manifest: Path, workdir: Path | None, yes: bool) -> None:
         return
     store.delete(keys)
     click.echo(f"Deleted {len(keys)} objects in {store.describe()}.")
+
+
+def role_main(args: list[str]) -> None:
+    """A forked role's entry point (``fedcore.local.launch.FEDCORE_ROLES``): ``fedcore <args>``."""
+    main(args, prog_name="fedcore", standalone_mode=True)

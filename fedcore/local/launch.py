@@ -4,25 +4,53 @@
 ``fork`` (the default for ``fedcore run``) forks each role from a forkserver that imported
 torch and fedcore once, so ten clients start in seconds instead of each importing torch on two
 cores. Both give every role its own OS process, its own session (process group) and a log file.
+
+What a role process runs is given as a ``RoleEntry`` (a command to exec, a function named
+``module:function`` to call in a fork): the launcher never imports the command line itself.
 """
 
 from __future__ import annotations
 
 import ctypes
+import importlib
 import multiprocessing
 import os
 import signal
 import subprocess
 import sys
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal, Protocol
 
 SpawnMode = Literal["fork", "exec"]
 
-PRELOAD = ["fedcore.local.preload"]
-PR_SET_PDEATHSIG = 1
+PRELOAD = ("fedcore.local.preload",)
 """Modules the forkserver imports once, before any role is forked from it."""
+PR_SET_PDEATHSIG = 1
+
+
+@dataclass(frozen=True)
+class RoleEntry:
+    """How a started process becomes a role, given its arguments (``server --manifest ...``).
+
+    Attributes:
+        module: exec'd roles run ``python -m <module> <args>``.
+        main: forked roles call this ``module:function`` with ``args``; its module is
+            imported in the forkserver once, before the first fork.
+    """
+
+    module: str
+    main: str
+
+    @property
+    def main_module(self) -> str:
+        """The module that holds ``main``."""
+        return self.main.partition(":")[0]
+
+
+FEDCORE_ROLES = RoleEntry(module="fedcore", main="fedcore.cli:role_main")
+"""The ``fedcore`` command's roles (``fedcore server | client | kdc``)."""
 
 
 class RoleProcess(Protocol):
@@ -40,12 +68,14 @@ class RoleProcess(Protocol):
 
 
 class ExecRole:
-    """A role started as a fresh ``python -m fedcore`` process."""
+    """A role started as a fresh ``python -m <entry.module>`` process."""
 
-    def __init__(self, args: Sequence[str], log_path: Path, env: Mapping[str, str]) -> None:
+    def __init__(
+        self, entry: RoleEntry, args: Sequence[str], log_path: Path, env: Mapping[str, str]
+    ) -> None:
         with log_path.open("wb") as log:
             self._process = subprocess.Popen(
-                [sys.executable, "-m", "fedcore", *args],
+                [sys.executable, "-m", entry.module, *args],
                 preexec_fn=die_with_parent,
                 stdout=log,
                 stderr=subprocess.STDOUT,
@@ -68,10 +98,14 @@ class ExecRole:
 class ForkedRole:
     """A role forked from the warm forkserver."""
 
-    def __init__(self, args: Sequence[str], log_path: Path, env: Mapping[str, str]) -> None:
+    def __init__(
+        self, entry: RoleEntry, args: Sequence[str], log_path: Path, env: Mapping[str, str]
+    ) -> None:
         context = multiprocessing.get_context("forkserver")
         self._process = context.Process(
-            target=role_main, args=(list(args), str(log_path), dict(env)), daemon=False
+            target=forked_role,
+            args=(entry.main, list(args), str(log_path), dict(env)),
+            daemon=False,
         )
         self._process.start()
 
@@ -92,13 +126,17 @@ class ForkedRole:
 
 
 def start_role(
-    mode: SpawnMode, args: Sequence[str], log_path: Path, env: Mapping[str, str]
+    mode: SpawnMode,
+    entry: RoleEntry,
+    args: Sequence[str],
+    log_path: Path,
+    env: Mapping[str, str],
 ) -> RoleProcess:
-    """Starts one role with ``fedcore <args>``; its output goes to ``log_path``."""
+    """Starts one role, ``entry`` given ``args``; its output goes to ``log_path``."""
     if mode == "fork":
-        multiprocessing.set_forkserver_preload(PRELOAD)
-        return ForkedRole(args, log_path, env)
-    return ExecRole(args, log_path, env)
+        multiprocessing.set_forkserver_preload([*PRELOAD, entry.main_module])
+        return ForkedRole(entry, args, log_path, env)
+    return ExecRole(entry, args, log_path, env)
 
 
 def die_with_parent() -> None:
@@ -113,8 +151,8 @@ def die_with_parent() -> None:
         pass
 
 
-def role_main(args: list[str], log_path: str, env: dict[str, str]) -> None:
-    """The body of a forked role: own session, output to its log, then the CLI."""
+def forked_role(main: str, args: list[str], log_path: str, env: dict[str, str]) -> None:
+    """The body of a forked role: own session, output to its log, then ``main(args)``."""
     os.setsid()
     die_with_parent()
     fd = os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
@@ -128,6 +166,5 @@ def role_main(args: list[str], log_path: str, env: dict[str, str]) -> None:
     sys.stderr = open(2, "w", buffering=1, encoding="utf-8", closefd=False)  # noqa: SIM115
     os.environ.clear()
     os.environ.update(env)
-    from fedcore.cli import main
-
-    main(args, prog_name="fedcore", standalone_mode=True)
+    module, _, function = main.partition(":")
+    getattr(importlib.import_module(module), function)(args)

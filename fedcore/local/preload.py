@@ -1,4 +1,5 @@
-"""Imported once by the local runner's forkserver so that forked roles start warm.
+"""Imported once by the local runner's forkserver so that forked roles start warm (beside
+the module of the roles' entry point, ``fedcore.local.launch.RoleEntry``).
 
 torch imports torch._dynamo lazily on an optimizer's first step (about 2 s of CPU): importing
 it here, before any role is forked, saves that in every client. Nothing is computed here, so

@@ -30,7 +30,7 @@ from pathlib import Path
 from typing import Any
 
 from fedcore.errors import RoleFailed, RunAborted
-from fedcore.local.launch import RoleProcess, SpawnMode, start_role
+from fedcore.local.launch import FEDCORE_ROLES, RoleEntry, RoleProcess, SpawnMode, start_role
 from fedcore.local.ports import LOOPBACK, free_port
 from fedcore.local.threads import ROLE_THREADS
 from fedcore.observe.events import EventLog, read_events
@@ -143,6 +143,7 @@ class LocalRun:
         metrics: serve /metrics on a free port per role.
         threads: torch threads per role process.
         spawn: ``fork`` roles from a warm forkserver (fast) or ``exec`` each as a command.
+        entry: what a role process runs (default: the ``fedcore`` command's roles).
     """
 
     def __init__(
@@ -155,6 +156,7 @@ class LocalRun:
         metrics: bool = True,
         threads: int = ROLE_THREADS,
         spawn: SpawnMode = "fork",
+        entry: RoleEntry = FEDCORE_ROLES,
     ) -> None:
         self.run = run
         self.manifest = manifest
@@ -163,6 +165,7 @@ class LocalRun:
         self.metrics = metrics
         self.threads = threads
         self.spawn: SpawnMode = spawn
+        self.entry = entry
         self.children: dict[str, Child] = {}
         self.events_path = workdir / "events.jsonl"
         self.kdc_events_path = workdir / "kdc-events.jsonl"
@@ -220,7 +223,7 @@ class LocalRun:
         env = dict(os.environ)
         env.setdefault("OMP_NUM_THREADS", str(self.threads))
         env["PYTHONUNBUFFERED"] = "1"
-        process = start_role(self.spawn, args, log_path, env)
+        process = start_role(self.spawn, self.entry, args, log_path, env)
         child = Child(name, process, log_path, port)
         self.children[name] = child
         if port:
