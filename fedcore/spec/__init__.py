@@ -1,7 +1,28 @@
-"""The FederatedRun manifest: typed models, validation and protocol facts (no torch here)."""
+"""The FederatedRun manifest: typed models, validation and protocol facts (no torch here).
+
+The models are the one source of truth for the manifest's shape: every field's description
+opens with its camelCase name and states its default, unit and what "unset" means, so that
+docs/manifest.md and the CRD's OpenAPI schema are generated from them without writing anything
+twice. One private module per part of the manifest, all on ``_base.SpecModel``:
+
+- ``_run``: the root (FederatedRun, its metadata, FederatedRunSpec) and the API group/kind.
+- ``_protocol``: spec.protocol; each protocol's options and preconditions in ``_options/``.
+- ``_clients``: spec.clients, with counts or percentages of them (``resolve_share``).
+- ``_data``: spec.data. ``_learning``: spec.model, spec.training, spec.evaluation.
+- ``_privacy``: spec.privacy. ``_robust``: spec.attack, spec.data.clusters, fedavg's rules.
+- ``_checkpoint``: spec.checkpoint. ``_runtime``: spec.failurePolicy, spec.transport.
+- ``_roles``: spec.roles. ``_status``: the status fedcore writes.
+
+Around them: ``_validate`` (loading and cross-field rules), ``_facts`` (what each protocol
+claims), ``_openapi`` (the CRD schema), ``_reference`` (docs/manifest.md), ``_peers`` and
+``topology`` (peer graphs).
+"""
 
 from typing import TYPE_CHECKING, Any
 
+from fedcore.spec._checkpoint import CheckpointSpec
+from fedcore.spec._clients import ClientsSpec, resolve_share
+from fedcore.spec._data import DataSourceSpec, DataSpec, PartitionSpec
 from fedcore.spec._facts import (
     PROTOCOL_FACTS,
     RESUME_INSENSITIVE_FIELDS,
@@ -9,31 +30,14 @@ from fedcore.spec._facts import (
     ProtocolFacts,
     protocol_facts,
 )
-from fedcore.spec._models import (
-    API_VERSION,
-    KIND,
-    CheckpointSpec,
-    ClientsSpec,
-    DataSourceSpec,
-    DataSpec,
-    EvaluationSpec,
-    FailurePolicySpec,
-    FederatedRun,
-    FederatedRunSpec,
-    ModelSpec,
-    ObjectMeta,
-    OptimizerSpec,
-    PartitionSpec,
-    PrivacySpec,
-    ProtocolSpec,
-    RoleSpec,
-    RolesSpec,
-    TrainingSpec,
-    TransportSpec,
-    resolve_share,
-)
+from fedcore.spec._learning import EvaluationSpec, ModelSpec, OptimizerSpec, TrainingSpec
 from fedcore.spec._openapi import openapi_schema
 from fedcore.spec._peers import peer_graph
+from fedcore.spec._privacy import PrivacySpec
+from fedcore.spec._protocol import ProtocolSpec
+from fedcore.spec._roles import RoleSpec, RolesSpec
+from fedcore.spec._run import API_VERSION, KIND, FederatedRun, FederatedRunSpec, ObjectMeta
+from fedcore.spec._runtime import FailurePolicySpec, TransportSpec
 from fedcore.spec._validate import load_manifest, parse_manifest, semantic_issues
 
 if TYPE_CHECKING:

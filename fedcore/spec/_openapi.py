@@ -21,7 +21,7 @@ from pydantic import BaseModel
 from pydantic.fields import FieldInfo
 from pydantic_core import to_jsonable_python
 
-from fedcore.spec._models import FederatedRun
+from fedcore.spec._run import FederatedRun
 from fedcore.spec._status import FederatedRunStatus
 
 _OPENAPI_KEYS = (

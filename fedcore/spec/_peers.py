@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 from fedcore.spec._facts import protocol_facts
-from fedcore.spec._models import FederatedRunSpec
 from fedcore.spec._options.lppa import lppa_graph
+from fedcore.spec._run import FederatedRunSpec
 from fedcore.spec.topology import Graph, MixingMatrix, mixing_matrix
 
 

@@ -13,8 +13,8 @@ from pathlib import Path
 from typing import Any
 
 from fedcore.spec._facts import PROTOCOL_FACTS
-from fedcore.spec._models import API_VERSION, KIND, FederatedRun
 from fedcore.spec._openapi import describe_bounds, model_schema
+from fedcore.spec._run import API_VERSION, KIND, FederatedRun
 
 DEFAULT_OUTPUT = Path("docs/manifest.md")
 """Where ``--write`` writes, relative to the working directory (the repository root)."""

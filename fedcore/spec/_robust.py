@@ -8,15 +8,14 @@ the clients themselves, so a production run never sets it.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Literal
+from typing import Literal
 
 from pydantic import Field
 
 from fedcore.errors import SpecIssue
 from fedcore.spec._base import SpecModel
-
-if TYPE_CHECKING:
-    from fedcore.spec._models import FederatedRunSpec
+from fedcore.spec._clients import ClientsSpec
+from fedcore.spec._options import FedAvgOptions
 
 UPDATE_ATTACKS = frozenset({"SignFlip", "Scale"})
 """Attacks on the update itself: only protocols that upload a model or an update apply them."""
@@ -76,11 +75,21 @@ class AttackSpec(SpecModel):
     )
 
 
-def attack_issues(spec: FederatedRunSpec) -> list[SpecIssue]:
-    """Which protocols can run which attack, and fedavg's aggregator preconditions."""
+def attack_issues(
+    attack: AttackSpec | None, name: str, fedavg: FedAvgOptions, clients: ClientsSpec
+) -> list[SpecIssue]:
+    """Which protocols can run which attack, and fedavg's aggregator preconditions.
+
+    Args:
+        attack: spec.attack.
+        name: spec.protocol.name.
+        fedavg: spec.protocol.fedavg.
+        clients: spec.clients.
+
+    Returns:
+        The problems found, each naming its field.
+    """
     issues: list[SpecIssue] = []
-    attack = spec.attack
-    name = spec.protocol.name
     if attack is not None:
         if attack.kind in UPDATE_ATTACKS and name not in UPDATE_ATTACK_PROTOCOLS:
             issues.append(
@@ -101,15 +110,14 @@ def attack_issues(spec: FederatedRunSpec) -> list[SpecIssue]:
                 )
             )
     if name == "fedavg":
-        issues.extend(_fedavg_issues(spec))
+        issues.extend(_fedavg_issues(fedavg, clients))
     return issues
 
 
-def _fedavg_issues(spec: FederatedRunSpec) -> list[SpecIssue]:
-    options = spec.protocol.fedavg
+def _fedavg_issues(options: FedAvgOptions, clients: ClientsSpec) -> list[SpecIssue]:
     issues: list[SpecIssue] = []
-    sampled = min(spec.clients.sampled_per_round(), spec.clients.count)
-    fewest = spec.clients.quorum_of(sampled)
+    sampled = min(clients.sampled_per_round(), clients.count)
+    fewest = clients.quorum_of(sampled)
     if options.aggregator == "Krum" and fewest < options.krum_byzantine + 3:
         issues.append(
             SpecIssue(

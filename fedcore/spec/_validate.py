@@ -14,12 +14,12 @@ from pydantic import BaseModel, ValidationError
 
 from fedcore.errors import SpecError, SpecIssue
 from fedcore.spec._facts import protocol_facts
-from fedcore.spec._models import FederatedRun, FederatedRunSpec
 from fedcore.spec._openapi import _model_of, describe_bounds, schema_at
 from fedcore.spec._options.adaptive import adaptive_issues
 from fedcore.spec._options.ebscfl import ebscfl_issues
 from fedcore.spec._options.lppa import lppa_issues
 from fedcore.spec._robust import attack_issues
+from fedcore.spec._run import FederatedRun, FederatedRunSpec
 
 MAX_MANIFEST_BYTES = 1024 * 1024
 """Manifests larger than this are refused before parsing."""
@@ -252,12 +252,14 @@ def _precondition_issues(run: FederatedRun) -> list[SpecIssue]:
     if spec.protocol.name in {"perturb", "mpdp"}:
         issues.extend(_lossless_mlp_issues(spec))
     if spec.protocol.name == "lppa":
-        issues.extend(lppa_issues(spec))
+        issues.extend(lppa_issues(spec.protocol.lppa, spec.clients, spec.training.optimizer))
     if spec.protocol.name == "adaptive":
-        issues.extend(adaptive_issues(spec))
+        issues.extend(adaptive_issues(spec.protocol.adaptive, spec.training.optimizer))
     if spec.protocol.name == "ebscfl":
-        issues.extend(ebscfl_issues(spec))
-    issues.extend(attack_issues(spec))
+        issues.extend(ebscfl_issues(spec.protocol.ebscfl, spec.clients))
+    issues.extend(
+        attack_issues(spec.attack, spec.protocol.name, spec.protocol.fedavg, spec.clients)
+    )
     if spec.protocol.name in {"fedsgd", "perturb", "mpdp"}:
         optimizer = spec.training.optimizer
         if optimizer.kind != "SGD":

@@ -11,7 +11,7 @@ from fedcore.errors import ProtocolError
 from fedcore.protocols._maths import cluster_name
 from fedcore.protocols.fedavg import aggregators
 from fedcore.protocols.fedavg.robust import RobustAveragingServer, RobustTrainingClient
-from fedcore.spec._models import FedAvgOptions
+from fedcore.spec._options import FedAvgOptions
 from fedcore.transport import Payload
 
 UPDATES = [np.array([1.0, 5.0]), np.array([2.0, 3.0]), np.array([10.0, 4.0])]

@@ -36,7 +36,7 @@ from fedcore.protocols._maths import (
 )
 from fedcore.protocols.fedavg import aggregators
 from fedcore.spec import FederatedRunSpec
-from fedcore.spec._models import FedAvgOptions
+from fedcore.spec._options import FedAvgOptions
 from fedcore.transport import Payload
 
 log = logging.getLogger(__name__)

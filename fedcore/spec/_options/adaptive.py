@@ -2,15 +2,13 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Literal
+from typing import Literal
 
 from pydantic import Field
 
 from fedcore.errors import SpecIssue
 from fedcore.spec._base import SpecModel
-
-if TYPE_CHECKING:
-    from fedcore.spec._models import FederatedRunSpec
+from fedcore.spec._learning import OptimizerSpec
 
 OPTIONS_PATH = "spec.protocol.adaptive"
 
@@ -152,11 +150,17 @@ class AdaptiveOptions(SpecModel):
     )
 
 
-def adaptive_issues(spec: FederatedRunSpec) -> list[SpecIssue]:
-    """adaptive's preconditions: one plain SGD step per round; no unsafe learner by accident."""
+def adaptive_issues(options: AdaptiveOptions, optimizer: OptimizerSpec) -> list[SpecIssue]:
+    """adaptive's preconditions: one plain SGD step per round; no unsafe learner by accident.
+
+    Args:
+        options: spec.protocol.adaptive.
+        optimizer: spec.training.optimizer.
+
+    Returns:
+        The problems found, each naming its field.
+    """
     issues: list[SpecIssue] = []
-    options = spec.protocol.adaptive
-    optimizer = spec.training.optimizer
     if optimizer.kind != "SGD" or optimizer.momentum != 0 or optimizer.weight_decay != 0:
         issues.append(
             SpecIssue(

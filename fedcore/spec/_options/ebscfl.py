@@ -2,15 +2,13 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Literal
+from typing import Literal
 
 from pydantic import Field
 
 from fedcore.errors import SpecIssue
 from fedcore.spec._base import SpecModel
-
-if TYPE_CHECKING:
-    from fedcore.spec._models import FederatedRunSpec
+from fedcore.spec._clients import ClientsSpec
 
 MAX_SRFC_SIDE = 4096
 """The widest SRFC matrices allowed: 2*t*m*n (a 4096 x 4096 float64 matrix is 128 MiB)."""
@@ -100,12 +98,19 @@ class EbscflOptions(SpecModel):
     )
 
 
-def ebscfl_issues(spec: FederatedRunSpec) -> list[SpecIssue]:
-    """The preconditions of ``ebscfl``, naming the field at fault."""
-    options = spec.protocol.ebscfl
+def ebscfl_issues(options: EbscflOptions, clients: ClientsSpec) -> list[SpecIssue]:
+    """The preconditions of ``ebscfl``, naming the field at fault.
+
+    Args:
+        options: spec.protocol.ebscfl.
+        clients: spec.clients.
+
+    Returns:
+        The problems found, each naming its field.
+    """
     issues: list[SpecIssue] = []
-    sampled = min(spec.clients.sampled_per_round(), spec.clients.count)
-    fewest = spec.clients.quorum_of(sampled)
+    sampled = min(clients.sampled_per_round(), clients.count)
+    fewest = clients.quorum_of(sampled)
     if fewest < 2:
         issues.append(
             SpecIssue(

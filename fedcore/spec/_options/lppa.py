@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Annotated, Literal
+from typing import Annotated, Literal
 
 from pydantic import Field
 
 from fedcore.errors import SpecIssue
 from fedcore.spec._base import SpecModel
+from fedcore.spec._clients import ClientsSpec
+from fedcore.spec._learning import OptimizerSpec
 from fedcore.spec.topology import (
     Graph,
     TopologyError,
@@ -15,9 +17,6 @@ from fedcore.spec.topology import (
     check_graph,
     mixing_matrix,
 )
-
-if TYPE_CHECKING:
-    from fedcore.spec._models import FederatedRunSpec
 
 OPTIONS_PATH = "spec.protocol.lppa"
 
@@ -118,29 +117,38 @@ def lppa_graph(options: LppaOptions, count: int) -> Graph:
     )
 
 
-def lppa_issues(spec: FederatedRunSpec) -> list[SpecIssue]:
-    """lppa's preconditions: every client each round, plain SGD steps, a usable graph."""
+def lppa_issues(
+    options: LppaOptions, clients: ClientsSpec, optimizer: OptimizerSpec
+) -> list[SpecIssue]:
+    """lppa's preconditions: every client each round, plain SGD steps, a usable graph.
+
+    Args:
+        options: spec.protocol.lppa.
+        clients: spec.clients.
+        optimizer: spec.training.optimizer.
+
+    Returns:
+        The problems found, each naming its field.
+    """
     issues: list[SpecIssue] = []
-    count = spec.clients.count
-    options = spec.protocol.lppa
-    if spec.clients.sampled_per_round() < count:
+    count = clients.count
+    if clients.sampled_per_round() < count:
         issues.append(
             SpecIssue(
                 "spec.clients.perRound",
-                f"{spec.clients.per_round!r} is not allowed for protocol 'lppa': every client "
+                f"{clients.per_round!r} is not allowed for protocol 'lppa': every client "
                 f"steps with its neighbours every round; allowed: '100%' or {count}.",
             )
         )
-    if spec.clients.quorum_of(count) < count:
+    if clients.quorum_of(count) < count:
         issues.append(
             SpecIssue(
                 "spec.clients.quorum",
-                f"{spec.clients.quorum!r} is not allowed for protocol 'lppa': a client that "
+                f"{clients.quorum!r} is not allowed for protocol 'lppa': a client that "
                 f"drops out leaves its noise uncancelled and its neighbours waiting, so the run "
                 f"fails instead; allowed: '100%' or {count}.",
             )
         )
-    optimizer = spec.training.optimizer
     if optimizer.kind != "SGD" or optimizer.momentum != 0 or optimizer.weight_decay != 0:
         issues.append(
             SpecIssue(

@@ -1,0 +1,125 @@
+"""The root of the manifest: the FederatedRun object, its metadata and its spec."""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import ConfigDict, Field
+from pydantic.alias_generators import to_camel
+
+from fedcore.spec._base import SpecModel
+from fedcore.spec._checkpoint import CheckpointSpec
+from fedcore.spec._clients import ClientsSpec
+from fedcore.spec._data import DataSpec
+from fedcore.spec._learning import EvaluationSpec, ModelSpec, TrainingSpec
+from fedcore.spec._privacy import PrivacySpec
+from fedcore.spec._protocol import ProtocolSpec
+from fedcore.spec._robust import AttackSpec
+from fedcore.spec._roles import RolesSpec
+from fedcore.spec._runtime import FailurePolicySpec, TransportSpec
+
+API_GROUP = "fedcore.dev"
+API_VERSION = f"{API_GROUP}/v1alpha1"
+KIND = "FederatedRun"
+
+
+class FederatedRunSpec(SpecModel):
+    """spec of a FederatedRun: one federated-learning job under one privacy protocol."""
+
+    protocol: ProtocolSpec = Field(description="protocol that runs the rounds. Required.")
+    model: ModelSpec = Field(default_factory=ModelSpec, description="model every party trains.")
+    data: DataSpec = Field(default_factory=DataSpec, description="data of the clients.")
+    clients: ClientsSpec = Field(description="clients: count, sampling and quorum. Required.")
+    rounds: int = Field(
+        description="rounds is the number of federated rounds. Required; 1 to 1000000.",
+        ge=1,
+        le=1_000_000,
+    )
+    training: TrainingSpec = Field(
+        default_factory=TrainingSpec, description="training each client does per round."
+    )
+    privacy: PrivacySpec | None = Field(
+        None, description="privacy budget, for protocols that claim DP. Unset: no budget."
+    )
+    attack: AttackSpec | None = Field(
+        None,
+        description="attack makes a share of the clients Byzantine, for robustness experiments "
+        "only: an experiment knob, never for production. Unset (default): every client is "
+        "honest.",
+    )
+    evaluation: EvaluationSpec = Field(
+        default_factory=EvaluationSpec, description="evaluation on the server's held-out split."
+    )
+    checkpoint: CheckpointSpec = Field(
+        default_factory=CheckpointSpec, description="checkpoint schedule and store."
+    )
+    failure_policy: FailurePolicySpec = Field(
+        default_factory=FailurePolicySpec, description="failurePolicy: deadlines and retries."
+    )
+    transport: TransportSpec = Field(
+        default_factory=TransportSpec, description="transport message limits."
+    )
+    roles: RolesSpec = Field(
+        default_factory=RolesSpec, description="roles: per-role Kubernetes placement."
+    )
+    suspend: bool = Field(
+        False,
+        description="suspend: true removes the run's pods and keeps its state and checkpoints; "
+        "false starts them again, resuming from the latest checkpoint. Kubernetes only. "
+        "Default false.",
+    )
+    active_deadline_seconds: int | None = Field(
+        None,
+        ge=1,
+        le=31_536_000,
+        description="activeDeadlineSeconds fails the run (reason DeadlineExceeded) when it has "
+        "been running this long, suspended time excluded. Kubernetes only. Default none.",
+    )
+    backoff_limit: int = Field(
+        6,
+        ge=0,
+        le=10_000,
+        description="backoffLimit is how many failed pods the operator recreates over the run "
+        "before it fails (reason BackoffLimitExceeded): a failed client pod is recreated while "
+        "the run goes on with its quorum, a failed server pod is recreated and resumes from the "
+        "latest checkpoint. Kubernetes only. Default 6.",
+    )
+    seed: int = Field(
+        0,
+        ge=0,
+        le=2**53 - 1,
+        description="seed of everything random that is not secret: Seeded client sampling, "
+        "initial model, local shuffles. Default 0. The same manifest with the same seed gives "
+        "the same result, except where a secret draw is asked for (spec.clients.sampling "
+        "Secret, a DP protocol's secure noise). At most "
+        "2^53 - 1, the largest integer every JSON reader (and the API server) keeps exact.",
+    )
+
+
+class ObjectMeta(SpecModel):
+    """The part of Kubernetes metadata that fedcore reads."""
+
+    model_config = ConfigDict(alias_generator=to_camel, populate_by_name=True, extra="allow")
+
+    name: str = Field(
+        description="name of the run: a DNS-1123 label (lowercase letters, digits, '-'). Required.",
+        min_length=1,
+        max_length=63,
+        pattern=r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$",
+    )
+    namespace: str | None = Field(None, description="namespace of the run on Kubernetes.")
+    labels: dict[str, str] = Field(default_factory=dict, description="labels of the run.")
+
+
+class FederatedRun(SpecModel):
+    """A FederatedRun manifest: what ``kubectl apply`` and ``fedcore run`` both take."""
+
+    api_version: Literal["fedcore.dev/v1alpha1"] = Field(
+        description="apiVersion must be fedcore.dev/v1alpha1."
+    )
+    kind: Literal["FederatedRun"] = Field(description="kind must be FederatedRun.")
+    metadata: ObjectMeta = Field(description="metadata: the run's name and labels.")
+    spec: FederatedRunSpec = Field(description="spec of the run.")
+    status: dict[str, Any] | None = Field(
+        None, description="status is written by fedcore; ignored on input."
+    )
