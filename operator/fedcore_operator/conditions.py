@@ -1,6 +1,7 @@
 """Pure status helpers: pod states, role counts and conditions that keep their transition time.
 
-Nothing here calls the API; ``reconcile`` feeds it what it listed and patches the result.
+Nothing here calls the API or, given ``now``, reads the clock; ``plan`` feeds it what a pass
+listed, and ``reconcile`` patches the result.
 """
 
 from __future__ import annotations
@@ -13,7 +14,12 @@ Object = dict[str, Any]
 
 def now_rfc3339() -> str:
     """The current UTC time as Kubernetes writes it (seconds, ``Z``)."""
-    return datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+    return format_rfc3339(datetime.datetime.now(datetime.UTC))
+
+
+def format_rfc3339(when: datetime.datetime) -> str:
+    """``when`` (UTC) as Kubernetes writes it (whole seconds, ``Z``)."""
+    return when.strftime("%Y-%m-%dT%H:%M:%SZ")
 
 
 def parse_rfc3339(text: str) -> datetime.datetime:
@@ -71,9 +77,14 @@ def set_condition(
     reason: str,
     message: str,
     generation: int | None,
+    now: str | None = None,
 ) -> list[Object]:
-    """Returns ``conditions`` with ``type_`` set; its time changes only when status does."""
+    """Returns ``conditions`` with ``type_`` set; its time changes only when status does.
+
+    ``now`` is the transition time to write (RFC 3339); by default the clock is read.
+    """
     text = "True" if status else "False"
+    stamp = now or now_rfc3339()
     result = []
     found = False
     for condition in conditions:
@@ -88,9 +99,9 @@ def set_condition(
                 "status": text,
                 "reason": reason,
                 "message": message,
-                "lastTransitionTime": now_rfc3339()
+                "lastTransitionTime": stamp
                 if changed
-                else condition.get("lastTransitionTime") or now_rfc3339(),
+                else condition.get("lastTransitionTime") or stamp,
                 "observedGeneration": generation,
             }
         )
@@ -101,7 +112,7 @@ def set_condition(
                 "status": text,
                 "reason": reason,
                 "message": message,
-                "lastTransitionTime": now_rfc3339(),
+                "lastTransitionTime": stamp,
                 "observedGeneration": generation,
             }
         )

@@ -1,0 +1,569 @@
+"""One reconcile pass decided without the API: what was observed in, what to write out.
+
+``plan`` is a pure function. It takes a FederatedRun as the API server returned it, the
+objects it owns (pods, Secrets and the other kinds, as listed), the operator's settings and
+the current time, and returns the ordered writes that move the cluster towards the run's spec
+and the operator's part of the run's status. It calls no API, reads no clock and draws no
+random number, so the same observation always gives the same plan.
+
+The rules it encodes (``fedcore_operator.reconcile`` applies them):
+
+- Missing Secrets, ConfigMap, ServiceAccounts, RBAC, Services and NetworkPolicies are created
+  and drifted fields of the latter (``UPDATABLE``) patched back, then the KDC, server and
+  client pods in that order, each waiting for the one before to be ready.
+- A failed pod is deleted at once (grace 0) and recreated in the same pass while the run's
+  failed pods stay within ``spec.backoffLimit``; past it the run fails
+  (``BackoffLimitExceeded``). A failed server whose own report (``status.outcome``) says the
+  failure is not retriable ends the run with the server's reason; a succeeded server ends it
+  with ``Succeeded``. Which client failures end a run in the server is the protocol's dropout
+  policy; the operator only sees what the server reported.
+- ``spec.suspend`` removes every pod and stops the active clock; ``activeDeadlineSeconds``
+  counts active time only and fails the run (``DeadlineExceeded``) past it.
+- A finished run is never restarted: its pods that have not ended are deleted, except that
+  those of a run that succeeded less than ``finish_grace_seconds`` ago may end on their own.
+- The status is patched only when the operator's part of it changed.
+
+Certificates are the one random part: the plan only says which pods' certificate Secrets are
+missing (``IssueCertificates``); whoever applies it loads the run's CA from its Secret, or
+mints and creates one, and issues them.
+"""
+
+from __future__ import annotations
+
+import copy
+import datetime
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from fedcore.errors import SpecError
+from fedcore.spec import FederatedRun, parse_manifest, resolve_share
+from fedcore_operator import objects
+from fedcore_operator.conditions import (
+    differs,
+    format_rfc3339,
+    parse_rfc3339,
+    pod_exit,
+    pod_phase,
+    pod_ready,
+    role_counts,
+    set_condition,
+    terminating,
+)
+from fedcore_operator.settings import OperatorSettings
+
+Object = dict[str, Any]
+UPDATABLE = {
+    "ConfigMap": ("data",),
+    "ServiceAccount": ("automountServiceAccountToken",),
+    "Role": ("rules",),
+    "RoleBinding": ("subjects",),
+    "Service": ("spec",),
+    "NetworkPolicy": ("spec",),
+}
+"""Per owned kind, the top-level fields the operator keeps equal to what it builds."""
+STATIC_KINDS = tuple(UPDATABLE)
+"""The owned kinds besides Secrets and pods, in the order ``objects.static_objects`` has them."""
+TERMINAL = ("Succeeded", "Failed")
+OPERATOR_FIELDS = (
+    "phase",
+    "reason",
+    "message",
+    "observedGeneration",
+    "conditions",
+    "rounds",
+    "progress",
+    "roles",
+    "restarts",
+    "startTime",
+    "completionTime",
+    "activeSeconds",
+    "activeSince",
+)
+"""The status fields the operator owns; the server patches the others."""
+
+
+# ------------------------------------------------------------------------------------ input
+
+
+@dataclass(frozen=True)
+class Observed:
+    """Everything one pass knows about one run.
+
+    Attributes:
+        body: the FederatedRun as the API server returned it (metadata, spec, status); it is
+            not being deleted.
+        now: the time of the pass (timezone-aware UTC; whole seconds are used).
+        settings: the operator's settings.
+        pods: the run's pods as listed (labelled with the run).
+        owned: the run's other objects as listed, by kind (``Secret`` and ``STATIC_KINDS``); a
+            kind that is absent counts as listed empty. ``kinds_to_observe`` says which kinds
+            the plan reads.
+    """
+
+    body: Object
+    now: datetime.datetime
+    settings: OperatorSettings
+    pods: Sequence[Object] = ()
+    owned: Mapping[str, Sequence[Object]] = field(default_factory=dict)
+
+
+def manifest_of(body: Object) -> FederatedRun:
+    """Parses a FederatedRun object as the API server returns it into the spec model.
+
+    Raises:
+        SpecError: the stored spec is not a valid run (the webhook normally refuses those).
+    """
+    meta = body["metadata"]
+    return parse_manifest(
+        {
+            "apiVersion": body["apiVersion"],
+            "kind": body["kind"],
+            "metadata": {"name": meta["name"], "namespace": meta.get("namespace")},
+            "spec": body.get("spec") or {},
+        }
+    )
+
+
+def kinds_to_observe(body: Object) -> tuple[str, ...]:
+    """The kinds ``plan`` reads for this run, so a pass lists no more than it needs.
+
+    None for an invalid spec, only ``Pod`` for a finished or suspended run, and for a run
+    that goes on ``Pod``, ``Secret`` and then ``STATIC_KINDS``.
+    """
+    try:
+        manifest = manifest_of(body)
+    except SpecError:
+        return ()
+    if (body.get("status") or {}).get("phase") in TERMINAL or manifest.spec.suspend:
+        return ("Pod",)
+    return ("Pod", "Secret", *STATIC_KINDS)
+
+
+# ----------------------------------------------------------------------------------- output
+
+
+@dataclass(frozen=True)
+class CreateObjects:
+    """Create these objects; they do not depend on each other (several may be in flight).
+
+    An object whose name already exists is left as it is.
+    """
+
+    objects: tuple[Object, ...]
+
+
+@dataclass(frozen=True)
+class PatchObject:
+    """Apply ``patch`` (a JSON merge patch) to the owned object ``kind``/``name``."""
+
+    kind: str
+    name: str
+    patch: Object
+
+
+@dataclass(frozen=True)
+class DeletePod:
+    """Delete the pod ``name`` in the background; ``grace`` seconds, None: the pod's own."""
+
+    name: str
+    grace: int | None = None
+
+
+@dataclass(frozen=True)
+class IssueCertificates:
+    """Create the certificate Secrets of these pods, which are missing.
+
+    Not planned purely because keys are random: the applier loads the run's CA from
+    ``ca_secret`` or, when that is None, mints a CA and creates its Secret first
+    (``objects.ca_secret``); then it creates every pod's Secret (``objects.pod_tls_secret``).
+
+    Attributes:
+        context: the run.
+        identities: (pod name, certificate common name, client index) of each missing one.
+        ca_secret: the run's CA Secret as listed, or None when it does not exist.
+    """
+
+    context: objects.RunContext
+    identities: tuple[tuple[str, str, int | None], ...]
+    ca_secret: Object | None
+
+
+@dataclass(frozen=True)
+class Note:
+    """A line for the operator's log: an action of the pass, or (``warning``) a warning."""
+
+    text: str
+    warning: bool = False
+
+
+Step = CreateObjects | PatchObject | DeletePod | IssueCertificates | Note
+"""One thing to do; a plan's steps run in order."""
+
+
+@dataclass(frozen=True)
+class Plan:
+    """What one pass does.
+
+    Attributes:
+        steps: the writes (and log lines) in the order they must happen: each step may rely on
+            the ones before it (the KDC's Secret before its pod, a failed pod's delete before
+            its replacement's create).
+        status: the operator's part of the run's status after the pass (``OPERATOR_FIELDS``).
+        status_patch: the merge patch of the status subresource that writes ``status`` (fields
+            the operator no longer sets are nulled), or None when nothing changed.
+    """
+
+    steps: tuple[Step, ...]
+    status: Object
+    status_patch: Object | None
+
+    @property
+    def phase(self) -> str | None:
+        """The run's phase after the pass."""
+        phase = self.status.get("phase")
+        return None if phase is None else str(phase)
+
+
+def plan(observed: Observed) -> Plan:
+    """Decides one reconcile pass over ``observed.body`` (see the module docstring)."""
+    return _Planner(observed).run()
+
+
+# ---------------------------------------------------------------------------------- planner
+
+
+class _Planner:
+    """The working state of one ``plan`` call; nothing outside it is changed."""
+
+    def __init__(self, observed: Observed) -> None:
+        self.observed = observed
+        self.settings = observed.settings
+        self.body = observed.body
+        self.clock = observed.now.astimezone(datetime.UTC).replace(microsecond=0)
+        self.now = format_rfc3339(self.clock)
+        self.steps: list[Step] = []
+        meta = self.body["metadata"]
+        self.name: str = meta["name"]
+        self.namespace: str = meta["namespace"]
+        self.uid: str = meta["uid"]
+        self.generation: int | None = meta.get("generation")
+        self.old: Object = dict(self.body.get("status") or {})
+        self.status: Object = {
+            key: copy.deepcopy(self.old[key]) for key in OPERATOR_FIELDS if key in self.old
+        }
+        self.status.setdefault("conditions", [])
+        self.status["observedGeneration"] = self.generation
+        # Copies: a pod deleted in this pass is marked terminating here, not in the input.
+        self.pods: dict[str, Object] = {
+            pod["metadata"]["name"]: copy.deepcopy(pod) for pod in observed.pods
+        }
+
+    # ------------------------------------------------------------------------- driver
+
+    def run(self) -> Plan:
+        try:
+            manifest = manifest_of(self.body)
+        except SpecError as exc:
+            self._finish("Failed", "InvalidSpec", str(exc))
+            return self._result()
+        ctx = objects.RunContext(manifest, self.namespace, self.uid, self.settings)
+        self.ctx = ctx
+        spec = manifest.spec
+        self.status["rounds"] = spec.rounds
+        self.status["progress"] = f"{self.old.get('round') or 0}/{spec.rounds}"
+        self.status.setdefault("restarts", 0)
+        self.status.setdefault("startTime", self.now)
+
+        if self.old.get("phase") in TERMINAL:
+            self._remove_pods(keep_finished=True, spare_running=self._in_finish_grace())
+            self._count_roles()
+            return self._result()
+        if spec.suspend:
+            self._suspend()
+            return self._result()
+        if self.old.get("phase") == "Suspended" or not self.status.get("activeSince"):
+            self.status["activeSince"] = self.now
+            self.status.setdefault("activeSeconds", 0.0)
+        self._set_condition("Suspended", False, "Running", "The run is not suspended.")
+
+        self._ensure_secrets()
+        self._ensure_static()
+        if not self._deadline_ok() or not self._replace_failed_pods():
+            return self._result()
+        self._start_pods()
+        self._count_roles()
+        return self._result()
+
+    def _result(self) -> Plan:
+        self.status.pop("failedPods", None)
+        current = {key: self.old[key] for key in OPERATOR_FIELDS if key in self.old}
+        patch: Object | None = None
+        if differs(self.status, current) or differs(current, self.status):
+            patch = dict(self.status)
+            for key in current:
+                if key not in patch:
+                    patch[key] = None
+            patch = {"status": patch}
+        return Plan(steps=tuple(self.steps), status=self.status, status_patch=patch)
+
+    # ------------------------------------------------------------------------ objects
+
+    def _listed(self, kind: str) -> dict[str, Object]:
+        items = self.observed.owned.get(kind) or ()
+        return {item["metadata"]["name"]: item for item in items}
+
+    def _create(self, *items: Object) -> None:
+        if items:
+            self.steps.append(CreateObjects(tuple(items)))
+
+    def _ensure_secrets(self) -> None:
+        existing = self._listed("Secret")
+        wanted = tuple(
+            (pod, cn, index)
+            for pod, cn, index in objects.pod_identities(self.ctx)
+            if objects.tls_secret_name(pod) not in existing
+        )
+        if wanted:
+            ca = existing.get(objects.ca_secret_name(self.name))
+            self.steps.append(IssueCertificates(self.ctx, wanted, ca))
+
+    def _ensure_static(self) -> None:
+        listed = {kind: self._listed(kind) for kind in STATIC_KINDS}
+        for desired in objects.static_objects(self.ctx):
+            kind = desired["kind"]
+            name = desired["metadata"]["name"]
+            actual = listed[kind].get(name)
+            if actual is None:
+                self._create(desired)
+                continue
+            patch = {key: desired[key] for key in UPDATABLE[kind] if key in desired}
+            if differs(patch, actual):
+                self.steps.append(PatchObject(kind, name, patch))
+
+    # --------------------------------------------------------------------------- pods
+
+    def _role_pods(self, role: str) -> list[Object]:
+        return [
+            pod
+            for pod in self.pods.values()
+            if pod["metadata"].get("labels", {}).get(objects.ROLE_LABEL) == role
+        ]
+
+    def _delete_pod(self, pod: Object, grace: int | None = None) -> None:
+        if terminating(pod):
+            return
+        self.steps.append(DeletePod(pod["metadata"]["name"], grace))
+        pod["metadata"]["deletionTimestamp"] = self.now
+
+    def _remove_pods(self, *, keep_finished: bool, spare_running: bool = False) -> None:
+        """Deletes the run's pods: all, or (``keep_finished``) those that have not ended; with
+        ``spare_running``, pods that still run are left to end on their own for now."""
+        for pod in self.pods.values():
+            if keep_finished and pod_phase(pod) in TERMINAL:
+                continue
+            if spare_running and not terminating(pod):
+                continue
+            self._delete_pod(pod)
+
+    def _seconds_since(self, stamp: str) -> float:
+        return (self.clock - parse_rfc3339(stamp)).total_seconds()
+
+    def _in_finish_grace(self) -> bool:
+        """Whether the run succeeded less than ``finish_grace_seconds`` ago: its clients may
+        still be writing their final models (lppa's are the run's result) and exit by
+        themselves; a later pass (a pod's exit or the resync) deletes whoever outlasts it."""
+        if self.status.get("phase", self.old.get("phase")) != "Succeeded":
+            return False
+        done = self.status.get("completionTime") or self.old.get("completionTime")
+        if not done:
+            return False
+        return self._seconds_since(done) < self.settings.finish_grace_seconds
+
+    def _suspend(self) -> None:
+        self._remove_pods(keep_finished=False)
+        if self.old.get("phase") != "Suspended":
+            since = self.status.get("activeSince")
+            if since:
+                ran = self._seconds_since(since)
+                self.status["activeSeconds"] = float(self.status.get("activeSeconds") or 0) + ran
+            self.status.pop("activeSince", None)
+        self._set_phase("Suspended", "Suspended", "spec.suspend is true: the pods are removed.")
+        self._set_condition("Suspended", True, "Suspended", "spec.suspend is true.")
+        self._count_roles()
+
+    def _deadline_ok(self) -> bool:
+        deadline = self.ctx.run.spec.active_deadline_seconds
+        since = self.status.get("activeSince")
+        if deadline is None or not since:
+            return True
+        ran = float(self.status.get("activeSeconds") or 0) + self._seconds_since(since)
+        if ran <= deadline:
+            return True
+        self._finish(
+            "Failed",
+            "DeadlineExceeded",
+            f"The run has been active {ran:.0f} s, past spec.activeDeadlineSeconds {deadline}.",
+        )
+        self._remove_pods(keep_finished=True)
+        self._count_roles()
+        return False
+
+    def _replace_failed_pods(self) -> bool:
+        """Deletes failed pods (recreated below) and ends the run when it cannot go on.
+
+        Returns False when the run reached a terminal phase in this pass.
+        """
+        limit = self.ctx.run.spec.backoff_limit
+        outcome = self.old.get("outcome") or {}
+        for pod in list(self.pods.values()):
+            phase = pod_phase(pod)
+            role = pod["metadata"].get("labels", {}).get(objects.ROLE_LABEL)
+            if terminating(pod) or phase not in TERMINAL:
+                continue
+            if role == "server" and phase == "Succeeded":
+                self._finish(
+                    "Succeeded",
+                    str(outcome.get("reason") or "RoundsCompleted"),
+                    "The server finished the run.",
+                )
+                self._remove_pods(keep_finished=True, spare_running=self._in_finish_grace())
+                self._count_roles()
+                return False
+            if phase != "Failed":
+                continue
+            code, why = pod_exit(pod)
+            if (
+                role == "server"
+                and outcome.get("phase") == "Failed"
+                and not outcome.get("retriable")
+            ):
+                self._finish(
+                    "Failed",
+                    str(outcome.get("reason") or "ServerFailed"),
+                    str(outcome.get("message") or f"The server failed: {why}"),
+                )
+                self._remove_pods(keep_finished=True)
+                self._count_roles()
+                return False
+            restarts = int(self.status.get("restarts") or 0) + 1
+            self.status["restarts"] = restarts
+            failed = self.status.setdefault("failedPods", {})
+            failed[role] = failed.get(role, 0) + 1
+            if restarts > limit:
+                self._finish(
+                    "Failed",
+                    "BackoffLimitExceeded",
+                    f"Pod {pod['metadata']['name']} failed (exit code {code}: {why}) and "
+                    f"{restarts - 1} failed pods were already recreated (spec.backoffLimit "
+                    f"{limit}).",
+                )
+                self._remove_pods(keep_finished=True)
+                self._count_roles()
+                return False
+            self.steps.append(
+                Note(
+                    f"Pod {pod['metadata']['name']} failed (exit code {code}: {why}); "
+                    f"recreating it ({restarts} of spec.backoffLimit {limit}).",
+                    warning=True,
+                )
+            )
+            self._delete_pod(pod, grace=0)
+            del self.pods[pod["metadata"]["name"]]
+        return True
+
+    def _start_pods(self) -> None:
+        """Creates missing pods in order: KDC ready, then server ready, then clients."""
+        ctx = self.ctx
+        if ctx.needs_kdc:
+            kdc = self.pods.get(objects.pod_name(self.name, "kdc"))
+            if kdc is None:
+                self._create(objects.kdc_pod(ctx, resume=self._resuming()))
+            ready = kdc is not None and pod_ready(kdc) and not terminating(kdc)
+            self._set_condition(
+                "KdcReady",
+                ready,
+                "PodReady" if ready else "Waiting",
+                "The KDC pod is ready." if ready else "Waiting for the KDC pod to be ready.",
+            )
+            if not ready:
+                self._set_phase("Pending", "WaitingForKdc", "Waiting for the KDC pod to be ready.")
+                return
+        server = self.pods.get(objects.pod_name(self.name, "server"))
+        if server is None:
+            self._create(objects.server_pod(ctx, resume=self._resuming()))
+        ready = server is not None and pod_ready(server) and not terminating(server)
+        self._set_condition(
+            "ServerReady",
+            ready,
+            "PodReady" if ready else "Waiting",
+            "The server pod is ready." if ready else "Waiting for the server pod to be ready.",
+        )
+        if not ready:
+            self._set_phase(
+                "Pending", "WaitingForServer", "Waiting for the server pod to be ready."
+            )
+            return
+        self._create(
+            *(
+                objects.client_pod(ctx, index)
+                for index in range(ctx.run.spec.clients.count)
+                if objects.pod_name(self.name, "client", index) not in self.pods
+            )
+        )
+        clients = [pod for pod in self._role_pods("client") if not terminating(pod)]
+        ready_clients = sum(pod_ready(pod) for pod in clients)
+        count = ctx.run.spec.clients.count
+        quorum = resolve_share(ctx.run.spec.clients.quorum, count)
+        self._set_condition(
+            "ClientsReady",
+            ready_clients >= quorum,
+            "QuorumReady" if ready_clients >= quorum else "Waiting",
+            f"{ready_clients} of {count} client pods ready (quorum {quorum}).",
+        )
+        self._set_phase("Running", "Training", "The server is ready and every client pod exists.")
+
+    def _resuming(self) -> bool:
+        """Whether a pod made now continues the run (after a failure, a suspension or a
+        checkpoint) rather than starting it: then it loads its latest saved state."""
+        return bool(
+            self.status.get("restarts")
+            or self.old.get("lastCheckpoint")
+            or self.old.get("phase") == "Suspended"
+        )
+
+    # ------------------------------------------------------------------------- status
+
+    def _count_roles(self) -> None:
+        failed = self.status.pop("failedPods", {})
+        previous = self.old.get("roles") or {}
+        spec = self.ctx.run.spec
+        roles = {}
+        for role, key, desired in (
+            ("kdc", "kdc", 1 if self.ctx.needs_kdc else 0),
+            ("server", "server", 1),
+            ("client", "clients", spec.clients.count),
+        ):
+            if spec.suspend:
+                desired = 0
+            before = int((previous.get(key) or {}).get("failed") or 0)
+            roles[key] = role_counts(self._role_pods(role), desired, before + failed.get(role, 0))
+        self.status["roles"] = roles
+
+    def _set_condition(self, type_: str, value: bool, reason: str, message: str) -> None:
+        self.status["conditions"] = set_condition(
+            self.status["conditions"], type_, value, reason, message, self.generation, self.now
+        )
+
+    def _set_phase(self, phase: str, reason: str, message: str) -> None:
+        self.status["phase"] = phase
+        self.status["reason"] = reason
+        self.status["message"] = message
+        self._set_condition("Ready", phase == "Running", reason, message)
+
+    def _finish(self, phase: str, reason: str, message: str) -> None:
+        self._set_phase(phase, reason, message)
+        self.status["completionTime"] = self.old.get("completionTime") or self.now
+        self._set_condition("Complete", phase == "Succeeded", reason, message)
+        self._set_condition("Failed", phase == "Failed", reason, message)
+        self.steps.append(Note(f"{phase}: {reason}"))
