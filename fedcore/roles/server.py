@@ -35,7 +35,6 @@ from fedcore.observe.events import EventLog
 from fedcore.observe.kube_status import status_listeners
 from fedcore.observe.metrics import RoleMetrics
 from fedcore.privacy import PrivacyLedger
-from fedcore.privacy.sampling import sample_clients
 from fedcore.protocols import ServerProtocol, create_protocol
 from fedcore.roles._common import (
     KDC_SERVICE,
@@ -47,6 +46,7 @@ from fedcore.roles._common import (
     role_checkpointer,
 )
 from fedcore.roles.client import RpcKeyChannel
+from fedcore.rounds import AttemptReport, RoundPolicy, play_round
 from fedcore.spec import FederatedRun, protocol_facts
 from fedcore.transport import (
     Identity,
@@ -242,6 +242,7 @@ class Server:
         self.config = config
         self.resume = resume
         self.facts = protocol_facts(self.spec.protocol.name)
+        self.round_policy = RoundPolicy(self.spec, self.facts)
         self.events = EventLog(config.events, listeners=status_listeners(run))
         self.metrics = RoleMetrics(run.metadata.name, "server")
         self.metrics.rounds_planned.set(self.spec.rounds)
@@ -413,23 +414,22 @@ class Server:
         completed = start_round - 1
         stop_reason: str | None = None
         for round_ in range(start_round, spec.rounds + 1):
-            would_reach = self.privacy.next_round_exceeds()
-            if would_reach is not None:
+            stop = self.round_policy.budget_stop(round_, self.privacy)
+            if stop is not None:
                 stop_reason = "BudgetExhausted"
                 log.warning(
                     "Stopping before round %d: it would spend epsilon %.4f, over the budget of "
                     "%s (spec.privacy.targetEpsilon).",
                     round_,
-                    would_reach,
-                    self.privacy.target,
+                    stop.epsilon_next,
+                    stop.target,
                 )
                 self.events.emit(
-                    "budget", round=round_, epsilon_next=would_reach, target=self.privacy.target
+                    "budget", round=round_, epsilon_next=stop.epsilon_next, target=stop.target
                 )
                 break
             started = time.monotonic()
             result = self._run_round(round_)
-            result["epsilon"] = self.privacy.record_round()
             completed = round_
             evaluation = (
                 self._reported_evaluation(result)
@@ -465,82 +465,44 @@ class Server:
         return summary
 
     def _run_round(self, round_: int) -> dict[str, Any]:
-        spec = self.spec
-        sampled = sample_clients(spec.clients, seed=spec.seed, round=round_)
-        quorum = spec.clients.quorum_of(len(sampled))
-        clients = sampled
-        for attempt_no in range(spec.failure_policy.max_round_retries + 1):
-            if attempt_no:
+        """Plays one round (``fedcore.rounds``) over the clients' sessions."""
+        timeout = self.spec.failure_policy.round_timeout_seconds
+        times = {"opened": 0.0, "settled": 0.0}
+
+        def run_attempt(round_: int, number: int, plans: Mapping[int, Payload]) -> AttemptReport:
+            if number > 1:
                 self.metrics.redone_rounds.inc()
-            plans = self.protocol.plan_round(round_, clients)
-            attempt = Attempt(round_, attempt_no + 1, plans)
             # A redo exists to reach the quorum: it waits for dropped clients to reconnect.
-            self.board.open_attempt(attempt, wait_for_absent=attempt_no > 0)
-            opened = time.monotonic()
+            self.board.open_attempt(Attempt(round_, number, plans), wait_for_absent=number > 1)
+            times["opened"] = time.monotonic()
             attempt = self.board.wait_settled(
-                opened + spec.failure_policy.round_timeout_seconds,
-                stop_on_failure=self.facts.dropout_policy == "Fail",
+                times["opened"] + timeout, stop_on_failure=self.round_policy.stop_on_failure
             )
-            settled = time.monotonic()
-            failures = sorted(attempt.failed)
-            if failures:
-                self.metrics.dropouts.inc(len(failures))
+            times["settled"] = time.monotonic()
+            report = AttemptReport(dict(attempt.uploads), dict(attempt.failed))
+            if report.failed:
+                self.metrics.dropouts.inc(len(report.failed))
                 log.warning(
                     "Round %d attempt %d: clients %s failed (%s).",
                     round_,
-                    attempt_no + 1,
-                    failures,
-                    ", ".join(sorted(set(attempt.failed.values()))),
+                    number,
+                    report.failures,
+                    ", ".join(sorted(set(report.failed.values()))),
                 )
-            if failures and self.facts.dropout_policy == "Fail":
-                raise self._client_lost(round_, attempt)
-            if len(attempt.uploads) >= quorum:
-                if not failures or self.facts.dropout_policy == "Skip":
-                    result = self.protocol.combine(round_, attempt.uploads, failures)
-                    timings = {
-                        "wait_seconds": settled - opened,
-                        "combine_seconds": time.monotonic() - settled,
-                    }
-                    return {
-                        "participants": len(attempt.uploads),
-                        "failures": failures,
-                        "train_loss": None if result is None else result.train_loss,
-                        "metrics": {} if result is None else result.metrics,
-                        "attempts": attempt_no + 1,
-                        **timings,
-                    }
-                if self.facts.dropout_policy == "Fail":
-                    break
-                clients = sorted(attempt.uploads)  # Redo: again, without the failed clients
-            else:
-                clients = sampled
-        raise RunAborted(
-            f"Round {round_} got fewer than its quorum of {quorum} uploads after "
-            f"{spec.failure_policy.max_round_retries + 1} attempts (spec.clients.quorum, "
-            f"spec.failurePolicy.maxRoundRetries).",
-            reason="QuorumLost",
-            round=round_,
-        )
+            return report
 
-    def _client_lost(self, round_: int, attempt: Attempt) -> RunAborted:
-        """The error that ends a run whose protocol cannot lose a client (policy Fail)."""
-        lost = ", ".join(f"client {k} ({why})" for k, why in sorted(attempt.failed.items()))
-        name = self.spec.protocol.name
-        if self.facts.decentralized:
-            return RunAborted(
-                f"Round {round_} lost {lost}. Protocol {name!r} runs on a fixed peer graph: "
-                f"every neighbour's state holds noise and mixing weights that assume the lost "
-                f"client, so the run stops (it does not go on without it). `fedcore run "
-                f"--resume` restarts every client from its checkpoint of the latest round they "
-                f"all saved.",
-                reason="PeerLost",
-                round=round_,
-            )
-        return RunAborted(
-            f"Round {round_} lost {lost}; protocol {name!r} cannot go on without a client.",
-            reason="ClientLost",
-            round=round_,
-        )
+        outcome = play_round(round_, self.round_policy, self.protocol, run_attempt, self.privacy)
+        result = outcome.result
+        return {
+            "participants": outcome.participants,
+            "failures": outcome.report.failures,
+            "train_loss": None if result is None else result.train_loss,
+            "metrics": {} if result is None else result.metrics,
+            "attempts": outcome.attempts,
+            "wait_seconds": times["settled"] - times["opened"],
+            "combine_seconds": time.monotonic() - times["settled"],
+            "epsilon": outcome.epsilon,
+        }
 
     def _maybe_evaluate(self, round_: int) -> dict[str, float]:
         every = self.spec.evaluation.every_rounds

@@ -1,26 +1,28 @@
 """The simulation mode: a run's protocol maths in one process, no network and no processes.
 
-It calls the same protocol hooks in the same order as the roles do (sample, plan, compute each
-upload, check, combine, evaluate), so a run simulated here ends with bit-identical weights to
-the same run over processes and mutual TLS whenever the protocol's randomness is seeded by the
-spec (fedavg, fedsgd, and the DP protocols with their secure randomness switched off). Unit
-tests and large client counts use it.
+It plays every round through the same round policy as the server role (``fedcore.rounds``:
+sample, plan, attempt, settle, combine, record) and calls the protocol hooks in the same order
+as the roles do (plan, compute each upload, check, combine, evaluate), so a run simulated here
+ends with bit-identical weights to the same run over processes and mutual TLS whenever the
+protocol's randomness is seeded by the spec (fedavg, fedsgd, and the DP protocols with their
+secure randomness switched off). A client's upload that the server's check refuses counts as
+that client's failure (``rejected``), as in the server role. Unit tests and large client
+counts use it.
 """
 
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from fedcore.errors import EncodingRejected
+from fedcore.errors import ProtocolError
 from fedcore.learning.data import client_dataset, dataset_info, test_dataset
 from fedcore.learning.models import build_model, get_weights
 from fedcore.learning.training import Evaluator, LocalLearner
 from fedcore.local.threads import ROLE_THREADS, threads_limited
 from fedcore.privacy import PrivacyLedger
-from fedcore.privacy.sampling import sample_clients
 from fedcore.protocols import (
     ClientProtocol,
     KdcProtocol,
@@ -29,6 +31,7 @@ from fedcore.protocols import (
     Weights,
     create_protocol,
 )
+from fedcore.rounds import AttemptReport, RoundPolicy, play_round
 from fedcore.spec import FederatedRun
 from fedcore.transport import Identity, Payload
 
@@ -160,64 +163,68 @@ def _simulate(
             None if kdc is None else LocalKeyChannel(kdc, Identity("client", index), observer)
         )
     learners: dict[int, LocalLearner] = {}
+
+    def learner(index: int) -> LocalLearner:
+        if index not in learners:
+            data = client_dataset(spec, index)
+            client_model = build_model(
+                spec.model, data.input_shape, data.num_classes, seed=spec.seed
+            )
+            learners[index] = LocalLearner(
+                client_model, data, spec.training, seed=spec.seed, client_index=index
+            )
+        return learners[index]
+
+    def run_attempt(round_: int, number: int, plans: Mapping[int, Payload]) -> AttemptReport:
+        uploads: dict[int, Payload] = {}
+        failed: dict[int, str] = {}
+        for index, instruction in plans.items():
+            if observer is not None:
+                observer.on_instruction(round_, index, instruction)
+            keys = None
+            if kdc is not None:
+                keys = clients[index].reusable_keys(round_, instruction) or kdc.issue_keys(
+                    round_, Identity("client", index)
+                )
+            if observer is not None and keys is not None:
+                observer.on_keys(round_, Identity("client", index), keys)
+            upload = clients[index].compute_upload(round_, instruction, learner(index), keys)
+            if observer is not None:
+                observer.on_upload(round_, index, upload)
+            try:
+                server.check_upload(round_, index, upload)
+            except ProtocolError:  # refused as the server role refuses it
+                failed[index] = "rejected"
+                continue
+            uploads[index] = upload
+        return AttemptReport(uploads, failed)
+
+    def on_sample(round_: int, sampled: list[int]) -> None:
+        if observer is not None:
+            observer.on_round_start(round_, sampled, server.global_weights())
+
+    policy = RoundPolicy(spec, protocol.facts)
     history: list[dict[str, Any]] = []
     last = spec.rounds if rounds is None else rounds
     ledger = PrivacyLedger(spec, protocol.noise_multiplier(spec))
     reason = "RoundsCompleted"
     completed = 0
     for round_ in range(1, last + 1):
-        if ledger.next_round_exceeds() is not None:
+        if policy.budget_stop(round_, ledger) is not None:
             reason = "BudgetExhausted"
             break
         started = time.perf_counter()
-        sampled = sample_clients(spec.clients, seed=spec.seed, round=round_)
-        if observer is not None:
-            observer.on_round_start(round_, sampled, server.global_weights())
-        participants = sampled
-        for _ in range(spec.failure_policy.max_round_retries + 1):
-            uploads = {}
-            rejected: list[int] = []
-            for index, instruction in server.plan_round(round_, participants).items():
-                if observer is not None:
-                    observer.on_instruction(round_, index, instruction)
-                if index not in learners:
-                    data = client_dataset(spec, index)
-                    client_model = build_model(
-                        spec.model, data.input_shape, data.num_classes, seed=spec.seed
-                    )
-                    learners[index] = LocalLearner(
-                        client_model, data, spec.training, seed=spec.seed, client_index=index
-                    )
-                keys = None
-                if kdc is not None:
-                    keys = clients[index].reusable_keys(round_, instruction) or kdc.issue_keys(
-                        round_, Identity("client", index)
-                    )
-                if observer is not None and keys is not None:
-                    observer.on_keys(round_, Identity("client", index), keys)
-                upload = clients[index].compute_upload(round_, instruction, learners[index], keys)
-                if observer is not None:
-                    observer.on_upload(round_, index, upload)
-                try:
-                    server.check_upload(round_, index, upload)
-                except EncodingRejected:  # refused as the server role refuses it
-                    rejected.append(index)
-                    continue
-                uploads[index] = upload
-            if not rejected or protocol.facts.dropout_policy == "Skip":
-                break
-            participants = sorted(uploads)  # Redo: again, without the rejected clients
-        result = server.combine(round_, uploads, rejected)
+        outcome = play_round(round_, policy, server, run_attempt, ledger, on_sample=on_sample)
+        result = outcome.result
         if observer is not None:
             observer.on_round_end(round_, result, server.global_weights())
-        epsilon = ledger.record_round()
         completed = round_
         entry: dict[str, Any] = {
             "round": round_,
             "seconds": time.perf_counter() - started,
-            "participants": len(uploads),
+            "participants": outcome.participants,
             "train_loss": None if result is None else result.train_loss,
-            "epsilon": epsilon,
+            "epsilon": outcome.epsilon,
         }
         history.append(entry)
     final = evaluator.evaluate_models(server.models(), spec.data.clusters.count)

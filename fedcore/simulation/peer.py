@@ -2,9 +2,10 @@
 
 The same client protocol code that runs in a client process over mutual-TLS peer links runs
 here, each client in its own thread (a client blocks on its neighbours' messages, as it does
-over the network), behind an in-memory ``PeerChannel``. The coordinator's hooks are called in
-the same order as by the server role; evaluation, checkpoints and releases are the client
-role's duties and are done here the same way (checkpoints kept in memory). The result also
+over the network), behind an in-memory ``PeerChannel``. Every round is played through the
+server role's round policy (``fedcore.rounds``), with the coordinator as its server side;
+evaluation, checkpoints and releases are the client role's duties and are done here the same
+way (checkpoints kept in memory). The result also
 records, every round, what only a view of every client can show: the trackers' sum against
 the gradients' sum, the average model and the consensus distance. Unit tests, benchmarks and
 ``fedcore run --simulate`` use it.
@@ -14,7 +15,7 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
@@ -25,7 +26,9 @@ from fedcore.errors import PeerLost, ProtocolError
 from fedcore.learning.data import client_dataset, test_dataset
 from fedcore.learning.models import build_model
 from fedcore.learning.training import Evaluator, LocalLearner
+from fedcore.privacy import PrivacyLedger
 from fedcore.protocols import PeerChannel, PeerClientProtocol, Weights, create_protocol
+from fedcore.rounds import AttemptReport, RoundPolicy, play_round
 from fedcore.spec import FederatedRun
 from fedcore.spec.topology import PeerPlan
 from fedcore.transport import Payload
@@ -223,10 +226,13 @@ def simulate_decentralized(
     history: list[dict[str, Any]] = []
     saved: dict[int, dict[str, Any]] = {}
     scores: dict[int, tuple[float, float]] = {}
+    policy = RoundPolicy(spec, protocol.facts)
+    ledger = PrivacyLedger(spec, protocol.noise_multiplier(spec))
     with ThreadPoolExecutor(max_workers=count, thread_name_prefix="peer") as pool:
-        for round_ in range(1 if resume is None else resume[0] + 1, last + 1):
-            started = time.perf_counter()
-            plans = coordinator.plan_round(round_, list(range(count)))
+
+        def run_attempt(round_: int, number: int, plans: Mapping[int, Payload]) -> AttemptReport:
+            # A client that fails raises here, from its thread: the error that names the lost
+            # peer, as a client role's log does (the server role reports it as PeerLost).
             futures = {
                 index: pool.submit(
                     clients[index].compute_upload, round_, plans[index], learners[index], None
@@ -248,12 +254,16 @@ def simulate_decentralized(
                 upload = Payload(meta=meta, tensors=upload.tensors)
                 coordinator.check_upload(round_, index, upload)
                 uploads[index] = upload
-            outcome = coordinator.combine(round_, uploads, [])
+            return AttemptReport(uploads, {})
+
+        for round_ in range(1 if resume is None else resume[0] + 1, last + 1):
+            started = time.perf_counter()
+            outcome = play_round(round_, policy, coordinator, run_attempt, ledger)
             entry: dict[str, Any] = {
                 "round": round_,
                 "seconds": time.perf_counter() - started,
-                "train_loss": None if outcome is None else outcome.train_loss,
-                "metrics": {} if outcome is None else dict(outcome.metrics),
+                "train_loss": None if outcome.result is None else outcome.result.train_loss,
+                "metrics": {} if outcome.result is None else dict(outcome.result.metrics),
                 **_global_view(clients),
             }
             history.append(entry)

@@ -687,7 +687,7 @@ spec:
              rootExamples: 60, rootEpochs: 3, globalLearningRate: 0.5}
   model: {kind: MLP, hidden: [8]}
   data: {clusters: {count: 2}}
-  clients: {count: 4}
+  clients: {count: 4, quorum: %(quorum)s}
   rounds: 2
   training: {batchSize: 64, optimizer: {kind: SGD, learningRate: 0.1}}
   checkpoint: {everyRounds: 0}
@@ -696,12 +696,26 @@ spec:
 """
 
 
+MALFORMED = "  attack: {kind: MalformedEncoding, fraction: 0.25, scale: 0.01}"
+
+
 def ebscfl_run(
-    *, mode: str = "Repaired", layout: str = "Layered", segment: int = 1, attack: str = ""
+    *,
+    mode: str = "Repaired",
+    layout: str = "Layered",
+    segment: int = 1,
+    attack: str = "",
+    quorum: str = '"100%"',
 ) -> Any:
     from fedcore.spec import load_manifest
 
-    text = MANIFEST % {"mode": mode, "layout": layout, "segment": segment, "attack": attack}
+    text = MANIFEST % {
+        "mode": mode,
+        "layout": layout,
+        "segment": segment,
+        "attack": attack,
+        "quorum": quorum,
+    }
     return load_manifest("unit-ebscfl.yaml", text=text)
 
 
@@ -766,10 +780,22 @@ def test_a_malformed_encoding_is_rejected_and_the_simulated_round_completes_with
     from fedcore.learning.poisoning import attackers
     from fedcore.simulation import simulate
 
-    run = ebscfl_run(attack="  attack: {kind: MalformedEncoding, fraction: 0.25, scale: 0.01}")
+    run = ebscfl_run(attack=MALFORMED, quorum='"75%"')
     (bad,) = attackers(run.spec)
     # Execute
     result = simulate(run)
     # Assert: each round is redone without it (Redo), and ends with the other three
     assert [h["participants"] for h in result.history] == [3, 3]
     assert bad in range(4)
+
+
+def test_a_simulated_round_that_cannot_reach_its_quorum_without_a_rejected_client_stops() -> None:
+    # Prepare: the attacker's upload is refused every time, and the quorum is all four clients
+    from fedcore.errors import RunAborted
+    from fedcore.simulation import simulate
+
+    run = ebscfl_run(attack=MALFORMED)
+    # Execute / Assert: the round policy stops it as it stops the server role
+    with pytest.raises(RunAborted, match="fewer than its quorum of 4 uploads") as caught:
+        simulate(run)
+    assert caught.value.reason == "QuorumLost" and caught.value.round == 1
