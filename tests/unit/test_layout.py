@@ -8,6 +8,8 @@ caught as well as a module-level one.
 from __future__ import annotations
 
 import ast
+import subprocess
+import sys
 from pathlib import Path
 
 import fedcore
@@ -134,3 +136,31 @@ def test_spec_and_observe_import_no_runtime_layer() -> None:
         for module in [m for m in graph if m == layer or m.startswith(layer + ".")]:
             below = {m for m in reaches(graph, module) if m.startswith(runtime)}
             assert not below, f"{module} reaches {sorted(below)}"
+
+
+def test_the_forkserver_preload_warms_every_role() -> None:
+    """A forked role must find torch, its protocol, its data and its stores imported already:
+    each one a role imports itself costs that much CPU in every client (2 cores, 10 clients)."""
+    warm = [
+        "torch",
+        "torch._dynamo",
+        "fedcore.roles.server",
+        "fedcore.roles.client",
+        "fedcore.roles.kdc",
+        "fedcore.protocols.mpdp.protocol",
+        "fedcore.learning.data",
+        "fedcore.learning.training",
+        "fedcore.checkpoint",
+        "boto3",
+    ]
+    code = (
+        "import importlib, sys\n"
+        "from fedcore.local.launch import FEDCORE_ROLES, PRELOAD\n"
+        "for name in [*PRELOAD, FEDCORE_ROLES.main_module]:\n"
+        "    importlib.import_module(name)\n"
+        f"print([m for m in {warm!r} if m not in sys.modules])\n"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=120
+    )
+    assert done.stdout.strip() == "[]"
