@@ -31,7 +31,7 @@ import time
 import tracemalloc
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import numpy as np
 import yaml
@@ -120,7 +120,10 @@ def synthetic_updates(
 
 
 def encoded_round(
-    g0: np.ndarray, clusters: list[int], units: list[np.ndarray], mode: str = "Repaired"
+    g0: np.ndarray,
+    clusters: list[int],
+    units: list[np.ndarray],
+    mode: Literal["Faithful", "Repaired"] = "Repaired",
 ) -> dict[str, Any]:
     """One round of the protocol's classes on ``units``: seconds and traced peaks per role,
     and the decoded per-cluster aggregates (m x l)."""

@@ -4,6 +4,7 @@
 
     FedcoreError                 root of everything fedcore raises on purpose
     ├── SpecError                a manifest is invalid (carries every issue found)
+    ├── DataError                the run's data cannot serve the manifest (also a ValueError)
     ├── ProtocolError            a protocol's maths or preconditions failed
     │   ├── RecoveryError        a lossless protocol's recovery residual passed its bound
     │   └── EncodingRejected     an upload's encoding failed the protocol's verification
@@ -20,7 +21,8 @@ Foreign errors (grpc, boto3, OS) are translated at the boundary with ``raise ...
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Any
 
 
 class FedcoreError(Exception):
@@ -34,10 +36,16 @@ class SpecIssue:
     Attributes:
         path: the dotted field path, e.g. ``spec.clients.count``.
         message: a sentence saying what is wrong and what is allowed.
+        value: the offending value, when the validator recorded it (keyword-only; None when
+            not recorded or when the field is missing). Not part of equality.
+        allowed: what the field allows, e.g. ``"1 to 10000"``, when the validator recorded it
+            (keyword-only). Not part of equality.
     """
 
     path: str
     message: str
+    value: Any = field(default=None, kw_only=True, compare=False)
+    allowed: str | None = field(default=None, kw_only=True, compare=False)
 
     def __str__(self) -> str:
         return f"{self.path}: {self.message}"
@@ -52,6 +60,12 @@ class SpecError(FedcoreError):
         where = f" in {source}" if source else ""
         lines = "\n".join(f"  - {issue}" for issue in self.issues)
         super().__init__(f"The FederatedRun manifest{where} is invalid:\n{lines}")
+
+
+class DataError(FedcoreError, ValueError):
+    """The run's data cannot serve the manifest: unreadable or malformed files, or too few
+    examples for the clients (known only when an NpzFolder is read). Also a ValueError, which
+    the data loaders raised before it existed."""
 
 
 class ProtocolError(FedcoreError):

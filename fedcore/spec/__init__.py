@@ -13,9 +13,10 @@ twice. One private module per part of the manifest, all on ``_base.SpecModel``:
 - ``_checkpoint``: spec.checkpoint. ``_runtime``: spec.failurePolicy, spec.transport.
 - ``_roles``: spec.roles. ``_status``: the status fedcore writes.
 
-Around them: ``_validate`` (loading and cross-field rules), ``_facts`` (what each protocol
-claims), ``_openapi`` (the CRD schema), ``_reference`` (docs/manifest.md), ``_peers`` and
-``topology`` (peer graphs).
+Around them: ``_loading`` (reading the YAML safely: size, encoding, one document, duplicate
+keys, depth and alias limits), ``_validate`` (loading and cross-field rules), ``_facts`` (what
+each protocol claims), ``_datasets`` (the sizes of the built-in data sources), ``_openapi``
+(the CRD schema), ``_reference`` (docs/manifest.md), ``_peers`` and ``topology`` (peer graphs).
 """
 
 from typing import TYPE_CHECKING, Any
@@ -23,6 +24,7 @@ from typing import TYPE_CHECKING, Any
 from fedcore.spec._checkpoint import CheckpointSpec
 from fedcore.spec._clients import ClientsSpec, resolve_share
 from fedcore.spec._data import DataSourceSpec, DataSpec, PartitionSpec
+from fedcore.spec._datasets import BUILTIN_DATASETS, DatasetFacts, split_sizes
 from fedcore.spec._facts import (
     PROTOCOL_FACTS,
     RESUME_INSENSITIVE_FIELDS,
@@ -45,6 +47,7 @@ if TYPE_CHECKING:
 
 __all__ = [
     "API_VERSION",
+    "BUILTIN_DATASETS",
     "KIND",
     "PROTOCOL_FACTS",
     "RESUME_INSENSITIVE_FIELDS",
@@ -52,6 +55,7 @@ __all__ = [
     "ClientsSpec",
     "DataSourceSpec",
     "DataSpec",
+    "DatasetFacts",
     "DropoutPolicy",
     "EvaluationSpec",
     "FailurePolicySpec",
@@ -76,6 +80,7 @@ __all__ = [
     "protocol_facts",
     "resolve_share",
     "semantic_issues",
+    "split_sizes",
 ]
 
 

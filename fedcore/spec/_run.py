@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import ConfigDict, Field
+from pydantic import ConfigDict, Field, field_validator
 from pydantic.alias_generators import to_camel
 
 from fedcore.spec._base import SpecModel
@@ -21,6 +21,19 @@ from fedcore.spec._runtime import FailurePolicySpec, TransportSpec
 API_GROUP = "fedcore.dev"
 API_VERSION = f"{API_GROUP}/v1alpha1"
 KIND = "FederatedRun"
+
+MAX_OBJECT_NAME = 63
+"""The longest name any object of a run may have: a DNS label (RFC 1123), as Services need."""
+
+
+def longest_object_name(name: str, clients: int) -> str:
+    """Returns the longest name among the objects a run named ``name`` creates.
+
+    It is the last client's TLS Secret on Kubernetes, ``<name>-client-<clients - 1>-tls``
+    (``fedcore_operator.objects.longest_name``; a test keeps the two equal). Validation
+    refuses a name for which it passes :data:`MAX_OBJECT_NAME` characters.
+    """
+    return f"{name}-client-{max(clients - 1, 0)}-tls"
 
 
 class FederatedRunSpec(SpecModel):
@@ -102,13 +115,27 @@ class ObjectMeta(SpecModel):
     model_config = ConfigDict(alias_generator=to_camel, populate_by_name=True, extra="allow")
 
     name: str = Field(
-        description="name of the run: a DNS-1123 label (lowercase letters, digits, '-'). Required.",
+        description="name of the run: a DNS-1035 label (lowercase letters, digits and '-', "
+        "starting with a letter and ending with a letter or digit), as the run's Services are "
+        "named after it, and short enough that its longest object name, "
+        "'<name>-client-<count-1>-tls', fits 63 characters. Required.",
         min_length=1,
         max_length=63,
         pattern=r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$",
     )
     namespace: str | None = Field(None, description="namespace of the run on Kubernetes.")
     labels: dict[str, str] = Field(default_factory=dict, description="labels of the run.")
+
+    @field_validator("name")
+    @classmethod
+    def _starts_with_a_letter(cls, name: str) -> str:
+        """The pattern allows a DNS-1123 label; Services need a DNS-1035 one (letter first)."""
+        if not ("a" <= name[:1] <= "z"):
+            raise ValueError(
+                "a run's name must start with a lowercase letter, because the run's Services "
+                "are named after it and a Service name is a DNS-1035 label"
+            )
+        return name
 
 
 class FederatedRun(SpecModel):

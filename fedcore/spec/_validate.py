@@ -6,57 +6,62 @@ the manifest's own camelCase spelling, the bad value, and what is allowed.
 
 from __future__ import annotations
 
+import reprlib
 from pathlib import Path
 from typing import Any
 
-import yaml
 from pydantic import BaseModel, ValidationError
 
 from fedcore.errors import SpecError, SpecIssue
+from fedcore.spec._datasets import BUILTIN_DATASETS, split_sizes
 from fedcore.spec._facts import protocol_facts
+from fedcore.spec._loading import (
+    MAX_MANIFEST_BYTES,
+    LoadStats,
+    load_document,
+    read_manifest_bytes,
+)
 from fedcore.spec._openapi import _model_of, describe_bounds, schema_at
 from fedcore.spec._options.adaptive import adaptive_issues
 from fedcore.spec._options.ebscfl import ebscfl_issues
 from fedcore.spec._options.lppa import lppa_issues
 from fedcore.spec._robust import attack_issues
-from fedcore.spec._run import FederatedRun, FederatedRunSpec
+from fedcore.spec._run import MAX_OBJECT_NAME, FederatedRun, FederatedRunSpec, longest_object_name
 
-MAX_MANIFEST_BYTES = 1024 * 1024
-"""Manifests larger than this are refused before parsing."""
+__all__ = [
+    "MAX_MANIFEST_BYTES",
+    "issues_from_pydantic",
+    "load_manifest",
+    "parse_manifest",
+    "semantic_issues",
+]
 
-CHILD_NAME_SUFFIX = "-client-"
-"""The longest generated child name is '<name>-client-<index>'; it must fit 63 characters."""
 
-
-def load_manifest(source: str | Path, *, text: str | None = None) -> FederatedRun:
+def load_manifest(
+    source: str | Path, *, text: str | bytes | None = None, stats: LoadStats | None = None
+) -> FederatedRun:
     """Loads and validates a FederatedRun manifest.
+
+    The YAML is read by ``fedcore.spec._loading.load_document``: at most 1 MiB of UTF-8, one
+    document whose top level is a mapping, no duplicate or non-string keys, bounded nesting
+    and aliases.
 
     Args:
         source: the file to read, or a label for ``text`` in error messages.
-        text: the manifest's YAML; read from ``source`` when None.
+        text: the manifest's YAML (text, or bytes that must be UTF-8); read from ``source``
+            when None.
+        stats: filled in with what the YAML loader read, when given.
 
     Returns:
         The validated run.
 
     Raises:
-        SpecError: listing every problem with its field path.
+        SpecError: listing every problem with its field path; no other exception escapes,
+            whatever the input.
     """
     label = str(source)
-    if text is None:
-        path = Path(source)
-        try:
-            if path.stat().st_size > MAX_MANIFEST_BYTES:
-                raise SpecError(
-                    [SpecIssue("<file>", f"is larger than {MAX_MANIFEST_BYTES} bytes.")],
-                    source=label,
-                )
-            text = path.read_text(encoding="utf-8")
-        except OSError as exc:
-            raise SpecError([SpecIssue("<file>", f"cannot be read: {exc}.")], source=label) from exc
-    try:
-        document = yaml.safe_load(text)
-    except yaml.YAMLError as exc:
-        raise SpecError([SpecIssue("<file>", f"is not valid YAML: {exc}")], source=label) from exc
+    data = read_manifest_bytes(Path(source)) if text is None else text
+    document = load_document(data, source=label, stats=stats)
     return parse_manifest(document, source=label)
 
 
@@ -64,7 +69,7 @@ def parse_manifest(document: Any, *, source: str | None = None) -> FederatedRun:
     """Validates an already-parsed manifest (a dict from YAML or from the API server).
 
     Raises:
-        SpecError: listing every problem with its field path.
+        SpecError: listing every problem with its field path; no other exception escapes.
     """
     if not isinstance(document, dict):
         kind = type(document).__name__
@@ -78,10 +83,19 @@ def parse_manifest(document: Any, *, source: str | None = None) -> FederatedRun:
             source=source,
         )
     try:
-        run = FederatedRun.model_validate(document)
-    except ValidationError as exc:
-        raise SpecError(issues_from_pydantic(exc, FederatedRun), source=source) from None
-    issues = semantic_issues(run)
+        try:
+            run = FederatedRun.model_validate(document)
+        except ValidationError as exc:
+            raise SpecError(issues_from_pydantic(exc, FederatedRun), source=source) from None
+        issues = semantic_issues(run)
+    except SpecError:
+        raise
+    except Exception as exc:  # a last resort: one line, never a traceback
+        text = " ".join(str(exc).split())[:200]
+        raise SpecError(
+            [SpecIssue("<root>", f"cannot be validated: {type(exc).__name__}: {text}.")],
+            source=source,
+        ) from None
     if issues:
         raise SpecError(issues, source=source)
     return run
@@ -95,19 +109,28 @@ def issues_from_pydantic(error: ValidationError, model: type[BaseModel]) -> list
         path = _join_path(loc)
         kind = item["type"]
         value = item.get("input")
+        allowed: str | None = None
         if kind == "extra_forbidden":
-            allowed = _allowed_fields(model, loc[:-1])
-            message = f"unknown field; allowed fields here: {', '.join(allowed)}."
+            allowed = ", ".join(_allowed_fields(model, loc[:-1]))
+            message = f"unknown field; allowed fields here: {allowed}."
+            value = None  # the field's name is the problem, not its value
         elif kind == "missing":
             message = "is required."
+            value = None
         elif kind in _EXPECTED_TYPES:
-            message = f"{_short(value)} is {_type_word(value)}; expected {_EXPECTED_TYPES[kind]}."
+            expected = _EXPECTED_TYPES[kind]
+            allowed = (_bounds_at(model, loc) if kind != "dict_type" else "") or expected
+            suffix = f"; allowed: {allowed}" if allowed != expected else ""
+            message = f"{_short(value)} is {_type_word(value)}; expected {expected}{suffix}."
         elif kind in _BOUND_ERRORS and (bounds := _bounds_at(model, loc)):
+            allowed = bounds
             message = f"{_short(value)} is not allowed; allowed: {bounds}."
         else:
             reason = item["msg"].removeprefix("Value error, ")
             message = f"{_short(value)} is not allowed: {reason}."
-        issues.append(SpecIssue(path, message))
+        if not _json_scalar(value):
+            value = None  # a mapping or list: the message shows it, the data does not repeat it
+        issues.append(SpecIssue(path, message, value=value, allowed=allowed))
     return _dedupe(issues)
 
 
@@ -117,6 +140,7 @@ _EXPECTED_TYPES = {
     "int_from_float": "an integer",
     "float_type": "a number",
     "float_parsing": "a number",
+    "finite_number": "a finite number",
     "bool_type": "true or false",
     "bool_parsing": "true or false",
     "string_type": "a string",
@@ -145,6 +169,13 @@ _BOUND_ERRORS = frozenset(
 """pydantic's errors for a value outside what the field allows (answered from the schema)."""
 
 
+def _json_scalar(value: Any) -> bool:
+    """Whether ``value`` is a finite JSON scalar (what ``validate --json`` may echo)."""
+    if isinstance(value, float):
+        return value == value and value not in (float("inf"), float("-inf"))
+    return value is None or isinstance(value, str | int | bool)
+
+
 def _bounds_at(model: type[BaseModel], loc: list[str]) -> str:
     """Says what the field at ``loc`` allows, e.g. "1 to 10000"; "" if unknown."""
     node = schema_at(model, loc)
@@ -159,6 +190,10 @@ def _type_word(value: Any) -> str:
     if isinstance(value, int):
         return "an integer"
     if isinstance(value, float):
+        if value != value:
+            return "not a number (NaN)"
+        if value in (float("inf"), float("-inf")):
+            return "an infinity"
         return "a number with a fractional part" if not value.is_integer() else "a number"
     if isinstance(value, str):
         return "a string"
@@ -175,14 +210,16 @@ def semantic_issues(run: FederatedRun) -> list[SpecIssue]:
     issues: list[SpecIssue] = []
     facts = protocol_facts(spec.protocol.name)
     count = spec.clients.count
-    longest_child = f"{run.metadata.name}{CHILD_NAME_SUFFIX}{count - 1}"
-    if len(longest_child) > 63:
+    name = run.metadata.name
+    longest = longest_object_name(name, count)
+    if len(longest) > MAX_OBJECT_NAME:
+        room = MAX_OBJECT_NAME - (len(longest) - len(name))
         issues.append(
             SpecIssue(
                 "metadata.name",
-                f"{run.metadata.name!r} is too long for {count} clients: the child name "
-                f"{longest_child!r} would have {len(longest_child)} characters; at most 63 "
-                f"allowed.",
+                f"{name!r} is too long for {count} clients: the child name {longest!r} (the "
+                f"last client's TLS Secret) would have {len(longest)} characters; at most "
+                f"{MAX_OBJECT_NAME} allowed, so at most {max(room, 0)} characters for the name.",
             )
         )
     per_round = spec.clients.per_round
@@ -241,7 +278,62 @@ def semantic_issues(run: FederatedRun) -> list[SpecIssue]:
                 "allowed here: 'RDP'.",
             )
         )
+    issues.extend(_data_issues(spec))
     issues.extend(_precondition_issues(run))
+    return issues
+
+
+def _data_issues(spec: FederatedRunSpec) -> list[SpecIssue]:
+    """What a built-in source's known size and classes rule out before any data is loaded.
+
+    An NpzFolder's contents are known only at run time, where the data loader refuses them.
+    """
+    data = spec.data
+    facts = BUILTIN_DATASETS.get(data.source.kind)
+    if facts is None:
+        return []
+    issues: list[SpecIssue] = []
+    train, test = split_sizes(facts.examples, data.test_fraction)
+    what = (
+        f"{facts.kind} has {facts.examples:,} examples, and spec.data.testFraction "
+        f"{data.test_fraction} holds out {test:,} of them, leaving {train:,} for training"
+    )
+    minimum = data.partition.min_examples
+    count = spec.clients.count
+    if train < 1:
+        issues.append(
+            SpecIssue(
+                "spec.data.testFraction",
+                f"{data.test_fraction} leaves no training examples: {what}; allowed: more "
+                f"than 0 and at most {facts.examples - 1}/{facts.examples}.",
+            )
+        )
+    elif minimum > train:
+        issues.append(
+            SpecIssue(
+                "spec.data.partition.minExamples",
+                f"{minimum} is more than any client can hold: {what}; allowed: 1 to "
+                f"{max(train // count, 1)}.",
+            )
+        )
+    elif count * minimum > train:
+        each = "1 training example" if minimum == 1 else f"{minimum} training examples"
+        issues.append(
+            SpecIssue(
+                "spec.clients.count",
+                f"{count} clients cannot each hold {each} (spec.data.partition.minExamples "
+                f"{minimum}): {what}; allowed: 1 to {train // minimum}.",
+            )
+        )
+    clusters = data.clusters.count
+    if clusters > facts.classes:
+        issues.append(
+            SpecIssue(
+                "spec.data.clusters.count",
+                f"{clusters} is more than the {facts.classes} classes of {facts.kind}: each "
+                f"cluster shifts the labels by its index; allowed: 1 to {facts.classes}.",
+            )
+        )
     return issues
 
 
@@ -382,8 +474,22 @@ def _allowed_fields(model: type[BaseModel], loc: list[str]) -> list[str]:
     return sorted(f.alias or n for n, f in current.model_fields.items())
 
 
+_REPR = reprlib.Repr()
+_REPR.maxlevel = 3
+_REPR.maxlist = _REPR.maxtuple = _REPR.maxdict = _REPR.maxset = 6
+_REPR.maxstring = _REPR.maxother = 80
+"""Shows a nested value without walking it all: a few levels and items of each."""
+
+
 def _short(value: Any) -> str:
-    text = repr(value)
+    """The value as a message shows it: its repr, cut to 80 characters, never walking more
+    than a few levels and items of a collection (which may be huge or shared)."""
+    if isinstance(value, int) and not isinstance(value, bool) and value.bit_length() > 256:
+        return f"an integer of about {int(value.bit_length() * 0.30103) + 1} digits"
+    try:
+        text = _REPR.repr(value) if isinstance(value, list | tuple | dict | set) else repr(value)
+    except Exception:  # a repr that fails (too deep, too long): name the type instead
+        text = f"<a {type(value).__name__}>"
     return text if len(text) <= 80 else text[:77] + "..."
 
 

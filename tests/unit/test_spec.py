@@ -78,7 +78,7 @@ INVALID = [
         "name-too-long-for-count",
         {("metadata", "name"): "a" * 55},
         "metadata.name",
-        "would have 64 characters; at most 63 allowed",
+        "would have 68 characters; at most 63 allowed",
     ),
     _case("missing-protocol", {("spec", "protocol"): DELETE}, "spec.protocol", "is required"),
     _case(
@@ -533,3 +533,20 @@ def test_a_secret_sample_is_refused_only_where_pld_would_account_it(changes) -> 
     run = parse_manifest(_mutated(changes))
     # Assert
     assert run.spec.clients.sampling == "Secret"
+
+
+def test_a_schema_issue_records_its_value_and_what_is_allowed_as_data() -> None:
+    # Prepare: a bound, a type and an unknown field
+    document = _mutated({("spec", "clients", "count"): 0, ("spec", "rounds"): "20"})
+    document["spec"]["trainning"] = {}
+    # Execute
+    issues = {issue.path: issue for issue in _issues(document)}
+    # Assert
+    assert (issues["spec.clients.count"].value, issues["spec.clients.count"].allowed) == (
+        0,
+        "1 to 10000",
+    )
+    assert (issues["spec.rounds"].value, issues["spec.rounds"].allowed) == ("20", "1 to 1000000")
+    unknown = issues["spec.trainning"]
+    assert unknown.value is None and unknown.allowed is not None
+    assert "training" in unknown.allowed.split(", ")

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from fedcore.errors import DataError
 from fedcore.learning.data._sources import ArrayDataset, load_split
 from fedcore.learning.poisoning import attack_of, flip_labels
 from fedcore.spec import FederatedRunSpec
@@ -29,10 +30,10 @@ def relabel(data: ArrayDataset, cluster: int, count: int) -> ArrayDataset:
     """``data`` as cluster ``cluster`` of ``count`` sees it (PermuteLabels).
 
     Raises:
-        ValueError: more clusters than classes.
+        DataError: more clusters than classes.
     """
     if count > data.num_classes:
-        raise ValueError(
+        raise DataError(
             f"spec.data.clusters.count {count} exceeds the {data.num_classes} classes; each "
             f"cluster shifts the labels by its index, so at most {data.num_classes} clusters."
         )
@@ -72,11 +73,11 @@ def root_shards(spec: FederatedRunSpec, examples: int) -> list[tuple[int, ArrayD
     collects; nothing here removes it from the clients).
 
     Raises:
-        ValueError: the training split is empty.
+        DataError: the training split is empty.
     """
     train, _ = load_split(spec.data)
     if len(train) == 0:
-        raise ValueError("The root data set is drawn from the training split, which is empty.")
+        raise DataError("The root data set is drawn from the training split, which is empty.")
     rng = np.random.default_rng([spec.seed, _ROOT_TAG])
     chosen = rng.choice(len(train), size=min(examples, len(train)), replace=False)
     count = spec.data.clusters.count

@@ -6,6 +6,7 @@ import functools
 
 import numpy as np
 
+from fedcore.errors import DataError
 from fedcore.learning.data._clusters import clustered_test, experiment_shard
 from fedcore.learning.data._sources import ArrayDataset, load_client_file, load_split
 from fedcore.spec import DataSpec, FederatedRunSpec, PartitionSpec
@@ -36,19 +37,19 @@ def partition_indices(
         One int64 index array per client; together they cover every row exactly once.
 
     Raises:
-        ValueError: if the kind is ByFile, if there are more clients than rows, or if some
-            client would hold fewer than ``partition.min_examples`` rows.
+        DataError: (a ValueError) if the kind is ByFile, if there are more clients than
+            rows, or if some client would hold fewer than ``partition.min_examples`` rows.
     """
     n = int(labels.shape[0])
     if num_clients < 1:
         raise ValueError(f"The number of clients must be at least 1, got {num_clients}.")
     if partition.kind == "ByFile":
-        raise ValueError(
+        raise DataError(
             "Partition kind ByFile deals whole files, not row indices; read each client's "
             "client-<i>.npz instead."
         )
     if num_clients > n:
-        raise ValueError(
+        raise DataError(
             f"{num_clients} clients cannot share {n} training examples; every client needs "
             f"at least one."
         )
@@ -86,7 +87,7 @@ def _dirichlet(
         smallest = min(len(shard) for shard in shards)
         if smallest >= partition.min_examples:
             return shards
-    raise ValueError(
+    raise DataError(
         f"No Dirichlet partition with spec.data.partition.alpha {partition.alpha} gave all "
         f"{num_clients} clients at least spec.data.partition.minExamples "
         f"{partition.min_examples} examples in {DIRICHLET_ATTEMPTS} draws (the last left a "
@@ -100,7 +101,7 @@ def _check_min_examples(shards: list[np.ndarray], partition: PartitionSpec) -> N
     smallest = min(sizes)
     if smallest < partition.min_examples:
         client = sizes.index(smallest)
-        raise ValueError(
+        raise DataError(
             f"Client {client} would hold {smallest} training examples, fewer than "
             f"spec.data.partition.minExamples {partition.min_examples}."
         )
@@ -111,7 +112,7 @@ def _shards(data: DataSpec, num_clients: int, seed: int) -> tuple[np.ndarray, ..
     """The cached partition of a training split."""
     train, _ = load_split(data)
     if len(train) == 0:
-        raise ValueError(
+        raise DataError(
             f"The data source {data.source.path or data.source.kind} has no pooled training "
             f"files; client-<i>.npz files are only read with spec.data.partition.kind ByFile."
         )
@@ -135,8 +136,8 @@ def client_dataset(spec: FederatedRunSpec, index: int) -> ArrayDataset:
         The client's shard.
 
     Raises:
-        ValueError: if ``index`` is out of range, the data cannot be loaded, or the
-            partition is refused.
+        ValueError: if ``index`` is out of range.
+        DataError: (a ValueError) if the data cannot be loaded or the partition is refused.
     """
     count = spec.clients.count
     if not 0 <= index < count:
@@ -145,7 +146,7 @@ def client_dataset(spec: FederatedRunSpec, index: int) -> ArrayDataset:
     if partition.kind == "ByFile":
         own = load_client_file(spec.data.source, index)
         if len(own) < partition.min_examples:
-            raise ValueError(
+            raise DataError(
                 f"Client {index}'s file client-{index}.npz holds {len(own)} examples, fewer "
                 f"than spec.data.partition.minExamples {partition.min_examples}."
             )
@@ -160,7 +161,7 @@ def test_dataset(spec: FederatedRunSpec) -> ArrayDataset:
     With ``spec.data.clusters``, one relabelled copy per cluster, in cluster order.
 
     Raises:
-        ValueError: if the data cannot be loaded.
+        DataError: if the data cannot be loaded.
     """
     return clustered_test(spec, load_split(spec.data)[1])
 
@@ -169,7 +170,7 @@ def dataset_info(spec: FederatedRunSpec) -> tuple[tuple[int, ...], int]:
     """Returns ``(input_shape, num_classes)`` of the run's data, to build the model.
 
     Raises:
-        ValueError: if the data cannot be loaded.
+        DataError: if the data cannot be loaded.
     """
     test = test_dataset(spec)
     return test.input_shape, test.num_classes

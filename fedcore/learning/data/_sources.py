@@ -11,6 +11,7 @@ from pathlib import Path
 import numpy as np
 from sklearn.model_selection import train_test_split
 
+from fedcore.errors import DataError
 from fedcore.spec import DataSourceSpec, DataSpec
 
 _CLIENT_FILE = re.compile(r"^client-(\d+)\.npz$")
@@ -95,8 +96,8 @@ def load_split(data: DataSpec) -> tuple[ArrayDataset, ArrayDataset]:
         ``test.npz`` and client files.
 
     Raises:
-        ValueError: if the source cannot be read or its files are malformed; the message
-            names the file.
+        DataError: (a ValueError) if the source cannot be read or its files are malformed;
+            the message names the file.
     """
     return _load_split(data)
 
@@ -112,15 +113,15 @@ def load_client_file(source: DataSourceSpec, index: int) -> ArrayDataset:
         The client's examples (read-only arrays, cached per process).
 
     Raises:
-        ValueError: if the source is not an NpzFolder or the folder has no such file.
+        DataError: if the source is not an NpzFolder or the folder has no such file.
     """
     if source.kind != "NpzFolder":
-        raise ValueError(
+        raise DataError(
             f"Per-client files need spec.data.source.kind NpzFolder, got {source.kind!r}."
         )
     loaded = _load_source(source)
     if index not in loaded.clients:
-        raise ValueError(
+        raise DataError(
             f"Client {index} has no data file: {Path(loaded.where) / f'client-{index}.npz'} "
             f"does not exist (partition kind ByFile needs one file per client)."
         )
@@ -137,7 +138,7 @@ def _load_split(data: DataSpec) -> tuple[ArrayDataset, ArrayDataset]:
         test_x, test_y = loaded.test
     else:
         if len(loaded.pool_y) < 2:
-            raise ValueError(
+            raise DataError(
                 f"The data source {loaded.where} has {len(loaded.pool_y)} pooled example(s); "
                 f"at least 2 are needed to hold out a test split (or provide test.npz)."
             )
@@ -149,7 +150,7 @@ def _load_split(data: DataSpec) -> tuple[ArrayDataset, ArrayDataset]:
                 random_state=data.split_seed,
             )
         except ValueError as exc:
-            raise ValueError(
+            raise DataError(
                 f"spec.data.testFraction {data.test_fraction} cannot split the "
                 f"{len(loaded.pool_y)} examples of {loaded.where}: {exc}"
             ) from exc
@@ -166,7 +167,7 @@ def _load_source(source: DataSourceSpec) -> _Source:
     if source.kind == "MNISTSubset":
         return _load_mnist_subset()
     if source.path is None:
-        raise ValueError("spec.data.source.path is required when kind is NpzFolder.")
+        raise DataError("spec.data.source.path is required when kind is NpzFolder.")
     return _load_npz_folder(Path(source.path))
 
 
@@ -193,10 +194,10 @@ def _load_mnist_subset() -> _Source:
 def _load_npz_folder(folder: Path) -> _Source:
     """Reads every .npz file of ``folder`` into pooled, test and per-client arrays."""
     if not folder.is_dir():
-        raise ValueError(f"spec.data.source.path {str(folder)!r} is not a folder.")
+        raise DataError(f"spec.data.source.path {str(folder)!r} is not a folder.")
     files = sorted(path for path in folder.iterdir() if path.suffix == ".npz" and path.is_file())
     if not files:
-        raise ValueError(f"The data folder {folder} holds no .npz files.")
+        raise DataError(f"The data folder {folder} holds no .npz files.")
     pooled: list[tuple[np.ndarray, np.ndarray]] = []
     test: tuple[np.ndarray, np.ndarray] | None = None
     clients: dict[int, tuple[np.ndarray, np.ndarray]] = {}
@@ -208,7 +209,7 @@ def _load_npz_folder(folder: Path) -> _Source:
         if input_shape is None:
             input_shape, shape_file = x.shape[1:], path.name
         elif x.shape[1:] != input_shape:
-            raise ValueError(
+            raise DataError(
                 f"The data file {path} holds examples of shape {x.shape[1:]}, but {shape_file} "
                 f"holds examples of shape {input_shape}; all files must agree."
             )
@@ -218,7 +219,7 @@ def _load_npz_folder(folder: Path) -> _Source:
         elif match is not None:
             index = int(match.group(1))
             if index in clients:
-                raise ValueError(
+                raise DataError(
                     f"The data files {client_names[index]} and {path.name} in {folder} are "
                     f"both client {index}'s file."
                 )
@@ -227,7 +228,7 @@ def _load_npz_folder(folder: Path) -> _Source:
             pooled.append((x, y))
     assert input_shape is not None
     if test is None and not pooled:
-        raise ValueError(
+        raise DataError(
             f"The data folder {folder} has neither test.npz nor pooled .npz files, so there "
             f"is no test split; add test.npz."
         )
@@ -253,7 +254,7 @@ def _read_npz(path: Path) -> tuple[np.ndarray, np.ndarray]:
     """Reads and checks one .npz file with arrays ``x`` and ``y``.
 
     Raises:
-        ValueError: naming the file, if it is unreadable or its arrays are malformed.
+        DataError: naming the file, if it is unreadable or its arrays are malformed.
     """
     try:
         with np.load(path, allow_pickle=False) as archive:
@@ -261,27 +262,27 @@ def _read_npz(path: Path) -> tuple[np.ndarray, np.ndarray]:
             x = archive["x"] if "x" in names else None
             y = archive["y"] if "y" in names else None
     except (OSError, ValueError, zipfile.BadZipFile, EOFError) as exc:
-        raise ValueError(f"The data file {path} cannot be read as .npz: {exc}") from exc
+        raise DataError(f"The data file {path} cannot be read as .npz: {exc}") from exc
     if x is None or y is None:
         missing = " and ".join(name for name, array in (("x", x), ("y", y)) if array is None)
-        raise ValueError(
+        raise DataError(
             f"The data file {path} lacks the array {missing}; it holds {sorted(names)} and "
             f"needs x and y."
         )
     if x.ndim < 2:
-        raise ValueError(
+        raise DataError(
             f"The data file {path} has x of shape {x.shape}; it needs at least 2 dimensions "
             f"(examples first)."
         )
     if y.ndim != 1:
-        raise ValueError(f"The data file {path} has y of shape {y.shape}; it needs 1 dimension.")
+        raise DataError(f"The data file {path} has y of shape {y.shape}; it needs 1 dimension.")
     if len(x) != len(y):
-        raise ValueError(f"The data file {path} has {len(x)} rows in x but {len(y)} labels in y.")
+        raise DataError(f"The data file {path} has {len(x)} rows in x but {len(y)} labels in y.")
     if x.dtype.kind not in "biuf":
-        raise ValueError(f"The data file {path} has x of dtype {x.dtype}; it must be numeric.")
+        raise DataError(f"The data file {path} has x of dtype {x.dtype}; it must be numeric.")
     features = x.astype(np.float32)
     if not np.isfinite(features).all():
-        raise ValueError(f"The data file {path} has non-finite values (NaN or inf) in x.")
+        raise DataError(f"The data file {path} has non-finite values (NaN or inf) in x.")
     labels = _labels(path, y)
     return features, labels
 
@@ -290,13 +291,13 @@ def _labels(path: Path, y: np.ndarray) -> np.ndarray:
     """Checks that ``y`` holds whole, non-negative labels and returns them as int64."""
     whole = y.dtype.kind == "f" and np.isfinite(y).all() and np.array_equal(y, np.round(y))
     if y.dtype.kind not in "iu" and not whole:
-        raise ValueError(
+        raise DataError(
             f"The data file {path} has y of dtype {y.dtype} with non-integer labels; labels "
             f"must be whole numbers from 0."
         )
     labels = y.astype(np.int64)
     if len(labels) and labels.min() < 0:
-        raise ValueError(
+        raise DataError(
             f"The data file {path} has a negative label {int(labels.min())}; labels must be "
             f"whole numbers from 0."
         )
