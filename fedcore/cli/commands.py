@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
+import math
 import os
 import signal
 import sys
@@ -14,8 +15,16 @@ from typing import Any
 
 import click
 from rich.console import Console
+from rich.markup import escape
 
-from fedcore.errors import FedcoreError, RunAborted, SpecError
+from fedcore.cli.crash import (
+    EXIT_FAILURE,
+    EXIT_INTERRUPTED,
+    LOG_DIR_KEY,
+    one_line,
+    report_internal_error,
+)
+from fedcore.errors import FedcoreError, RunAborted, SpecError, SpecIssue
 from fedcore.local.threads import ROLE_THREADS
 
 stderr = Console(stderr=True)
@@ -133,24 +142,53 @@ def exit_now(code: int) -> None:
     os._exit(code)
 
 
-def fail(exc: BaseException, code: int = 1) -> None:
-    """Prints ``TypeName: message`` in red on stderr and exits with ``code``."""
+def fail(exc: BaseException, code: int = EXIT_FAILURE) -> None:
+    """Prints ``TypeName: message`` in red on stderr and exits with ``code``.
+
+    The message is escaped: text from a manifest or an error (``[red]``, ``[/x]``, a regular
+    expression's ``[a-z]``) is printed as it is, never read as Rich markup.
+    """
     stderr.print(
-        f"[bold red]{type(exc).__name__}[/]: {exc}", markup=True, highlight=False, soft_wrap=True
+        f"[bold red]{escape(type(exc).__name__)}[/]: {escape(str(exc))}",
+        markup=True,
+        highlight=False,
+        soft_wrap=True,
     )
     sys.exit(code)
 
 
+_CLICK_OUTCOMES = (click.ClickException, click.exceptions.Exit, click.Abort)
+"""What click itself reports (usage errors exit 2, ``ctx.exit``, an abort)."""
+
+
 class FedcoreGroup(click.Group):
-    """A click group that turns every FedcoreError into a red one-liner and exit code 1."""
+    """A click group that turns every FedcoreError into a red one-liner and exit code 1, and
+    anything unexpected into one ``InternalError`` line, a log file and exit code 70
+    (``fedcore.cli.crash``). Click's own usage errors (exit 2) and interrupts pass through."""
 
     def invoke(self, ctx: click.Context) -> Any:
         try:
             return super().invoke(ctx)
         except RunAborted as exc:
-            fail(exc, 130 if exc.reason == "Interrupted" else 1)
+            fail(exc, EXIT_INTERRUPTED if exc.reason == "Interrupted" else EXIT_FAILURE)
         except FedcoreError as exc:
             fail(exc)
+        except _CLICK_OUTCOMES:
+            raise
+        except Exception as exc:
+            log_dir = ctx.meta.get(LOG_DIR_KEY)
+            report_internal_error(exc, log_dir if isinstance(log_dir, Path) else None)
+        return None
+
+    def main(self, *args: Any, **kwargs: Any) -> Any:
+        """Runs the command; an exception that escapes even ``invoke`` (e.g. one raised while
+        printing an error) is reported by the last-resort handler too."""
+        try:
+            return super().main(*args, **kwargs)
+        except _CLICK_OUTCOMES:
+            raise
+        except Exception as exc:
+            report_internal_error(exc)
 
 
 @click.group(cls=FedcoreGroup)
@@ -161,17 +199,103 @@ def main() -> None:
 
 @main.command()
 @click.argument("manifest", type=click.Path(exists=True, dir_okay=False, path_type=Path))
-def validate(manifest: Path) -> None:
-    """Validates MANIFEST and prints what it would run."""
+@click.option(
+    "--json",
+    "as_json",
+    is_flag=True,
+    help="Print the verdict, every error and the summary as one JSON object on stdout.",
+)
+@click.option(
+    "--load-data",
+    is_flag=True,
+    help="Load and deal the data to report every client's examples also where they do not "
+    "follow from counts (Dirichlet, NpzFolder, ByFile); takes seconds, never imports torch.",
+)
+def validate(manifest: Path, as_json: bool, load_data: bool) -> None:
+    """Validates MANIFEST and prints what it would run, with every default resolved.
+
+    Exits 0 when the manifest is valid and 1 when it is not.
+    """
+    from fedcore.cli.summary import describe, summary_lines
     from fedcore.spec import load_manifest, protocol_facts
 
-    run = load_manifest(manifest)
+    try:
+        run = load_manifest(manifest)
+        summary = describe(run, load_data=load_data, source=str(manifest))
+    except SpecError as exc:
+        if not as_json:
+            raise
+        click.echo(json.dumps(validation_json(manifest, exc.issues, None), allow_nan=False))
+        sys.exit(EXIT_FAILURE)
+    if as_json:
+        click.echo(json.dumps(validation_json(manifest, [], summary), allow_nan=False))
+        return
     facts = protocol_facts(run.spec.protocol.name)
     click.echo(
         f"{manifest}: valid FederatedRun {run.metadata.name!r}: protocol "
         f"{facts.name}, {run.spec.clients.count} clients, {run.spec.rounds} rounds"
         f"{', with a KDC' if facts.needs_kdc else ''}."
     )
+    for line in summary_lines(summary):
+        click.echo(line)
+
+
+MAX_JSON_NODES = 200
+"""The most values of one offending value that ``validate --json`` copies (an alias bomb's
+expansion is cut off, not printed)."""
+MAX_JSON_DEPTH = 8
+"""How deep ``validate --json`` follows an offending value's lists and mappings."""
+MAX_JSON_STRING = 1000
+"""The most characters of one string that ``validate --json`` copies."""
+
+
+def validation_json(
+    manifest: Path, issues: list[SpecIssue], summary: dict[str, Any] | None
+) -> dict[str, Any]:
+    """The ``fedcore validate --json`` object: ``valid``, ``source``, ``errors`` (one per issue:
+    ``field``, ``value``, ``message``, ``allowed``) and ``summary`` (None when invalid)."""
+    return {
+        "valid": not issues,
+        "source": str(manifest),
+        "errors": [
+            {
+                "field": issue.path,
+                "value": json_safe(issue.value),
+                "message": issue.message,
+                "allowed": issue.allowed,
+            }
+            for issue in issues
+        ],
+        "summary": summary,
+    }
+
+
+def json_safe(value: Any) -> Any:
+    """A bounded JSON-able copy of ``value``: at most ``MAX_JSON_NODES`` values and
+    ``MAX_JSON_DEPTH`` levels (what is cut off becomes ``"..."``), long strings shortened,
+    non-finite numbers and other types written as their ``repr``."""
+    budget = [MAX_JSON_NODES]
+
+    def copy(item: Any, depth: int) -> Any:
+        budget[0] -= 1
+        if budget[0] < 0 or depth > MAX_JSON_DEPTH:
+            return "..."
+        if item is None or isinstance(item, bool):
+            return item
+        if isinstance(item, int):
+            return item if item.bit_length() <= 63 else f"an integer of {item.bit_length()} bits"
+        if isinstance(item, float):
+            return item if math.isfinite(item) else repr(item)
+        if isinstance(item, str):
+            return item if len(item) <= MAX_JSON_STRING else item[:MAX_JSON_STRING] + "..."
+        if isinstance(item, list | tuple):
+            return [copy(part, depth + 1) for part in item[: max(budget[0], 0) + 1]]
+        if isinstance(item, dict):
+            pairs = list(item.items())[: max(budget[0], 0) + 1]
+            return {str(copy(key, depth + 1)): copy(part, depth + 1) for key, part in pairs}
+        return repr(item)[:MAX_JSON_STRING]
+
+    return copy(value, 0)
 
 
 @main.command()
@@ -246,6 +370,8 @@ def run(
         _simulate(spec_run, as_json=as_json)
         return
     folder = workdir or Path("runs") / spec_run.metadata.name
+    # An internal error's traceback goes to the run's logs/ once the runner has made it.
+    click.get_current_context().meta[LOG_DIR_KEY] = folder / "logs"
     local = LocalRun(
         spec_run,
         manifest,
@@ -270,6 +396,18 @@ def run(
                 "wall_seconds": None,
                 "reason": reason,
                 "message": str(exc),
+            }
+            click.echo(json.dumps(failed))
+        raise
+    except Exception as exc:
+        if as_json:
+            failed = {
+                "phase": "Failed",
+                "rounds": spec_run.spec.rounds,
+                "accuracy": None,
+                "wall_seconds": None,
+                "reason": "InternalError",
+                "message": one_line(f"{type(exc).__name__}: {exc}"),
             }
             click.echo(json.dumps(failed))
         raise
@@ -306,7 +444,7 @@ def _simulate(run: Any, *, as_json: bool) -> None:
         click.echo(json.dumps(summary))
     else:
         stderr.print(
-            f"Simulated {run.metadata.name}: accuracy {result.accuracy:.4f}, loss "
+            f"Simulated {escape(run.metadata.name)}: accuracy {result.accuracy:.4f}, loss "
             f"{result.loss:.4f} after {run.spec.rounds} rounds."
         )
 
@@ -374,8 +512,8 @@ def audit(
                 f"{verdict.name} {verdict.value:.3g} [{verdict.low:.3g}, {verdict.high:.3g}]: "
                 f"{beats.get(bool(verdict.beats_chance), '')}"
             )
-        stderr.print(f"{result.attack}: {line}", highlight=False, soft_wrap=True)
-    stderr.print(f"Report: {report.markdown}", highlight=False, soft_wrap=True)
+        stderr.print(escape(f"{result.attack}: {line}"), highlight=False, soft_wrap=True)
+    stderr.print(escape(f"Report: {report.markdown}"), highlight=False, soft_wrap=True)
 
 
 def _raise_interrupt(*_: Any) -> None:

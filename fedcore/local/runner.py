@@ -13,6 +13,11 @@ A server or KDC that dies without reporting a failure (killed, crashed) is resta
 same port with ``--resume``, up to ``spec.failurePolicy.serverRestarts`` / ``kdcRestarts``
 times: it continues from its latest checkpoint while the clients reconnect to it. A role that
 reported its failure (quorum lost, checkpoint failed, ...) is not restarted.
+
+While it starts, the runner appends a ``starting`` event to ``events.jsonl`` as each phase
+begins (``phase``: ``certificates``, ``kdc``, ``server``, ``clients``), between the server's own
+events (``ready``; then ``connected`` as each client connects, and ``joined``), so that a
+progress display shows what a start of 10 to 30 seconds is doing.
 """
 
 from __future__ import annotations
@@ -174,17 +179,38 @@ class LocalRun:
         self._launch: dict[str, tuple[list[str], int, Path]] = {}
         self._ports: dict[str, int] = {}
         self._kdc_offset = 0
+        self._start_offset = 0
+        """How far ``start`` has read ``events.jsonl`` to hand its events to its callback."""
+        self._delivered = 0
+        """How many events ``start`` handed to its callback (``wait`` does not repeat them)."""
         self._started = time.monotonic()
         self._started_wall = time.time()
 
     # ------------------------------------------------------------------------- set-up
 
-    def _prepare(self) -> None:
+    def _announce(self, on_event: ProgressCallback | None, phase: str, **fields: Any) -> None:
+        """Appends a ``starting`` event for ``phase`` and hands the new events to ``on_event``."""
+        EventLog(self.events_path).emit("starting", phase=phase, **fields)
+        self._deliver(on_event)
+
+    def _deliver(self, on_event: ProgressCallback | None) -> None:
+        """Hands the events appended since the last call to ``on_event`` (if any)."""
+        if on_event is None:
+            return
+        found, self._start_offset = read_events(self.events_path, self._start_offset)
+        self._delivered += len(found)
+        for event in found:
+            on_event(event)
+
+    def _prepare(self, on_event: ProgressCallback | None = None) -> None:
         self.workdir.mkdir(parents=True, exist_ok=True)
         (self.workdir / "logs").mkdir(exist_ok=True)
+        self.events_path.unlink(missing_ok=True)
+        self._start_offset = self._delivered = 0
         pki = self.workdir / "pki"
         if pki.exists():
             shutil.rmtree(pki)  # a fresh CA for every start, resumed or not
+        self._announce(on_event, "certificates")
         count = self.run.spec.clients.count
         # A decentralized run's clients also serve peer links: each certificate names its
         # client, which is what a peer dials (fedcore.roles._peers).
@@ -197,7 +223,6 @@ class LocalRun:
         for common_name, bundle in bundles.items():
             bundle.write(pki / common_name)
         shutil.copyfile(self.manifest, self.workdir / "manifest.yaml")
-        self.events_path.unlink(missing_ok=True)
 
     def _role_args(self, role: str, tls_name: str, events: Path | None) -> tuple[list[str], int]:
         port = free_port() if self.metrics else 0
@@ -250,15 +275,22 @@ class LocalRun:
             time.sleep(0.05)
         raise RoleFailed(child.name, f"was not ready after {READY_SECONDS} s:\n{child.tail()}")
 
-    def start(self) -> None:
-        """Issues the PKI and starts the KDC (if needed), the server, then every client."""
+    def start(self, on_event: ProgressCallback | None = None) -> None:
+        """Issues the PKI and starts the KDC (if needed), the server, then every client.
+
+        Args:
+            on_event: called with each event of ``events.jsonl`` as the start goes on (the
+                ``starting`` phases and the server's ``ready``); ``wait`` then does not hand
+                these to its own callback again.
+        """
         self._started = time.monotonic()
         self._started_wall = time.time()
-        self._prepare()
+        self._prepare(on_event)
         spec = self.run.spec
         kdc_address = None
         resume = ["--resume"] if self.resume else []
         if protocol_facts(spec.protocol.name).needs_kdc:
+            self._announce(on_event, "kdc")
             events = self.kdc_events_path
             events.unlink(missing_ok=True)
             args, port = self._role_args("kdc", "kdc", events)
@@ -270,10 +302,12 @@ class LocalRun:
         if kdc_address and protocol_facts(spec.protocol.name).server_uses_kdc:
             args += ["--kdc", kdc_address, "--kdc-name", TLS_NAME]
         self._launch["server"] = (args, port, self.events_path)
+        self._announce(on_event, "server")
         server = self._spawn("server", [*args, "--listen", f"{LOOPBACK}:0", *resume], port)
         self._ports["server"], _ = self._wait_ready(server, self.events_path)
         server_address = f"{LOOPBACK}:{self._ports['server']}"
         peers = peer_arguments(spec) if protocol_facts(spec.protocol.name).decentralized else {}
+        self._announce(on_event, "clients", clients=spec.clients.count)
         for index in range(spec.clients.count):
             args, port = self._role_args("client", f"client-{index}", None)
             args += ["--index", str(index), "--server", server_address, "--server-name", TLS_NAME]
@@ -416,7 +450,13 @@ class LocalRun:
         self._started = time.monotonic()
         self._started_wall = time.time()
         try:
-            self.start()
+            self.start(on_event)
+        except KeyboardInterrupt:
+            self.stop()
+            raise RunAborted(
+                "The run was interrupted (Ctrl-C) while starting; every role was stopped.",
+                reason="Interrupted",
+            ) from None
         except BaseException:
             self.stop()
             raise
@@ -439,6 +479,7 @@ class LocalRun:
             workdir=str(self.workdir),
         )
         failed: dict[str, Any] | None = None
+        already_delivered = self._delivered  # by start, to its own callback
         try:
             for event in self._events_until_exit():
                 kind = event.get("event")
@@ -461,7 +502,9 @@ class LocalRun:
                     result.restarts = dict(self.restarts)
                 elif kind == "failed":
                     failed = event
-                if on_event is not None:
+                if already_delivered > 0:
+                    already_delivered -= 1
+                elif on_event is not None:
                     on_event(event)
             self.wait_clients(STOP_SECONDS)
         except KeyboardInterrupt:

@@ -125,6 +125,14 @@ class RoundBoard(SessionHandler):
         with self.cond:
             old = self.sessions.get(index)
             self.sessions[index] = session
+            # Under the lock, so that the round loop's "joined" comes after the last of these.
+            # A client connects once its constructor has loaded its data and built its model.
+            self.server.events.emit(
+                "connected",
+                client=index,
+                connected=len(self.sessions),
+                clients=self.server.spec.clients.count,
+            )
             self.cond.notify_all()
         if old is not None and old is not session:
             old.close()

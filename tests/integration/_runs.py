@@ -37,9 +37,12 @@ def write_manifest(path: Path, **spec_changes: Any) -> Path:
     return path
 
 
-def fedcore(*args: str, cwd: Path, timeout: float = 400) -> subprocess.CompletedProcess[str]:
-    """Runs the fedcore CLI of this interpreter; returns the finished process."""
-    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+def fedcore(
+    *args: str, cwd: Path, timeout: float = 400, env: dict[str, str] | None = None
+) -> subprocess.CompletedProcess[str]:
+    """Runs the fedcore CLI of this interpreter (with ``env`` added to this environment);
+    returns the finished process."""
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
     return subprocess.run(
         [sys.executable, "-m", "fedcore", *args],
         cwd=cwd,

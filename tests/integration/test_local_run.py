@@ -92,6 +92,65 @@ def test_run_writes_checkpoints_every_k_rounds(finished_run: dict) -> None:
     assert models_equal(state["protocol"]["weights"], released)
 
 
+def _start_up(events: list[dict]) -> list[str]:
+    """The events before the first round, as ``starting:<phase>`` or the event's name."""
+    first_round = next(i for i, e in enumerate(events) if e["event"] == "round")
+    return [
+        f"starting:{e['phase']}" if e["event"] == "starting" else e["event"]
+        for e in events[:first_round]
+    ]
+
+
+def test_start_up_phases_are_events_in_order_each_handed_to_the_display_once(
+    tmp_path: Path,
+) -> None:
+    # Prepare
+    manifest = write_manifest(tmp_path / "run.yaml", rounds=2, checkpoint={"everyRounds": 0})
+    run = LocalRun(load_manifest(manifest), manifest, workdir=tmp_path / "work")
+    seen: list[dict] = []
+    # Execute
+    result = run.execute(on_event=seen.append)
+    # Assert
+    events = [json.loads(line) for line in run.events_path.read_text().splitlines()]
+    assert result.phase == "Succeeded"
+    assert seen == events  # the phases as they happened, none twice, none left out
+    start_up = _start_up(events)
+    connected = [e for e in events if e["event"] == "connected"]
+    assert start_up == [
+        "starting:certificates",
+        "starting:server",
+        "ready",
+        "starting:clients",
+        *["connected"] * len(connected),
+        "joined",
+    ]
+    assert events[3]["clients"] == 3
+    assert {e["client"] for e in connected} == {0, 1, 2}
+    assert connected[-1]["connected"] == 3 and connected[-1]["clients"] == 3
+
+
+def test_run_on_a_terminal_draws_each_start_up_phase_on_stderr_only(tmp_path: Path) -> None:
+    # Prepare: rich draws live only on a terminal; TTY_COMPATIBLE=1 says stderr is one.
+    manifest = write_manifest(tmp_path / "run.yaml", rounds=2, checkpoint={"everyRounds": 0})
+    terminal = {"TTY_COMPATIBLE": "1", "TERM": "xterm", "COLUMNS": "250"}
+    # Execute
+    done = fedcore(
+        "run", str(manifest), "--json", "--workdir", str(tmp_path / "w"), cwd=tmp_path, env=terminal
+    )
+    # Assert
+    assert done.returncode == 0, done.stderr
+    (line,) = done.stdout.strip().splitlines()  # stdout holds the JSON summary and nothing else
+    assert json.loads(line)["phase"] == "Succeeded"
+    for phase in (
+        "issuing the run's CA and a certificate per role",
+        "starting the server (model, held-out data)",
+        "starting 3 clients (each loads its data): 0/3 connected",
+        "clients connected 3/3 (data loaded)",
+        "3 clients joined; the rounds begin",
+    ):
+        assert phase in done.stderr, phase
+
+
 def test_resume_from_round_2_checkpoint_ends_with_the_uninterrupted_model(
     finished_run: dict, tmp_path: Path
 ) -> None:

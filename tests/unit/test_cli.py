@@ -43,6 +43,12 @@ def cli() -> CliRunner:
     return CliRunner(env={f"FEDCORE_{name}": None for name in names})
 
 
+@pytest.fixture(autouse=True)
+def _internal_error_logs(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Internal-error logs of these tests go under tmp_path, not ~/.cache/fedcore."""
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+
+
 @pytest.fixture
 def invalid_manifest(tmp_path: Path) -> Path:
     path = tmp_path / "broken.yaml"
@@ -319,3 +325,466 @@ def test_checkpoint_purge_lists_first_and_deletes_everything_with_yes(
     assert len(after_dry) == 12
     assert "Deleted 12 objects" in done.output
     assert not any(p.is_file() for p in checkpointed["folder"].rglob("*"))
+
+
+# ------------------------------------------------------------------------- error output
+
+
+def _example_with(path: Path, change: dict[str, Any], example: Path = EXAMPLE) -> Path:
+    """Writes an example manifest with ``change`` merged into its spec; returns the path."""
+    document = yaml.safe_load(example.read_text(encoding="utf-8"))
+    document["spec"].update(change)
+    path.write_text(yaml.safe_dump(document), encoding="utf-8")
+    return path
+
+
+@pytest.mark.parametrize(
+    ("change", "shown"),
+    [
+        ({"protocol": {"name": "[red]fedavg"}}, "'[red]fedavg' is not allowed"),
+        ({"protocol": {"name": "[/x]"}}, "'[/x]' is not allowed"),
+        ({"checkpoint": {"s3": {"bucket": "[Bad]"}}}, "'[Bad]' is not allowed"),
+    ],
+)
+def test_validate_error_text_is_printed_as_it_is_never_as_markup(
+    cli: CliRunner, tmp_path: Path, change: dict[str, Any], shown: str
+) -> None:
+    # Prepare
+    from fedcore.spec._checkpoint import S3StoreSpec
+
+    manifest = _example_with(tmp_path / "run.yaml", change)
+    bucket_rule = S3StoreSpec.model_json_schema()["properties"]["bucket"]["pattern"]
+    # Execute
+    result = cli.invoke(main, ["validate", str(manifest)])
+    # Assert
+    assert result.exit_code == 1, result.output
+    assert isinstance(result.exception, SystemExit)
+    assert result.stderr.startswith("SpecError: The FederatedRun manifest in ")
+    assert shown in result.stderr
+    if "checkpoint" in change:
+        assert f"matching '{bucket_rule}'" in result.stderr  # not "'^{1,61}$'"
+        assert "'^{1,61}$'" not in result.stderr
+
+
+def test_fail_prints_brackets_of_any_error_unchanged(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    # Prepare
+    from fedcore.cli.commands import fail
+    from fedcore.errors import FedcoreError
+
+    text = "[/x] [red]fedavg [bold]x[/] '^[a-z0-9][a-z0-9.-]{1,61}[a-z0-9]$' \\[done]"
+    # Execute
+    with pytest.raises(SystemExit) as stopped:
+        fail(FedcoreError(text))
+    # Assert
+    assert stopped.value.code == 1
+    assert capsys.readouterr().err == f"FedcoreError: {text}\n"
+
+
+# -------------------------------------------------------------- the last-resort handler
+
+
+def _single_line(text: str) -> str:
+    lines = text.strip().splitlines()
+    assert len(lines) == 1, text
+    return lines[0]
+
+
+def test_unexpected_exception_is_one_line_a_log_file_and_exit_70(
+    cli: CliRunner, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Prepare
+    import fedcore.spec
+
+    def broken(*_: Any, **__: Any) -> None:
+        raise RuntimeError("boom [red]\nsecond line")
+
+    monkeypatch.setattr(fedcore.spec, "load_manifest", broken)
+    # Execute
+    result = cli.invoke(main, ["validate", str(EXAMPLE)])
+    # Assert
+    assert result.exit_code == 70
+    line = _single_line(result.stderr)
+    prefix = "InternalError: RuntimeError: boom [red] second line (details in "
+    assert line.startswith(prefix) and line.endswith(")")
+    log = Path(line[len(prefix) : -1])
+    assert log.parent == (tmp_path / "cache" / "fedcore" / "logs").resolve()
+    text = log.read_text(encoding="utf-8")
+    assert "Traceback (most recent call last)" in text
+    assert "in broken" in text
+    assert "RuntimeError: boom [red]\nsecond line" in text
+    assert result.stdout == ""
+
+
+def test_unexpected_exception_in_a_run_logs_to_the_run_folder_and_prints_json(
+    cli: CliRunner, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Prepare
+    from fedcore.local.runner import LocalRun
+
+    def broken(self: LocalRun, on_event: Any = None) -> None:
+        (self.workdir / "logs").mkdir(parents=True)
+        raise ValueError("no such thing")
+
+    monkeypatch.setattr(LocalRun, "execute", broken)
+    work = tmp_path / "work"
+    # Execute
+    result = cli.invoke(main, ["run", str(EXAMPLE), "--quiet", "--json", "--workdir", str(work)])
+    # Assert
+    assert result.exit_code == 70
+    line = _single_line(result.stderr)
+    assert line.startswith(f"InternalError: ValueError: no such thing (details in {work.resolve()}")
+    assert len(list((work / "logs").glob("internal-error-*.log"))) == 1
+    assert not (tmp_path / "cache").exists()
+    summary = json.loads(_single_line(result.stdout))
+    assert summary["phase"] == "Failed"
+    assert summary["reason"] == "InternalError"
+    assert summary["message"] == "ValueError: no such thing"
+
+
+def test_ctrl_c_while_a_run_starts_exits_130_not_as_an_internal_error(
+    cli: CliRunner, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Prepare
+    from fedcore.local.runner import LocalRun
+
+    def interrupted(self: LocalRun, on_event: Any = None) -> None:
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(LocalRun, "start", interrupted)
+    # Execute
+    result = cli.invoke(main, ["run", str(EXAMPLE), "--quiet", "--workdir", str(tmp_path / "w")])
+    # Assert
+    assert result.exit_code == 130
+    assert "InternalError" not in result.stderr
+    assert "interrupted (Ctrl-C) while starting" in result.stderr
+
+
+def test_ctrl_c_in_validate_keeps_clicks_abort(
+    cli: CliRunner, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Prepare
+    import fedcore.spec
+
+    def interrupted(*_: Any, **__: Any) -> None:
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(fedcore.spec, "load_manifest", interrupted)
+    # Execute
+    result = cli.invoke(main, ["validate", str(EXAMPLE)])
+    # Assert
+    assert result.exit_code == 1
+    assert "Aborted!" in result.stderr
+    assert "InternalError" not in result.stderr
+
+
+# ---------------------------------------------------------------------- validate --json
+
+
+def test_validate_json_of_a_valid_manifest_is_the_verdict_and_the_summary(
+    cli: CliRunner,
+) -> None:
+    # Execute
+    result = cli.invoke(main, ["validate", "--json", str(EXAMPLE)])
+    # Assert
+    assert result.exit_code == 0, result.output
+    report = json.loads(_single_line(result.stdout))
+    assert report == {
+        "valid": True,
+        "source": str(EXAMPLE),
+        "errors": [],
+        "summary": {
+            "name": "digits-fedavg",
+            "protocol": {
+                "name": "fedavg",
+                "mode": "aggregator Mean",
+                "dropout_policy": "Skip",
+                "decentralized": False,
+            },
+            "roles": {"kdc": 0, "server": 1, "clients": 10, "processes": 11},
+            "ports": {
+                "server": "picked at start",
+                "kdc": None,
+                "peers": None,
+                "metrics": "picked at start",
+            },
+            "rounds": 20,
+            "clients": {"count": 10, "per_round": 10, "quorum": 10, "sampling": "Seeded"},
+            "privacy": {
+                "claims_dp": False,
+                "accountant": None,
+                "target_epsilon": None,
+                "target_delta": None,
+                "amplification": None,
+            },
+            "data": {
+                "source": "Digits",
+                "path": None,
+                "partition": "IID",
+                "alpha": None,
+                "examples": 1797,
+                "train": 1437,
+                "test": 360,
+                "per_client": {"min": 143, "median": 144, "max": 144},
+                "computed": "counts",
+            },
+        },
+    }
+    assert result.stderr == ""
+
+
+def test_validate_json_of_an_invalid_manifest_lists_every_error_and_exits_1(
+    cli: CliRunner, invalid_manifest: Path
+) -> None:
+    # Execute
+    result = cli.invoke(main, ["validate", "--json", str(invalid_manifest)])
+    # Assert
+    assert result.exit_code == 1
+    report = json.loads(_single_line(result.stdout))
+    assert set(report) == {"valid", "source", "errors", "summary"}
+    assert report["valid"] is False
+    assert report["source"] == str(invalid_manifest)
+    assert report["summary"] is None
+    assert all(set(error) == {"field", "value", "message", "allowed"} for error in report["errors"])
+    assert sorted(error["field"] for error in report["errors"]) == [
+        "spec.bogusField",
+        "spec.clients.count",
+    ]
+    assert all(error["message"] for error in report["errors"])
+    assert result.stderr == ""
+
+
+def test_validation_json_carries_each_issues_value_and_allowed_bounded() -> None:
+    # Prepare
+    from fedcore.cli.commands import validation_json
+    from fedcore.errors import SpecIssue
+
+    bomb: list[Any] = ["lol"] * 10
+    for _ in range(8):
+        bomb = [bomb] * 10  # a billion laughs' expansion, shared, not copied
+    issues = [
+        SpecIssue(
+            "spec.rounds",
+            "0 is not allowed; allowed: 1 to 1000000.",
+            value=0,
+            allowed="1 to 1000000",
+        ),
+        SpecIssue("spec.privacy.targetEpsilon", "inf is not allowed.", value=float("inf")),
+        SpecIssue("spec.data", "is too big.", value=bomb),
+        SpecIssue("spec.seed", "is too big.", value=2**200),
+    ]
+    # Execute
+    report = validation_json(Path("run.yaml"), issues, None)
+    text = json.dumps(report, allow_nan=False)
+    # Assert
+    assert report["valid"] is False
+    assert report["errors"][0] == {
+        "field": "spec.rounds",
+        "value": 0,
+        "message": "0 is not allowed; allowed: 1 to 1000000.",
+        "allowed": "1 to 1000000",
+    }
+    assert report["errors"][1]["value"] == "inf"
+    assert report["errors"][1]["allowed"] is None
+    assert len(text) < 10_000
+    assert "..." in json.dumps(report["errors"][2]["value"])
+    assert report["errors"][3]["value"] == "an integer of 201 bits"
+
+
+# ------------------------------------------------------------------ validate's summary
+
+
+def test_validate_summary_shows_roles_ports_rounds_privacy_and_data(cli: CliRunner) -> None:
+    # Execute
+    result = cli.invoke(main, ["validate", str(EXAMPLE)])
+    # Assert
+    assert result.exit_code == 0, result.output
+    lines = result.stdout.splitlines()
+    assert lines[0].startswith(f"{EXAMPLE}: valid FederatedRun 'digits-fedavg'")
+    assert lines[1:] == [
+        "  protocol: fedavg (aggregator Mean); dropout policy Skip",
+        "  roles:    1 server, 10 clients: 11 processes",
+        "  ports:    picked at start: free 127.0.0.1 ports for the server, each role's /metrics "
+        "(none with --no-metrics)",
+        "  rounds:   20; 10 of 10 clients per round (Seeded sample), quorum 10",
+        "  privacy:  no DP claim",
+        "  data:     Digits, 1797 examples (1437 training, 360 held out); IID over 10 clients: "
+        "143 / 144 / 144 examples per client (min / median / max)",
+    ]
+
+
+def test_validate_summary_of_a_dp_protocol_with_a_kdc(cli: CliRunner, tmp_path: Path) -> None:
+    # Prepare
+    manifest = _example_with(
+        tmp_path / "run.yaml",
+        {
+            "clients": {"count": 10, "perRound": "50%", "quorum": 4, "sampling": "Secret"},
+            "privacy": {"targetEpsilon": 8, "accountant": "RDP"},
+        },
+        REPO / "examples" / "digits-mpdp.yaml",
+    )
+    # Execute
+    result = cli.invoke(main, ["validate", str(manifest)])
+    # Assert
+    assert result.exit_code == 0, result.output
+    assert "  protocol: mpdp (Hardened); dropout policy Redo" in result.stdout
+    assert "  roles:    1 KDC, 1 server, 10 clients: 12 processes\n" in result.stdout
+    assert "the server, the KDC, each role's /metrics" in result.stdout
+    assert "  rounds:   40; 5 of 10 clients per round (Secret sample), quorum 4" in result.stdout
+    assert (
+        "  privacy:  (epsilon, delta)-DP, delta 1e-05; budget epsilon 8 (the run stops before "
+        "exceeding it); accountant RDP; amplification by the secret sample claimed"
+    ) in result.stdout
+
+
+def test_validate_summary_says_computed_at_start_unless_the_data_is_loaded(
+    cli: CliRunner, tmp_path: Path
+) -> None:
+    # Prepare
+    manifest = _example_with(
+        tmp_path / "run.yaml", {"data": {"partition": {"kind": "Dirichlet", "alpha": 0.5}}}
+    )
+    # Execute
+    quick = cli.invoke(main, ["validate", str(manifest)])
+    loaded = cli.invoke(main, ["validate", "--load-data", "--json", str(manifest)])
+    # Assert
+    assert quick.exit_code == 0, quick.output
+    assert (
+        "Dirichlet(alpha 0.5) over 10 clients: examples per client computed at start "
+        "(--load-data computes them now)"
+    ) in quick.stdout
+    data = json.loads(loaded.stdout)["summary"]["data"]
+    assert data["computed"] == "loaded"
+    shares = data["per_client"]
+    assert 1 <= shares["min"] <= shares["median"] <= shares["max"] <= 1437
+
+
+@pytest.mark.parametrize(
+    ("source", "count", "test_fraction"), [("Digits", 7, 0.25), ("MNISTSubset", 13, 0.2)]
+)
+def test_summary_counts_equal_the_real_iid_partition(
+    source: str, count: int, test_fraction: float
+) -> None:
+    # Prepare
+    from fedcore.cli.summary import describe
+    from fedcore.spec import parse_manifest
+
+    document = yaml.safe_load(EXAMPLE.read_text(encoding="utf-8"))
+    document["spec"]["clients"] = {"count": count}
+    document["spec"]["data"] = {"source": {"kind": source}, "testFraction": test_fraction}
+    run = parse_manifest(document)
+    # Execute
+    counted = describe(run)["data"]
+    loaded = describe(run, load_data=True)["data"]
+    # Assert
+    assert counted["computed"] == "counts" and loaded["computed"] == "loaded"
+    for key in ("examples", "train", "test", "per_client"):
+        assert counted[key] == loaded[key], key
+
+
+def test_validate_refuses_more_clients_than_training_examples_naming_the_field(
+    cli: CliRunner, tmp_path: Path
+) -> None:
+    # Prepare
+    manifest = _example_with(tmp_path / "run.yaml", {"clients": {"count": 5000}})
+    # Execute
+    result = cli.invoke(main, ["validate", str(manifest)])
+    as_json = cli.invoke(main, ["validate", "--json", str(manifest)])
+    # Assert
+    assert result.exit_code == 1
+    assert result.stderr.startswith("SpecError: ")
+    assert "spec.clients.count" in result.stderr
+    assert as_json.exit_code == 1
+    assert "spec.clients.count" in [e["field"] for e in json.loads(as_json.stdout)["errors"]]
+
+
+@pytest.mark.parametrize(
+    ("clients", "min_examples", "field", "allowed"),
+    [
+        (5000, 1, "spec.clients.count", "1 to 1437"),
+        (10, 144, "spec.data.partition.minExamples", "1 to 143"),
+    ],
+)
+def test_summary_refuses_a_partition_that_leaves_a_client_short(
+    clients: int, min_examples: int, field: str, allowed: str
+) -> None:
+    # Prepare: past the validator (which may refuse these itself), straight to the summary.
+    from fedcore.cli.summary import describe
+    from fedcore.errors import SpecError
+    from fedcore.spec import load_manifest
+
+    run = load_manifest(EXAMPLE)
+    spec = run.spec
+    partition = spec.data.partition.model_copy(update={"min_examples": min_examples})
+    changed = spec.model_copy(
+        update={
+            "clients": spec.clients.model_copy(update={"count": clients}),
+            "data": spec.data.model_copy(update={"partition": partition}),
+        }
+    )
+    # Execute
+    with pytest.raises(SpecError) as refused:
+        describe(run.model_copy(update={"spec": changed}), source="run.yaml")
+    # Assert
+    (issue,) = refused.value.issues
+    assert issue.path == field
+    assert issue.allowed == allowed
+    assert refused.value.source == "run.yaml"
+
+
+# ----------------------------------------------------------------- start-up progress
+
+
+def test_progress_shows_each_start_up_phase_then_the_rounds() -> None:
+    # Prepare
+    import io
+
+    from rich.console import Console
+
+    from fedcore.cli.progress import RunProgress
+    from fedcore.spec import load_manifest
+
+    out = io.StringIO()
+    console = Console(file=out, force_terminal=True, width=200, color_system=None)
+    recorded = [
+        {"event": "starting", "phase": "certificates"},
+        {"event": "starting", "phase": "kdc"},
+        {"event": "starting", "phase": "server"},
+        {"event": "resumed", "round": 2},
+        {"event": "ready", "role": "server", "port": 1},
+        {"event": "starting", "phase": "clients", "clients": 3},
+        {"event": "connected", "client": 1, "connected": 1, "clients": 3},
+        {"event": "connected", "client": 0, "connected": 2, "clients": 3},
+        {"event": "connected", "client": 2, "connected": 3, "clients": 3},
+        {"event": "joined", "clients": 3},
+        {"event": "round", "round": 3, "loss": 0.5, "accuracy": 0.75},
+        {"event": "connected", "client": 2, "connected": 3, "clients": 3},
+    ]
+    progress = RunProgress(console, load_manifest(EXAMPLE))
+    phases = []
+    # Execute
+    with progress:
+        for event in recorded:
+            progress.update(event)
+            phases.append(progress.phase)
+    # Assert
+    assert phases == [
+        "issuing the run's CA and a certificate per role",
+        "starting the KDC",
+        "starting the server (model, held-out data)",
+        "starting the server (model, held-out data)",
+        "starting the server (model, held-out data)",
+        "starting 3 clients (each loads its data): 0/3 connected",
+        "clients connected 1/3 (data loaded)",
+        "clients connected 2/3 (data loaded)",
+        "clients connected 3/3 (data loaded)",
+        "3 clients joined; the rounds begin",
+        "",
+        "",
+    ]
+    drawn = out.getvalue()
+    for phase in filter(None, phases):
+        assert phase in drawn, phase
+    assert "2/20" in drawn  # resumed after round 2, still starting
+    assert "3/20" in drawn and "0.7500" in drawn
