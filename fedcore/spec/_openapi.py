@@ -3,11 +3,19 @@
 pydantic's JSON Schema (draft 2020-12) is rewritten into the OpenAPI v3.0 subset that a
 Kubernetes 1.20 API server accepts as a *structural* schema: every ``$ref`` inlined, no
 ``title``/``const``/``$defs``, ``Optional`` as ``nullable``, boolean ``exclusiveMinimum``,
-no ``additionalProperties: false`` next to ``properties`` (the server prunes unknown fields),
+no ``additionalProperties: false`` next to ``properties`` (unknown fields: see below),
 int-or-string nodes in the one ``anyOf`` shape the server allows, and every default, including
 the ones made by ``default_factory``, rendered as JSON. Nothing is written by hand: a model
 change shows up here, and a construct this module cannot express raises instead of emitting
 a schema the server would refuse.
+
+Unknown fields: the API server prunes a field its schema does not name before any webhook
+sees it, so a typo under ``spec`` would vanish on ``kubectl apply`` while ``fedcore validate``
+refuses it. ``openapi_schema`` therefore marks the root and every object node under ``spec``
+that has properties with ``x-kubernetes-preserve-unknown-fields: true``: the server still
+checks and defaults the declared fields, keeps the rest, and the validating webhook (which
+parses with these models, extra fields forbidden) refuses them naming the field. ``status``
+keeps pruning: the server writes it. ``model_schema`` (docs, messages) carries no such mark.
 """
 
 from __future__ import annotations
@@ -61,14 +69,39 @@ def openapi_schema() -> dict[str, Any]:
 
     ``metadata`` is ``{"type": "object"}`` (the API server owns it) and ``status`` is the
     declared ``FederatedRunStatus``: the API server prunes any status field it does not name.
+    The root and every object node of ``spec`` keep unknown fields, for the webhook to refuse
+    by name as ``fedcore validate`` does (a field misplaced beside ``spec`` as much as a typo
+    inside it).
 
     Returns:
         A fresh dict, ready for ``spec.versions[].schema.openAPIV3Schema`` of the CRD.
     """
     schema = copy.deepcopy(model_schema(FederatedRun))
     schema["properties"]["metadata"] = {"type": "object"}
+    schema["properties"]["spec"] = _keeping_unknown_fields(schema["properties"]["spec"])
     schema["properties"]["status"] = _without_defaults(model_schema(FederatedRunStatus))
-    return schema
+    schema["x-kubernetes-preserve-unknown-fields"] = True
+    return _ordered(schema)
+
+
+def _keeping_unknown_fields(node: dict[str, Any]) -> dict[str, Any]:
+    """A copy of a schema where every node with ``properties`` keeps unknown fields.
+
+    The nodes below (properties, list items, map values) are marked too, so a nested typo such
+    as ``spec.training.optimizer.lerningRate`` also reaches the webhook. A map
+    (``additionalProperties``) keeps its own shape.
+    """
+    node = dict(node)
+    if "properties" in node:
+        node["properties"] = {
+            name: _keeping_unknown_fields(child) for name, child in node["properties"].items()
+        }
+        node["x-kubernetes-preserve-unknown-fields"] = True
+    if isinstance(node.get("items"), dict):
+        node["items"] = _keeping_unknown_fields(node["items"])
+    if isinstance(node.get("additionalProperties"), dict):
+        node["additionalProperties"] = _keeping_unknown_fields(node["additionalProperties"])
+    return _ordered(node)
 
 
 def _without_defaults(node: Any) -> Any:

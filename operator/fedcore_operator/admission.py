@@ -1,10 +1,13 @@
 """What the validating webhook refuses: everything a 1.20 CRD schema cannot express.
 
-The schema already checks types, enums, bounds and patterns; this adds the cross-field rules
-and protocol preconditions of ``fedcore.spec`` (the same checks ``fedcore run`` makes), the
-limits that come from Kubernetes names, the pod-template settings that would weaken pod
-security, and which spec changes a run accepts in its current phase. Each problem names the
-field and says what is allowed. Pure functions: no API calls.
+The schema already checks types, enums, bounds and patterns; this adds everything else
+``fedcore.spec`` refuses (the same checks ``fedcore validate`` and ``fedcore run`` make, with
+the same messages): unknown fields, which the CRD keeps for this purpose, the cross-field rules
+and protocol preconditions, and the name rules that come from the objects a run creates
+(``metadata.name`` starts with a letter; its longest object name fits 63 characters). Then
+the pod-template settings that would weaken pod security, and which spec changes a run
+accepts in its current phase. Each problem names the field and says what is allowed. Pure
+functions: no API calls.
 """
 
 from __future__ import annotations
@@ -12,9 +15,7 @@ from __future__ import annotations
 from typing import Any
 
 from fedcore.errors import SpecError
-from fedcore.spec import RESUME_INSENSITIVE_FIELDS
-from fedcore_operator import objects
-from fedcore_operator.reconcile import manifest_of
+from fedcore.spec import RESUME_INSENSITIVE_FIELDS, parse_manifest
 
 Object = dict[str, Any]
 
@@ -31,7 +32,6 @@ FORBIDDEN_POD_FIELDS = {
     ("spec", "restartPolicy"): "the operator owns restarts (spec.backoffLimit)",
     ("spec", "serviceAccountName"): "the operator gives each role its own ServiceAccount",
 }
-MAX_NAME = 63
 
 
 def check(body: Object, old: Object | None, operation: str) -> list[str]:
@@ -43,7 +43,6 @@ def check(body: Object, old: Object | None, operation: str) -> list[str]:
         operation: CREATE or UPDATE.
     """
     problems = _spec_problems(body)
-    problems += _name_problems(body)
     problems += _template_problems(body)
     if operation == "UPDATE" and old is not None:
         problems += _change_problems(old, body)
@@ -52,31 +51,23 @@ def check(body: Object, old: Object | None, operation: str) -> list[str]:
 
 def _spec_problems(body: Object) -> list[str]:
     try:
-        manifest_of(body)
+        parse_manifest(as_written(body))
     except SpecError as exc:
         return [f"{issue.path}: {issue.message}" for issue in exc.issues] or [str(exc)]
     return []
 
 
-def _name_problems(body: Object) -> list[str]:
-    name = str(body.get("metadata", {}).get("name") or "")
-    count = (body.get("spec") or {}).get("clients", {}).get("count")
-    problems = []
-    if name and not name[0].isalpha():
-        problems.append(
-            f"metadata.name: {name!r} must start with a letter: it names the run's Services "
-            "(DNS-1035 labels)."
-        )
-    if name and isinstance(count, int) and count > 0:
-        longest = objects.longest_name(name, count)
-        if len(longest) > MAX_NAME:
-            room = MAX_NAME - (len(longest) - len(name))
-            problems.append(
-                f"metadata.name: {name!r} is too long for {count} clients: the run's objects "
-                f"are named like {longest!r} ({len(longest)} characters, at most {MAX_NAME}); "
-                f"use at most {max(room, 0)} characters."
-            )
-    return problems
+def as_written(body: Object) -> Object:
+    """The object as ``fedcore validate`` would read it: the fields the API server adds to
+    ``metadata`` and the ``status`` it owns left out, every other field kept.
+
+    The CRD keeps unknown fields at the root and under ``spec`` (see
+    ``fedcore.spec._openapi``), so a field misplaced beside ``spec`` is refused here by name.
+    """
+    meta = body.get("metadata") or {}
+    document = {key: value for key, value in body.items() if key not in ("metadata", "status")}
+    document["metadata"] = {"name": meta.get("name"), "namespace": meta.get("namespace")}
+    return document
 
 
 def _template_problems(body: Object) -> list[str]:

@@ -8,7 +8,7 @@ import subprocess
 import sys
 import time
 import urllib.request
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -90,9 +90,13 @@ def running_operator(
     *,
     webhook: bool = True,
     extra_env: dict[str, str] | None = None,
+    namespaces: Sequence[str] = (),
 ) -> Iterator[OperatorProcess]:
-    """Starts ``python -m fedcore_operator run`` and waits for it to lead and serve."""
-    op = start_operator(plane, folder, webhook=webhook, extra_env=extra_env)
+    """Starts ``python -m fedcore_operator run`` and waits for it to lead and serve.
+
+    ``namespaces`` limits what it reconciles (all by default); its webhook sees every run.
+    """
+    op = start_operator(plane, folder, webhook=webhook, extra_env=extra_env, namespaces=namespaces)
     try:
         yield op
     finally:
@@ -107,6 +111,7 @@ def start_operator(
     extra_env: dict[str, str] | None = None,
     lease: str = "fedcore-operator",
     wait_leading: bool = True,
+    namespaces: Sequence[str] = (),
 ) -> OperatorProcess:
     """Starts one operator process (leader election on); waits until it leads (or serves)."""
     folder.mkdir(parents=True, exist_ok=True)
@@ -123,6 +128,7 @@ def start_operator(
         "--lease-namespace=default",
         f"--lease-name={lease}",
         "--log-format=plain",
+        *(f"--namespace={namespace}" for namespace in namespaces),
     ]
     if webhook:
         cert, key, ca = webhook_certificates(folder / "webhook")

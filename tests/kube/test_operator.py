@@ -250,7 +250,7 @@ def test_name_that_cannot_name_services_is_refused(
 ) -> None:
     result = apply(control_plane, namespace, run_manifest("9lives"), check=False)
     assert result.returncode != 0
-    assert "must start with a letter" in result.stderr
+    assert "must start with a lowercase letter" in result.stderr
 
 
 def test_running_run_refuses_a_spec_change_it_cannot_apply(

@@ -103,6 +103,31 @@ def test_openapi_schema_root_metadata_and_status() -> None:
     assert "spec" in schema["required"]
 
 
+def test_openapi_schema_spec_keeps_unknown_fields_for_the_webhook() -> None:
+    """The server would prune an undeclared field before the webhook could refuse it."""
+    # Prepare
+    schema = openapi_schema()
+    spec = schema["properties"]["spec"]
+
+    # Execute
+    objects = [(path, node) for path, node in _nodes(spec, "spec") if "properties" in node]
+    status_marked = [
+        path
+        for path, node in _nodes(schema["properties"]["status"], "status")
+        if node.get("x-kubernetes-preserve-unknown-fields")
+    ]
+
+    # Assert
+    assert len(objects) > 20
+    for path, node in objects:
+        assert node.get("x-kubernetes-preserve-unknown-fields") is True, path
+    optimizer = spec["properties"]["training"]["properties"]["optimizer"]
+    assert optimizer["x-kubernetes-preserve-unknown-fields"] is True
+    assert status_marked == []
+    assert schema["x-kubernetes-preserve-unknown-fields"] is True  # e.g. labels beside spec
+    assert "x-kubernetes-preserve-unknown-fields" not in model_schema(FederatedRunSpec)
+
+
 def test_openapi_schema_has_every_model_field_with_default() -> None:
     # Prepare
     spec_node = openapi_schema()["properties"]["spec"]

@@ -6,6 +6,8 @@ from typing import Any
 
 import pytest
 
+from fedcore.errors import SpecError
+from fedcore.spec import parse_manifest
 from fedcore_operator import admission
 from fedcore_operator.conditions import differs, set_condition
 
@@ -30,7 +32,7 @@ def test_a_valid_run_is_admitted() -> None:
     [
         (run(protocol={"name": "perturb"}), "spec.model"),
         (run(clients={"count": 4, "quorum": 9}), "spec.clients.quorum"),
-        (run("9lives"), "metadata.name: '9lives' must start with a letter"),
+        (run("9lives"), "metadata.name: '9lives' is not allowed: a run's name must start"),
         (run("a" * 50, clients={"count": 1000}), "is too long for 1000 clients"),
         (
             run(roles={"server": {"podTemplate": {"spec": {"hostNetwork": True}}}}),
@@ -61,6 +63,37 @@ def test_a_valid_run_is_admitted() -> None:
 def test_invalid_runs_are_refused_naming_the_field(body: dict[str, Any], expected: str) -> None:
     problems = admission.check(body, None, "CREATE")
     assert any(expected in problem for problem in problems), problems
+
+
+def test_a_field_beside_spec_is_refused_and_server_fields_are_not() -> None:
+    # Prepare: what the API server adds, and a label misplaced beside spec (the CRD keeps it).
+    body = run()
+    body["metadata"].update(uid="1234", generation=1, managedFields=[{"manager": "kubectl"}])
+    body["status"] = {"phase": "Pending"}
+    misplaced = {**body, "labels": {"team": "a"}}
+
+    # Execute
+    admitted = admission.check(body, None, "CREATE")
+    refused = admission.check(misplaced, None, "CREATE")
+
+    # Assert
+    assert admitted == []
+    assert refused == [
+        "labels: unknown field; allowed fields here: apiVersion, kind, metadata, spec, status."
+    ]
+
+
+def test_the_webhook_refuses_with_the_local_message() -> None:
+    # Prepare
+    body = run(training={"optimizer": {"lerningRate": 0.1}})
+
+    # Execute
+    problems = admission.check(body, None, "CREATE")
+
+    # Assert
+    with pytest.raises(SpecError) as local:
+        parse_manifest(body)
+    assert problems == [str(issue) for issue in local.value.issues]
 
 
 def with_status(body: dict[str, Any], phase: str) -> dict[str, Any]:
