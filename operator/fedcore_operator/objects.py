@@ -10,11 +10,10 @@ from __future__ import annotations
 
 import base64
 import copy
+import json
 from dataclasses import dataclass
 from typing import Any
 from urllib.parse import urlparse
-
-import yaml
 
 from fedcore.spec import FederatedRun, RoleSpec, protocol_facts
 from fedcore.transport import RunCa
@@ -170,14 +169,18 @@ def _metadata(ctx: RunContext, name: str, labels: dict[str, str]) -> dict[str, A
 
 
 def manifest_text(ctx: RunContext) -> str:
-    """The manifest every role loads: the run as applied, defaults filled in, no status."""
+    """The manifest every role loads: the run as applied, defaults filled in, no status.
+
+    Written as JSON (a subset of YAML): every string stays quoted, so a value such as the
+    quantity ``"1e3"``, which a YAML dumper leaves plain, never reads back as a number.
+    """
     manifest = {
         "apiVersion": ctx.run.api_version,
         "kind": ctx.run.kind,
         "metadata": {"name": ctx.name, "namespace": ctx.namespace},
         "spec": ctx.run.spec.model_dump(by_alias=True, mode="json", exclude_none=True),
     }
-    return yaml.safe_dump(manifest, sort_keys=False)
+    return json.dumps(manifest, indent=2) + "\n"
 
 
 def manifest_config_map(ctx: RunContext) -> Object:

@@ -9,7 +9,7 @@ from typing import Any
 import pytest
 from cryptography import x509
 
-from fedcore.spec import parse_manifest
+from fedcore.spec import load_manifest, parse_manifest
 from fedcore_operator import objects
 from fedcore_operator.crd import CHART_CRD_PATH, PRINTER_COLUMNS, crd_manifest, crd_yaml
 from fedcore_operator.settings import OperatorSettings
@@ -270,12 +270,22 @@ def test_server_role_allows_only_its_own_status() -> None:
 @pytest.mark.parametrize("protocol", ["fedavg", "fedsgd", "dp-fedavg", "perturb", "mpdp"])
 def test_manifest_config_map_round_trips_to_the_same_spec(protocol: str) -> None:
     ctx = context(manifest(protocol))
-    import yaml
-
     text = objects.manifest_config_map(ctx)["data"][objects.MANIFEST_FILE]
-    again = parse_manifest(yaml.safe_load(text))
+    again = load_manifest(objects.MANIFEST_FILE, text=text)  # as a role reads it
     assert again.spec == ctx.run.spec
     assert again.metadata.namespace == "team-a"
+
+
+def test_the_manifest_a_role_loads_keeps_number_like_strings_as_strings() -> None:
+    # Prepare: quantities that a YAML dumper leaves unquoted and a YAML reader takes as numbers
+    limits = {"memory": "1e3", "cpu": "2e0"}
+    ctx = context(manifest("fedavg", roles={"clients": {"resources": {"limits": limits}}}))
+    # Execute: read as a role reads it
+    text = objects.manifest_config_map(ctx)["data"][objects.MANIFEST_FILE]
+    again = load_manifest(objects.MANIFEST_FILE, text=text)
+    # Assert
+    assert again.spec == ctx.run.spec
+    assert again.spec.roles.clients.resources.limits == limits
 
 
 def test_ebscfl_server_gets_the_kdc_address_and_may_reach_it() -> None:
