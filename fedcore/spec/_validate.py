@@ -16,7 +16,9 @@ from fedcore.errors import SpecError, SpecIssue
 from fedcore.spec._datasets import BUILTIN_DATASETS, split_sizes
 from fedcore.spec._facts import protocol_facts
 from fedcore.spec._loading import (
+    MAX_DEPTH,
     MAX_MANIFEST_BYTES,
+    MAX_NODES,
     LoadStats,
     load_document,
     read_manifest_bytes,
@@ -82,6 +84,9 @@ def parse_manifest(document: Any, *, source: str | None = None) -> FederatedRun:
             ],
             source=source,
         )
+    shape = shape_issue(document)
+    if shape is not None:
+        raise SpecError([shape], source=source)
     try:
         try:
             run = FederatedRun.model_validate(document)
@@ -99,6 +104,37 @@ def parse_manifest(document: Any, *, source: str | None = None) -> FederatedRun:
     if issues:
         raise SpecError(issues, source=source)
     return run
+
+
+def shape_issue(document: Any) -> SpecIssue | None:
+    """The first place ``document`` nests deeper than ``MAX_DEPTH`` or the node that takes it
+    past ``MAX_NODES``; None when it is within both.
+
+    The loader bounds what it reads from YAML; this bounds an already-parsed document the
+    same way (the webhook gets its run from the API server as JSON), walking it without
+    recursion.
+    """
+    todo: list[tuple[Any, str, int]] = [(document, "", 1)]
+    nodes = 0
+    while todo:
+        node, path, depth = todo.pop()
+        nodes += 1
+        if nodes > MAX_NODES:
+            return SpecIssue(path or "<root>", f"makes the manifest hold over {MAX_NODES} values.")
+        if depth > MAX_DEPTH:  # a value at depth d, scalar or not, as the loader counts it
+            return SpecIssue(
+                path or "<root>", f"nests deeper than {MAX_DEPTH} levels; allowed: {MAX_DEPTH}."
+            )
+        if not isinstance(node, dict | list):
+            continue
+        if isinstance(node, list):
+            todo.extend((value, f"{path}[{i}]", depth + 1) for i, value in enumerate(node))
+        else:
+            todo.extend(
+                (value, f"{path}.{key}" if path else str(key), depth + 1)
+                for key, value in node.items()
+            )
+    return None
 
 
 def issues_from_pydantic(error: ValidationError, model: type[BaseModel]) -> list[SpecIssue]:

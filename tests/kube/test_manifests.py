@@ -131,6 +131,41 @@ spec:
 """Valid with a finite epsilon. JSON has no infinity: kubectl and the API server's YAML reader
 refuse it before the schema (their message cannot name the field)."""
 
+ALIAS_BOMB = """\
+apiVersion: fedcore.dev/v1alpha1
+kind: FederatedRun
+metadata:
+  name: table
+spec:
+  protocol: {name: fedavg}
+  clients: {count: 3}
+  rounds: 2
+  roles:
+    server:
+      podTemplate:
+        metadata:
+          a: &a ["lol", "lol", "lol", "lol", "lol", "lol", "lol", "lol", "lol"]
+          b: &b [*a, *a, *a, *a, *a, *a, *a, *a, *a]
+          c: &c [*b, *b, *b, *b, *b, *b, *b, *b, *b]
+          d: &d [*c, *c, *c, *c, *c, *c, *c, *c, *c]
+          e: &e [*d, *d, *d, *d, *d, *d, *d, *d, *d]
+          f: &f [*e, *e, *e, *e, *e, *e, *e, *e, *e]
+          g: &g [*f, *f, *f, *f, *f, *f, *f, *f, *f]
+          h: &h [*g, *g, *g, *g, *g, *g, *g, *g, *g]
+          i: [*h, *h, *h, *h, *h, *h, *h, *h, *h]
+"""
+"""Billion laughs: 387 million strings once expanded. The loader refuses it without expanding;
+the API server's and kubectl's YAML readers refuse its excessive aliasing."""
+
+
+def nested(levels: int) -> Any:
+    """``levels`` lists, one inside the other, around one string."""
+    value: Any = "x"
+    for _ in range(levels):
+        value = [value]
+    return value
+
+
 CASES = [
     Case("valid", admitted=True),
     Case(
@@ -197,6 +232,18 @@ CASES = [
         needs=FEASIBLE,
     ),
     Case("targetEpsilon infinite", text=INFINITE_EPSILON, needs=STRICT),
+    Case("alias bomb", text=ALIAS_BOMB),
+    Case("empty document", text="# nothing but a comment\n"),
+    Case(
+        "nested 57 deep in a podTemplate",
+        {"spec.roles.server.podTemplate.spec.x": nested(57)},
+        admitted=True,
+    ),
+    Case(
+        "nested 58 deep in a podTemplate",
+        {"spec.roles.server.podTemplate.spec.x": nested(58)},
+        path="spec.roles.server.podTemplate.spec.x",
+    ),
 ]
 
 
@@ -372,8 +419,11 @@ def test_the_cluster_gives_the_local_verdict(
     for name in sorted(names):
         assert name in api.message, f"{case.id}: the API does not name {name}:\n{said}"
         assert name in kubectl.message, f"{case.id}: kubectl does not name {name}:\n{said}"
-    # Assert: where the webhook refused, it said what fedcore validate says, word for word.
+    # Assert: where the webhook refused, it said what fedcore validate says, word for word
+    # (but for what the YAML loader found in the text, which the webhook never sees: it names
+    # the same field in its own words).
     for cluster in (api, kubectl):
         if "admission webhook" in cluster.message:
             for issue in local.issues:
-                assert str(issue) in cluster.message, f"{case.id}: not {issue}:\n{said}"
+                if issue.path not in ("<file>", "<root>"):
+                    assert str(issue) in cluster.message, f"{case.id}: not {issue}:\n{said}"

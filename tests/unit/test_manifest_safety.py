@@ -751,3 +751,34 @@ def test_parse_manifest_of_any_value_only_ever_raises_spec_error(
         parse_manifest(document, source="generated")
     except SpecError as exc:
         assert exc.issues and all("\n" not in str(issue) for issue in exc.issues)
+
+
+@pytest.mark.parametrize(("extra", "refused"), [(57, False), (58, True)])
+def test_a_parsed_manifest_is_bounded_as_a_loaded_one(extra: int, refused: bool) -> None:
+    """The webhook gets its run as JSON from the API server, never through the YAML loader:
+    parse_manifest bounds the nesting the same way, at the same depth."""
+    # Prepare: lists nested under spec.roles.server.podTemplate.spec.x (a free-form field),
+    # the innermost value at depth 7 + extra (the top-level mapping is depth 1).
+    nest: Any = "x"
+    for _ in range(extra):
+        nest = [nest]
+    document = yaml.safe_load(VALID)
+    document["spec"]["roles"] = {"server": {"podTemplate": {"spec": {"x": nest}}}}
+    text = yaml.safe_dump(document)
+    # Execute
+    verdicts = []
+    for judge in (
+        lambda: load_manifest("deep.yaml", text=text),
+        lambda: parse_manifest(document),
+    ):
+        try:
+            judge()
+        except SpecError as exc:
+            verdicts.append(str(exc.issues[0]))
+        else:
+            verdicts.append("")
+    # Assert: the same verdict from both, naming where it nests too deep
+    assert [bool(v) for v in verdicts] == [refused, refused]
+    if refused:
+        assert all("spec.roles.server.podTemplate.spec.x[0]" in v for v in verdicts), verdicts
+        assert "nests deeper than 64 levels" in verdicts[1]
