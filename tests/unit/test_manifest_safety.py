@@ -684,17 +684,23 @@ _MANIFEST_PATHS = st.sampled_from(
 )
 
 
+def _valid_with(path: tuple[str, ...], value: Any) -> dict[str, Any]:
+    """VALID parsed, with ``value`` set at ``path`` (its missing parents made mappings)."""
+    document: dict[str, Any] = yaml.safe_load(VALID)
+    parent = document
+    for key in path[:-1]:
+        parent = parent.setdefault(key, {})
+    parent[path[-1]] = value
+    return document
+
+
 @_PROPERTY
 @given(_MANIFEST_PATHS, _TREES)
 def test_manifest_with_a_generated_field_only_ever_raises_spec_error(
     path: tuple[str, ...], value: Any
 ) -> None:
     # Prepare
-    document = yaml.safe_load(VALID)
-    parent = document
-    for key in path[:-1]:
-        parent = parent.setdefault(key, {})
-    parent[path[-1]] = value
+    document = _valid_with(path, value)
     text = _dump(document)
 
     # Execute
@@ -740,11 +746,7 @@ def test_parse_manifest_of_any_value_only_ever_raises_spec_error(
     path: tuple[str, ...], value: Any
 ) -> None:
     # Prepare: Python values straight into parse_manifest (the API server's path), NaN included
-    document = yaml.safe_load(VALID)
-    parent = document
-    for key in path[:-1]:
-        parent = parent.setdefault(key, {})
-    parent[path[-1]] = value
+    document = _valid_with(path, value)
 
     # Execute and Assert
     try:
