@@ -45,6 +45,7 @@ from fedcore.roles._common import (
     retry_of,
     role_checkpointer,
 )
+from fedcore.roles._hold import HoldPoint
 from fedcore.roles.client import RpcKeyChannel
 from fedcore.rounds import AttemptReport, RoundPolicy, play_round
 from fedcore.spec import FederatedRun, protocol_facts
@@ -252,6 +253,7 @@ class Server:
         self.facts = protocol_facts(self.spec.protocol.name)
         self.round_policy = RoundPolicy(self.spec, self.facts)
         self.events = EventLog(config.events, listeners=status_listeners(run))
+        self.hold = HoldPoint(self.events)
         self.metrics = RoleMetrics(run.metadata.name, "server")
         self.metrics.rounds_planned.set(self.spec.rounds)
         device = choose_device(self.spec.roles.server)
@@ -449,6 +451,7 @@ class Server:
             seconds = time.monotonic() - started
             self._record_round(round_, result, evaluation, seconds)
             self._maybe_checkpoint(round_)
+            self.hold.after_round(round_)
         if stop_reason is not None and completed >= start_round:
             if not self.facts.decentralized:  # its clients evaluate themselves
                 last_eval = self._evaluate()

@@ -4,12 +4,18 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
+import pytest
 import yaml
+
+from fedcore.local.runner import Child
+from fedcore.roles._hold import FILE_VARIABLE, ROUND_VARIABLE
 
 BASE: dict[str, Any] = {
     "apiVersion": "fedcore.dev/v1alpha1",
@@ -57,3 +63,32 @@ def fedcore(
 def last_json(stdout: str) -> dict[str, Any]:
     """Returns the JSON object on stdout's last line."""
     return json.loads(stdout.strip().splitlines()[-1])
+
+
+class ServerHold:
+    """Holds a local run's server after one round (fedcore/roles/_hold.py), so that what a test
+    does there (kill a client or the KDC) falls between two rounds, never after the last one.
+
+    Create it before the run starts (its environment reaches the roles), wait for the server's
+    ``held`` event, act, then ``release()``.
+    """
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch, folder: Path, round_: int) -> None:
+        self.path = folder / f"hold-after-{round_}"
+        self.path.touch()
+        monkeypatch.setenv(ROUND_VARIABLE, str(round_))
+        monkeypatch.setenv(FILE_VARIABLE, str(self.path))
+
+    def release(self) -> None:
+        """Lets the server go on."""
+        self.path.unlink(missing_ok=True)
+
+
+def kill_and_wait(child: Child, timeout: float = 60) -> None:
+    """SIGKILLs a role's process group and waits until its exit is known."""
+    os.killpg(child.process.pid, signal.SIGKILL)
+    deadline = time.monotonic() + timeout
+    while child.process.poll() is None:
+        if time.monotonic() > deadline:
+            raise AssertionError(f"{child.name} did not exit within {timeout} s of SIGKILL")
+        time.sleep(0.02)

@@ -5,9 +5,7 @@ KDC killed mid-run that resumes from its own checkpoint."""
 from __future__ import annotations
 
 import json
-import os
 import re
-import signal
 from pathlib import Path
 from typing import Any
 
@@ -31,7 +29,7 @@ from fedcore.roles.kdc import Kdc
 from fedcore.simulation import simulate
 from fedcore.spec import load_manifest
 from fedcore.transport import Identity, Limits, Payload, RemoteError, RpcClient, issue_run_bundles
-from tests.integration._runs import fedcore, last_json, write_manifest
+from tests.integration._runs import ServerHold, fedcore, kill_and_wait, last_json, write_manifest
 from tests.integration.test_local_run import scrape, wait_for_event
 
 pytestmark = pytest.mark.integration
@@ -154,24 +152,26 @@ def test_a_malformed_encoding_is_rejected_counted_logged_and_the_rounds_complete
 
 
 def test_kdc_killed_mid_run_resumes_from_its_checkpoint_and_the_run_finishes(
-    tmp_path: Path,
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     # Prepare: the aggregate does not depend on the keys (exact to float64 rounding), so the
-    # run must end with the model of the same run simulated in one process; 8 rounds, so that
-    # the kill after round 1 lands mid-run even on a slow machine (4 once left little room)
-    total = 8
+    # run must end with the model of the same run simulated in one process; the server holds
+    # after round 1 until the KDC is dead
+    total = 4
     manifest = write_manifest(
         tmp_path / "run.yaml",
         **{**EBSCFL_SPEC, "rounds": total, "checkpoint": {"everyRounds": 1}},
     )
     work = tmp_path / "work"
+    hold = ServerHold(monkeypatch, tmp_path, 1)
     run = LocalRun(load_manifest(manifest), manifest, workdir=work)
     run.start()
     try:
-        wait_for_event(run, "round", round=1)
+        wait_for_event(run, "held", round=1)
         saved = [e for e in events_of(run.kdc_events_path) if e["event"] == "checkpoint"]
         # Execute
-        os.killpg(run.children["kdc"].process.pid, signal.SIGKILL)
+        kill_and_wait(run.children["kdc"])
+        hold.release()
         result = run.wait()
     finally:
         run.stop()

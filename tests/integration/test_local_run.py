@@ -3,8 +3,6 @@
 from __future__ import annotations
 
 import json
-import os
-import signal
 import time
 import urllib.request
 from pathlib import Path
@@ -29,7 +27,13 @@ from fedcore.transport import (
     encode_chunks,
     issue_run_bundles,
 )
-from tests.integration._runs import fedcore, last_json, write_manifest
+from tests.integration._runs import (
+    ServerHold,
+    fedcore,
+    kill_and_wait,
+    last_json,
+    write_manifest,
+)
 
 pytestmark = pytest.mark.integration
 
@@ -282,21 +286,24 @@ def test_hostile_peers_are_refused_and_the_run_goes_on(tmp_path: Path) -> None:
     assert models_equal(released, simulate(load_manifest(manifest)).weights)
 
 
-def test_client_killed_mid_run_is_skipped_under_quorum(tmp_path: Path) -> None:
-    # Prepare: 40 rounds of about 50 ms, so that the kill after round 1 lands mid-run even on a
-    # slow machine (5 rounds left a window of a few hundred milliseconds)
+def test_client_killed_mid_run_is_skipped_under_quorum(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Prepare: the server holds after round 1 until client 3 is dead
     manifest = write_manifest(
         tmp_path / "run.yaml",
-        rounds=40,
+        rounds=5,
         clients={"count": 4, "quorum": 3},
         checkpoint={"everyRounds": 0},
     )
+    hold = ServerHold(monkeypatch, tmp_path, 1)
     run = LocalRun(load_manifest(manifest), manifest, workdir=tmp_path / "work")
     run.start()
     try:
-        wait_for_event(run, "round", round=1)
+        wait_for_event(run, "held", round=1)
         # Execute
-        os.killpg(run.children["client-3"].process.pid, signal.SIGKILL)
+        kill_and_wait(run.children["client-3"])
+        hold.release()
         result = run.wait()
     finally:
         run.stop()
@@ -306,32 +313,37 @@ def test_client_killed_mid_run_is_skipped_under_quorum(tmp_path: Path) -> None:
     ]
     rounds = [e for e in events if e["event"] == "round"]
     assert result.phase == "Succeeded"
-    assert [e["round"] for e in rounds] == list(range(1, 41))
-    assert rounds[-1]["participants"] == 3 and rounds[-1]["failures"] == [3]
+    assert [e["round"] for e in rounds] == [1, 2, 3, 4, 5]
+    assert [e["participants"] for e in rounds] == [4, 3, 3, 3, 3]
+    assert [e["failures"] for e in rounds] == [[], [3], [3], [3], [3]]
 
 
-def test_quorum_lost_fails_the_run_with_reason_and_stops_every_role(tmp_path: Path) -> None:
-    # Prepare: far more rounds than could run before the kill lands (5 could: the run then
-    # succeeded and the test failed, once in a fresh clone); the run ends at the kill anyway.
+def test_quorum_lost_fails_the_run_with_reason_and_stops_every_role(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Prepare: the server holds after round 1 until client 1 is dead (without the hold, the
+    # 5 rounds could end before the kill landed: it happened once in a fresh clone)
     manifest = write_manifest(
         tmp_path / "run.yaml",
-        rounds=100_000,
+        rounds=5,
         clients={"count": 2},
         checkpoint={"everyRounds": 0},
         failurePolicy={"roundTimeoutSeconds": 20, "maxRoundRetries": 1},
     )
+    hold = ServerHold(monkeypatch, tmp_path, 1)
     run = LocalRun(load_manifest(manifest), manifest, workdir=tmp_path / "work")
     run.start()
     try:
-        wait_for_event(run, "round", round=1)
+        wait_for_event(run, "held", round=1)
         # Execute
-        os.killpg(run.children["client-1"].process.pid, signal.SIGKILL)
+        kill_and_wait(run.children["client-1"])
+        hold.release()
         with pytest.raises(RunAborted) as aborted:
             run.wait()
     finally:
         run.stop()
     # Assert
-    assert aborted.value.reason == "QuorumLost"
+    assert aborted.value.reason == "QuorumLost" and aborted.value.round == 2
     assert "quorum of 2" in str(aborted.value)
     assert all(child.process.poll() is not None for child in run.children.values())
 

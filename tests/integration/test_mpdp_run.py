@@ -3,8 +3,6 @@
 from __future__ import annotations
 
 import json
-import os
-import signal
 import time
 from pathlib import Path
 from typing import Any
@@ -20,7 +18,8 @@ from fedcore.local.runner import LocalRun
 from fedcore.observe.events import read_events
 from fedcore.simulation import simulate
 from fedcore.spec import FederatedRun, load_manifest
-from tests.integration._runs import fedcore, last_json, write_manifest
+from tests.integration._runs import ServerHold, fedcore, kill_and_wait, last_json, write_manifest
+from tests.integration.test_local_run import wait_for_event
 
 pytestmark = pytest.mark.integration
 
@@ -115,19 +114,23 @@ def fedsgd_uniform(run: FederatedRun, members_per_round: list[list[int]]) -> dic
     return weights
 
 
-def test_run_client_killed_mid_run_redoes_rounds_with_the_survivors(tmp_path: Path) -> None:
-    # Prepare
+def test_run_client_killed_mid_run_redoes_rounds_with_the_survivors(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Prepare: the server holds after round 1 until client 3 is dead
     manifest = mpdp_manifest(
         tmp_path / "run.yaml",
-        {"clients": {"count": 4, "quorum": 3}, "rounds": 30},  # the kill lands mid-run
+        {"clients": {"count": 4, "quorum": 3}, "rounds": 10},
         clientNoiseStd=0,
     )
+    hold = ServerHold(monkeypatch, tmp_path, 1)
     run = LocalRun(load_manifest(manifest), manifest, workdir=tmp_path / "work")
     run.start()
     try:
-        wait_for_round(run, 1)
+        wait_for_event(run, "held", round=1)
         # Execute
-        os.killpg(run.children["client-3"].process.pid, signal.SIGKILL)
+        kill_and_wait(run.children["client-3"])
+        hold.release()
         result = run.wait()
     finally:
         run.stop()
@@ -135,7 +138,9 @@ def test_run_client_killed_mid_run_redoes_rounds_with_the_survivors(tmp_path: Pa
     lines = (tmp_path / "work" / "events.jsonl").read_text().splitlines()
     rounds = [e for e in map(json.loads, lines) if e["event"] == "round"]
     assert result.phase == "Succeeded"
-    assert [e["round"] for e in rounds] == list(range(1, 31))
+    assert [e["round"] for e in rounds] == list(range(1, 11))
+    assert [e["participants"] for e in rounds] == [4] + [3] * 9
+    assert rounds[1]["attempts"] == 2  # the first round after the kill is redone
     assert rounds[-1]["participants"] == 3 and rounds[-1]["attempts"] == 2
     # No wrong aggregate: every round's step is the uniform fedsgd step of its participants
     # (all four until client 3 died, the three survivors after), so the released model is.

@@ -1,0 +1,52 @@
+"""A hold point for fault-injection tests: the server pauses between two rounds on request.
+
+With ``FEDCORE_TEST_HOLD_AFTER_ROUND=r`` and ``FEDCORE_TEST_HOLD_FILE=path`` in its
+environment, the server, once round ``r`` is recorded and checkpointed, emits a ``held`` event
+and waits while ``path`` exists (at most ``HOLD_LIMIT_SECONDS``). A test does there what must
+fall between rounds ``r`` and ``r + 1`` (kill a client or the KDC, and wait until it is gone),
+then removes the file: what follows no longer races the end of the run. Without both variables
+it does nothing. Only whoever starts the server sets its environment.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from pathlib import Path
+
+from fedcore.observe.events import EventLog
+
+log = logging.getLogger(__name__)
+
+ROUND_VARIABLE = "FEDCORE_TEST_HOLD_AFTER_ROUND"
+FILE_VARIABLE = "FEDCORE_TEST_HOLD_FILE"
+HOLD_LIMIT_SECONDS = 300.0
+"""The longest a hold lasts: a test that never releases it does not hang the run forever."""
+POLL_SECONDS = 0.02
+
+
+class HoldPoint:
+    """The hold the environment asks for, if any.
+
+    Args:
+        events: where the ``held`` event goes.
+        environ: the environment to read (default: this process's).
+    """
+
+    def __init__(self, events: EventLog, environ: dict[str, str] | None = None) -> None:
+        env = os.environ if environ is None else environ
+        round_text, path = env.get(ROUND_VARIABLE), env.get(FILE_VARIABLE)
+        self._events = events
+        self.round = int(round_text) if round_text and path else None
+        self.path = Path(path) if round_text and path else None
+
+    def after_round(self, round_: int) -> None:
+        """Waits while the hold file exists, if ``round_`` is the round to hold after."""
+        if self.path is None or round_ != self.round:
+            return
+        self._events.emit("held", round=round_)
+        log.info("Held after round %d while %s exists (%s).", round_, self.path, ROUND_VARIABLE)
+        deadline = time.monotonic() + HOLD_LIMIT_SECONDS
+        while self.path.exists() and time.monotonic() < deadline:
+            time.sleep(POLL_SECONDS)
