@@ -27,7 +27,7 @@ from fedcore.roles._common import spec_fingerprint
 from fedcore.simulation import simulate
 from fedcore.spec import FederatedRun, load_manifest
 from tests.integration._proxy import StallingProxy
-from tests.integration._runs import fedcore, last_json, write_manifest
+from tests.integration._runs import ServerHold, fedcore, kill_and_wait, last_json, write_manifest
 from tests.integration._s3 import ACCESS_KEY, SECRET_KEY, S3Server, start_s3
 
 pytestmark = pytest.mark.integration
@@ -250,7 +250,7 @@ def test_client_killed_mid_upload_round_is_redone_without_it_under_redo(tmp_path
 
 
 def test_kdc_killed_mid_run_restarts_from_its_checkpoint_and_the_run_finishes(
-    tmp_path: Path,
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     # Prepare: mpdp with its noise off equals fedsgd (Uniform) up to float64 rounding; its
     # keys and the server's perturbation come from the OS's CSPRNG, so no two mpdp runs are
@@ -273,13 +273,15 @@ def test_kdc_killed_mid_run_restarts_from_its_checkpoint_and_the_run_finishes(
         **spec,
     )
     work = tmp_path / "work"
+    hold = ServerHold(monkeypatch, tmp_path, 1)  # the KDC dies between rounds 1 and 2
     run = LocalRun(load_manifest(manifest), manifest, workdir=work)
     run.start()
     try:
-        wait_for(run, lambda e: e["event"] == "round" and e["round"] == 1)
+        wait_for(run, lambda e: e["event"] == "held" and e["round"] == 1)
         saved = [e for e in events_of(run.kdc_events_path) if e["event"] == "checkpoint"]
         # Execute
-        kill(run.children["kdc"])
+        kill_and_wait(run.children["kdc"])
+        hold.release()
         result = run.wait()
     finally:
         run.stop()
