@@ -27,6 +27,7 @@ from fedcore.spec._openapi import _model_of, describe_bounds, schema_at
 from fedcore.spec._options.adaptive import adaptive_issues
 from fedcore.spec._options.ebscfl import ebscfl_issues
 from fedcore.spec._options.lppa import lppa_issues
+from fedcore.spec._pod_security import pod_template_issues
 from fedcore.spec._robust import attack_issues
 from fedcore.spec._run import MAX_OBJECT_NAME, FederatedRun, FederatedRunSpec, longest_object_name
 
@@ -316,6 +317,19 @@ def semantic_issues(run: FederatedRun) -> list[SpecIssue]:
         )
     issues.extend(_data_issues(spec))
     issues.extend(_precondition_issues(run))
+    issues.extend(
+        pod_template_issues(
+            {
+                role: placement.pod_template
+                for role, placement in (
+                    ("kdc", spec.roles.kdc),
+                    ("server", spec.roles.server),
+                    ("clients", spec.roles.clients),
+                )
+                if placement.pod_template
+            }
+        )
+    )
     return issues
 
 

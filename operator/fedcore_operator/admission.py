@@ -25,13 +25,6 @@ MUTABLE_WHEN_SUSPENDED = tuple(
     field for field in RESUME_INSENSITIVE_FIELDS if field not in ALWAYS_MUTABLE
 )
 """Spec fields a suspended run may change too (they are outside the resume fingerprint)."""
-FORBIDDEN_POD_FIELDS = {
-    ("spec", "hostNetwork"): "pods of a run may not use the node's network",
-    ("spec", "hostPID"): "pods of a run may not share the node's process namespace",
-    ("spec", "hostIPC"): "pods of a run may not share the node's IPC namespace",
-    ("spec", "restartPolicy"): "the operator owns restarts (spec.backoffLimit)",
-    ("spec", "serviceAccountName"): "the operator gives each role its own ServiceAccount",
-}
 
 
 def check(body: Object, old: Object | None, operation: str) -> list[str]:
@@ -43,7 +36,6 @@ def check(body: Object, old: Object | None, operation: str) -> list[str]:
         operation: CREATE or UPDATE.
     """
     problems = _spec_problems(body)
-    problems += _template_problems(body)
     if operation == "UPDATE" and old is not None:
         problems += _change_problems(old, body)
     return problems
@@ -68,46 +60,6 @@ def as_written(body: Object) -> Object:
     document = {key: value for key, value in body.items() if key not in ("metadata", "status")}
     document["metadata"] = {"name": meta.get("name"), "namespace": meta.get("namespace")}
     return document
-
-
-def _template_problems(body: Object) -> list[str]:
-    problems = []
-    roles = (body.get("spec") or {}).get("roles") or {}
-    for role, placement in sorted(roles.items()):
-        template = (placement or {}).get("podTemplate") or {}
-        base = f"spec.roles.{role}.podTemplate"
-        for path, why in FORBIDDEN_POD_FIELDS.items():
-            node: Any = template
-            for part in path:
-                node = node.get(part) if isinstance(node, dict) else None
-            if node is not None:
-                problems.append(f"{base}.{'.'.join(path)}: may not be set: {why}.")
-        security = ((template.get("spec") or {}).get("securityContext")) or {}
-        if security.get("runAsUser") == 0 or security.get("runAsNonRoot") is False:
-            problems.append(
-                f"{base}.spec.securityContext: pods of a run run as non-root; runAsUser 0 and "
-                "runAsNonRoot false are refused."
-            )
-        for index, container in enumerate((template.get("spec") or {}).get("containers") or []):
-            context = (container or {}).get("securityContext") or {}
-            for key, allowed in (
-                ("privileged", False),
-                ("allowPrivilegeEscalation", False),
-                ("readOnlyRootFilesystem", True),
-                ("runAsNonRoot", True),
-            ):
-                if key in context and context[key] != allowed:
-                    problems.append(
-                        f"{base}.spec.containers[{index}].securityContext.{key}: must be "
-                        f"{str(allowed).lower()} (pods of a run are non-root with a read-only "
-                        "root filesystem)."
-                    )
-            if context.get("runAsUser") == 0:
-                problems.append(
-                    f"{base}.spec.containers[{index}].securityContext.runAsUser: 0 (root) is "
-                    "refused."
-                )
-    return problems
 
 
 def _change_problems(old: Object, new: Object) -> list[str]:

@@ -235,6 +235,57 @@ CASES = [
     Case("alias bomb", text=ALIAS_BOMB),
     Case("empty document", text="# nothing but a comment\n"),
     Case(
+        "privileged root init container",
+        {
+            "spec.roles.server.podTemplate.spec.initContainers": [
+                {
+                    "name": "x",
+                    "image": "busybox",
+                    "securityContext": {"privileged": True, "runAsUser": 0},
+                }
+            ]
+        },
+        path="spec.roles.server.podTemplate.spec.initContainers[0].securityContext.privileged",
+    ),
+    Case(
+        "added capability, seccomp unconfined",
+        {
+            "spec.roles.clients.podTemplate.spec.containers": [
+                {
+                    "name": "fedcore",
+                    "securityContext": {
+                        "capabilities": {"add": ["SYS_ADMIN"]},
+                        "seccompProfile": {"type": "Unconfined"},
+                    },
+                }
+            ]
+        },
+        path="spec.roles.clients.podTemplate.spec.containers[0].securityContext.capabilities.add",
+    ),
+    Case(
+        "host path and the run CA as volumes",
+        {
+            "spec.roles.kdc.podTemplate.spec.volumes": [
+                {"name": "root", "hostPath": {"path": "/"}},
+                {"name": "ca", "secret": {"secretName": "table-ca"}},
+            ]
+        },
+        path="spec.roles.kdc.podTemplate.spec.volumes[0].hostPath",
+    ),
+    Case(
+        "a safe podTemplate",
+        {
+            "spec.roles.clients.podTemplate": {
+                "metadata": {"labels": {"team": "a"}},
+                "spec": {
+                    "priorityClassName": "high",
+                    "volumes": [{"name": "scratch", "emptyDir": {}}],
+                },
+            }
+        },
+        admitted=True,
+    ),
+    Case(
         "nested 57 deep in a podTemplate",
         {"spec.roles.server.podTemplate.spec.x": nested(57)},
         admitted=True,

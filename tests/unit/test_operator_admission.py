@@ -8,6 +8,7 @@ import pytest
 
 from fedcore.errors import SpecError
 from fedcore.spec import parse_manifest
+from fedcore.spec._pod_security import APPARMOR_PREFIX
 from fedcore_operator import admission
 from fedcore_operator.conditions import differs, set_condition
 
@@ -148,3 +149,186 @@ def test_differs_ignores_fields_the_server_added() -> None:
     assert not differs(desired, actual)
     assert differs(desired, {"spec": {"ports": [], "selector": {"x": "1"}}})
     assert differs({"data": {"a": "1"}}, {"data": {"a": "2"}})
+
+
+def template_run(role: str, template: dict[str, Any]) -> dict[str, Any]:
+    return run(roles={role: {"podTemplate": template}})
+
+
+WEAKENING_TEMPLATES = [
+    pytest.param(
+        {"spec": {"initContainers": [{"name": "x", "securityContext": {"privileged": True}}]}},
+        "spec.initContainers[0].securityContext.privileged: must be false",
+        id="privileged-init-container",
+    ),
+    pytest.param(
+        {"spec": {"initContainers": [{"name": "x", "securityContext": {"runAsUser": 0}}]}},
+        "spec.initContainers[0].securityContext.runAsUser: 0 (root) is refused",
+        id="root-init-container",
+    ),
+    pytest.param(
+        {
+            "spec": {
+                "ephemeralContainers": [{"name": "x", "securityContext": {"runAsNonRoot": False}}]
+            }
+        },
+        "spec.ephemeralContainers[0].securityContext.runAsNonRoot: must be true",
+        id="ephemeral-container-as-root",
+    ),
+    pytest.param(
+        {
+            "spec": {
+                "containers": [
+                    {"name": "fedcore", "securityContext": {"capabilities": {"add": ["SYS_ADMIN"]}}}
+                ]
+            }
+        },
+        "spec.containers[0].securityContext.capabilities.add: ['SYS_ADMIN'] is refused",
+        id="added-capability",
+    ),
+    pytest.param(
+        {
+            "spec": {
+                "initContainers": [
+                    {"name": "x", "securityContext": {"allowPrivilegeEscalation": True}}
+                ]
+            }
+        },
+        "spec.initContainers[0].securityContext.allowPrivilegeEscalation: must be false",
+        id="privilege-escalation",
+    ),
+    pytest.param(
+        {"spec": {"securityContext": {"seccompProfile": {"type": "Unconfined"}}}},
+        "spec.securityContext.seccompProfile.type: 'Unconfined' is refused",
+        id="pod-seccomp-unconfined",
+    ),
+    pytest.param(
+        {
+            "spec": {
+                "containers": [
+                    {
+                        "name": "fedcore",
+                        "securityContext": {"seccompProfile": {"type": "Unconfined"}},
+                    }
+                ]
+            }
+        },
+        "spec.containers[0].securityContext.seccompProfile.type: 'Unconfined' is refused",
+        id="container-seccomp-unconfined",
+    ),
+    pytest.param(
+        {"metadata": {"annotations": {APPARMOR_PREFIX + "fedcore": "unconfined"}}},
+        "metadata.annotations." + APPARMOR_PREFIX + "fedcore: 'unconfined' is refused",
+        id="apparmor-unconfined",
+    ),
+    pytest.param(
+        {"spec": {"volumes": [{"name": "root", "hostPath": {"path": "/"}}]}},
+        "spec.volumes[0].hostPath: may not be set",
+        id="host-path",
+    ),
+    pytest.param(
+        {"spec": {"volumes": [{"name": "ca", "secret": {"secretName": "demo-ca"}}]}},
+        "spec.volumes[0].secret: may not be set",
+        id="the-run-ca-secret",
+    ),
+    pytest.param(
+        {"spec": {"volumes": [{"name": "c", "configMap": {"name": "other"}}]}},
+        "spec.volumes[0].configMap: may not be set",
+        id="a-foreign-config-map",
+    ),
+    pytest.param(
+        {"spec": {"volumes": [{"name": "p", "projected": {"sources": []}}]}},
+        "spec.volumes[0].projected: may not be set",
+        id="projected",
+    ),
+    pytest.param(
+        {"spec": {"nodeName": "node-1"}},
+        "spec.nodeName: may not be set",
+        id="node-name",
+    ),
+    pytest.param(
+        {"spec": {"hostPID": True}},
+        "spec.hostPID: may not be set",
+        id="host-pid",
+    ),
+    pytest.param(
+        {"spec": {"automountServiceAccountToken": True}},
+        "spec.automountServiceAccountToken: may not be true: the clients role has no API access",
+        id="token-for-a-client",
+    ),
+]
+
+
+@pytest.mark.parametrize(("template", "expected"), WEAKENING_TEMPLATES)
+def test_a_template_that_weakens_a_pod_is_refused_naming_the_field(
+    template: dict[str, Any], expected: str
+) -> None:
+    # Execute
+    problems = admission.check(template_run("clients", template), None, "CREATE")
+    # Assert
+    assert any(f"spec.roles.clients.podTemplate.{expected}" in p for p in problems), problems
+
+
+def test_the_issues_hostile_template_is_refused_on_every_count() -> None:
+    # Prepare: issue 19's template, which passed admission and reached the pods unchanged
+    template = {
+        "spec": {
+            "initContainers": [
+                {
+                    "name": "x",
+                    "securityContext": {
+                        "privileged": True,
+                        "runAsUser": 0,
+                        "capabilities": {"add": ["SYS_ADMIN"]},
+                        "seccompProfile": {"type": "Unconfined"},
+                    },
+                }
+            ],
+            "volumes": [
+                {"name": "root", "hostPath": {"path": "/"}},
+                {"name": "ca", "secret": {"secretName": "demo-ca"}},
+            ],
+        }
+    }
+    # Execute
+    problems = admission.check(template_run("server", template), None, "CREATE")
+    # Assert: six problems, each on its own field
+    base = "spec.roles.server.podTemplate.spec."
+    assert sorted(p.split(":")[0] for p in problems) == sorted(
+        [
+            base + "initContainers[0].securityContext.privileged",
+            base + "initContainers[0].securityContext.runAsUser",
+            base + "initContainers[0].securityContext.capabilities.add",
+            base + "initContainers[0].securityContext.seccompProfile.type",
+            base + "volumes[0].hostPath",
+            base + "volumes[1].secret",
+        ]
+    )
+
+
+def test_safe_templates_are_admitted() -> None:
+    # Prepare: what a run's author may legitimately set
+    template = {
+        "metadata": {"labels": {"team": "a"}, "annotations": {"owner": "b"}},
+        "spec": {
+            "priorityClassName": "high",
+            "automountServiceAccountToken": False,
+            "securityContext": {"seccompProfile": {"type": "RuntimeDefault"}},
+            "containers": [
+                {
+                    "name": "fedcore",
+                    "env": [{"name": "X", "value": "1"}],
+                    "securityContext": {
+                        "capabilities": {"drop": ["ALL"]},
+                        "readOnlyRootFilesystem": True,
+                    },
+                }
+            ],
+            "volumes": [{"name": "scratch", "emptyDir": {}}],
+        },
+    }
+    # Execute / Assert
+    for role in ("kdc", "server", "clients"):
+        assert admission.check(template_run(role, template), None, "CREATE") == []
+    server = template_run("server", {"spec": {"automountServiceAccountToken": True}})
+    assert admission.check(server, None, "CREATE") == []

@@ -203,8 +203,10 @@ def test_pod_template_merges_but_cannot_weaken_security() -> None:
             ],
         },
     }
-    ctx = context(manifest(roles={"server": {"podTemplate": template}}))
-    pod = objects.server_pod(ctx, resume=False)
+    # Validation refuses such a template (fedcore/spec/_pod_security.py); the merge must hold
+    # its locks on its own too (defence in depth), so the template is applied directly.
+    ctx = context(manifest())
+    pod = objects.apply_pod_template(objects.server_pod(ctx, resume=False), template)
     assert pod["metadata"]["labels"]["team"] == "x"
     assert pod["metadata"]["labels"][objects.RUN_LABEL] == "demo"
     assert pod["metadata"]["annotations"]["a"] == "b"
