@@ -13,8 +13,10 @@ from __future__ import annotations
 import logging
 import os
 import time
+from collections.abc import Mapping
 from pathlib import Path
 
+from fedcore.errors import RunAborted
 from fedcore.observe.events import EventLog
 
 log = logging.getLogger(__name__)
@@ -32,14 +34,25 @@ class HoldPoint:
     Args:
         events: where the ``held`` event goes.
         environ: the environment to read (default: this process's).
+
+    Raises:
+        RunAborted: the round variable is set but not a round number (reason
+            ``InvalidEnvironment``).
     """
 
-    def __init__(self, events: EventLog, environ: dict[str, str] | None = None) -> None:
+    def __init__(self, events: EventLog, environ: Mapping[str, str] | None = None) -> None:
         env = os.environ if environ is None else environ
         round_text, path = env.get(ROUND_VARIABLE), env.get(FILE_VARIABLE)
         self._events = events
-        self.round = int(round_text) if round_text and path else None
-        self.path = Path(path) if round_text and path else None
+        self.round: int | None = None
+        self.path: Path | None = None
+        if round_text and path:
+            if not round_text.isdigit() or int(round_text) < 1:
+                raise RunAborted(
+                    f"{ROUND_VARIABLE}={round_text!r} is not a round number (1 or more).",
+                    reason="InvalidEnvironment",
+                )
+            self.round, self.path = int(round_text), Path(path)
 
     def after_round(self, round_: int) -> None:
         """Waits while the hold file exists, if ``round_`` is the round to hold after."""
