@@ -85,6 +85,7 @@ class S3Server:
         """Starts the server again on the same ports and data (after ``stop``)."""
         self.process = _spawn(self.args, self.log)
         _wait_ready(self)
+        _wait_stored_readable(self)
 
 
 def _spawn(args: list[str], log: Path) -> subprocess.Popen[bytes]:
@@ -105,6 +106,34 @@ def _wait_ready(server: S3Server, timeout: float = 60) -> None:
         except Exception:
             time.sleep(0.2)
     raise AssertionError(f"weed was not ready in {timeout} s:\n{server.log.read_text()[-3000:]}")
+
+
+def _wait_stored_readable(server: S3Server, timeout: float = 60) -> None:
+    """Waits until the first byte of every stored object reads back.
+
+    After a restart SeaweedFS answers bucket listings before its volume server has registered
+    with the master again; reads in that gap fail with InternalError.
+    """
+    deadline = time.monotonic() + timeout
+    client = server.client()
+    while True:
+        try:
+            for bucket in client.list_buckets()["Buckets"]:  # type: ignore[attr-defined]
+                pages = client.get_paginator("list_objects_v2")  # type: ignore[attr-defined]
+                for page in pages.paginate(Bucket=bucket["Name"]):
+                    for item in page.get("Contents", []):
+                        if item["Size"]:
+                            client.get_object(  # type: ignore[attr-defined]
+                                Bucket=bucket["Name"], Key=item["Key"], Range="bytes=0-0"
+                            )["Body"].read()
+            return
+        except Exception as error:
+            if time.monotonic() > deadline:
+                raise AssertionError(
+                    f"weed could not read back its objects in {timeout} s ({error}):\n"
+                    f"{server.log.read_text()[-3000:]}"
+                ) from error
+            time.sleep(0.2)
 
 
 def start_s3(folder: Path) -> S3Server:
