@@ -227,7 +227,11 @@ def _serve(kind: str, bundle: Any, folder: str, nbytes: int, conn: Connection) -
 def _send_raw(port: int, data: memoryview, context: ssl.SSLContext | None) -> None:
     """Sends ``data`` over a fresh connection and waits for the one-byte ack."""
     with socket.create_connection(("127.0.0.1", port)) as raw:
-        sock = context.wrap_socket(raw, server_hostname="localhost") if context is not None else raw
+        sock = (
+            context.wrap_socket(raw, server_hostname="server.fedcore.invalid")
+            if context is not None
+            else raw
+        )
         sock.sendall(data)
         if sock.recv(1) != b"k":
             raise RuntimeError("no acknowledgement")
@@ -257,7 +261,10 @@ def transport_once(
             private_key=client_bundle.key_pem,
             certificate_chain=client_bundle.cert_pem,
         )
-        options = [*Limits().channel_options(), ("grpc.ssl_target_name_override", "localhost")]
+        options = [
+            *Limits().channel_options(),
+            ("grpc.ssl_target_name_override", "server.fedcore.invalid"),
+        ]
         secure = kind == "raw gRPC + mTLS"
 
         def send_grpc() -> None:
@@ -278,7 +285,6 @@ def transport_once(
             client_bundle,
             service="Bench",
             limits=Limits(chunk_bytes=CHUNK),
-            server_name="localhost",
         ) as client:
             client.call("Sink", payload, timeout=600)
 

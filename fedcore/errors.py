@@ -7,7 +7,9 @@
     ├── DataError                the run's data cannot serve the manifest (also a ValueError)
     ├── ProtocolError            a protocol's maths or preconditions failed
     │   ├── RecoveryError        a lossless protocol's recovery residual passed its bound
-    │   └── EncodingRejected     an upload's encoding failed the protocol's verification
+    │   ├── EncodingRejected     an upload's encoding failed the protocol's verification
+    │   ├── UploadRefused        an upload passed the run's bounds (spec.uploads)
+    │   └── AggregateRefused     a round's aggregate would wreck the model; it is not applied
     ├── TransportError           a message could not be sent, received or decoded
     │   ├── MessageRejected      a peer sent a malformed, truncated or oversized message
     │   ├── NotReady             the peer cannot answer yet (e.g. keys not all registered)
@@ -85,6 +87,23 @@ class RecoveryError(ProtocolError):
 class EncodingRejected(ProtocolError):
     """An upload's encoding failed the protocol's verification (e.g. ebscfl's norm or mask
     check); the server refuses it, counts it under reason ``encoding`` and goes on."""
+
+
+class UploadRefused(ProtocolError):
+    """An upload passed one of the run's bounds (spec.uploads): it steps too far or claims
+    another example count than its shard; the server refuses it, counts it under reason
+    ``bound`` with its sender, and settles the round without it."""
+
+
+class AggregateRefused(ProtocolError):
+    """A round's aggregate would make the model non-finite or move it past
+    ``spec.uploads.maxUpdateNorm``; the server keeps the previous model and the run stops
+    (reason ``AggregateRefused``). Plaintext servers refuse the offending uploads before this
+    can happen; it guards the protocols whose server sees only the aggregate."""
+
+    def __init__(self, message: str, *, round: int) -> None:
+        self.round = round
+        super().__init__(message)
 
 
 class TransportError(FedcoreError):

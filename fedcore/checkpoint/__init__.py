@@ -3,8 +3,23 @@
 from fedcore.checkpoint._checkpointer import (
     Checkpointer,
     CheckpointInfo,
+    CheckpointRefused,
+    LatestRecord,
     join_tensors,
     split_tensors,
+)
+from fedcore.checkpoint._keys import (
+    CHECKPOINT_KEY_ENV,
+    CHECKPOINT_KEY_NAME,
+    KDC_STATE_KEY_ENV,
+    KDC_STATE_KEY_NAME,
+    KEYS_FOLDER,
+    CheckpointKeyError,
+    ensure_key,
+    kdc_state_key,
+    key_file_for,
+    read_key,
+    server_checkpoint_key,
 )
 from fedcore.checkpoint._objects import LocalObjectStore, ObjectStore
 from fedcore.checkpoint._open import KDC_FOLDER, kdc_checkpointer, open_store, server_checkpointer
@@ -12,17 +27,30 @@ from fedcore.checkpoint._s3 import S3ObjectStore
 from fedcore.checkpoint._tensors import TensorFile, read_tensors
 
 __all__ = [
+    "CHECKPOINT_KEY_ENV",
+    "CHECKPOINT_KEY_NAME",
     "KDC_FOLDER",
+    "KDC_STATE_KEY_ENV",
+    "KDC_STATE_KEY_NAME",
+    "KEYS_FOLDER",
     "CheckpointInfo",
+    "CheckpointKeyError",
+    "CheckpointRefused",
     "Checkpointer",
+    "LatestRecord",
     "LocalObjectStore",
     "ObjectStore",
     "S3ObjectStore",
     "TensorFile",
+    "ensure_key",
     "join_tensors",
     "kdc_checkpointer",
+    "kdc_state_key",
+    "key_file_for",
     "open_store",
+    "read_key",
     "read_tensors",
+    "server_checkpoint_key",
     "server_checkpointer",
     "split_tensors",
 ]

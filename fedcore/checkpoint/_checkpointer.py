@@ -4,14 +4,28 @@ Layout under the store, per checkpoint::
 
     round-00000005/state.json           the state tree, tensors replaced by references
     round-00000005/tensors.safetensors  every tensor of the tree (safetensors: no pickle)
-    round-00000005/MANIFEST.json        written last: round, run, fingerprint, sha256 per part
+    round-00000005/MANIFEST.json        written last: run, fingerprint, round, sha256 per part,
+                                        and an HMAC-SHA256 tag over all of it
     round-00000005/KEEP                 optional: a mark that exempts it from pruning
+    latest-round.json                   the signed record of the newest checkpoint written
 
-A checkpoint without a valid manifest (half-written) is never read; one whose parts fail their
-checksum, or that belongs to another run, is refused and the previous good one is used. The
-tensors are streamed to the store and read back into one buffer, so a checkpoint needs little
-memory beyond the state itself. The KDC uses the same format under its own prefix, with
-``series="version"`` (its state has versions, not rounds).
+A checkpointer with a key (the server's, the KDC's) signs every manifest with a key that is not
+in the store, and after each manifest writes a signed latest record naming that checkpoint (its
+round and its manifest's sha256). Loading checks the tag, then every part's sha256, then (the
+KDC) decrypts the parts (AES-256-GCM, associated data: run, fingerprint, series, round, part).
+``load_latest`` resumes from the checkpoint the record names (or the one written right after
+it, if the writer stopped between the manifest and the record) and refuses, naming the round
+and why, when that checkpoint or a newer one fails verification, is missing, or the record is:
+an older checkpoint is never taken in its place silently. ``rollback`` takes an older one
+knowingly. What a writer of the store can still do is documented in docs/operations.md.
+
+A checkpointer without a key reads and writes the unsigned format of version 1 (the
+decentralized clients' own checkpoints): a checkpoint without a valid manifest (half-written)
+is never read, one whose parts fail their checksum or that belongs to another run is skipped
+and the previous good one is used. The tensors are streamed to the store and read back into
+one buffer, so a checkpoint needs little memory beyond the state itself (the KDC's encrypted
+parts, which are small, are held whole). The KDC uses the same format under its own prefix,
+with ``series="version"`` (its state has versions, not rounds).
 """
 
 from __future__ import annotations
@@ -27,6 +41,7 @@ from typing import Any
 
 import numpy as np
 
+from fedcore.checkpoint._keys import SealKey
 from fedcore.checkpoint._objects import ObjectStore
 from fedcore.checkpoint._tensors import TensorFile, read_tensors
 from fedcore.errors import CheckpointError
@@ -34,12 +49,19 @@ from fedcore.errors import CheckpointError
 log = logging.getLogger(__name__)
 
 FORMAT = "fedcore-checkpoint"
-VERSION = 1
+VERSION = 2
+"""Signed manifests (a key outside the store)."""
+UNSIGNED_VERSION = 1
+"""Unsigned manifests: checkpointers without a key, and every fedcore before version 2."""
+LATEST_FORMAT = "fedcore-checkpoint-latest"
+ENCRYPTION = "AES-256-GCM"
 TENSOR_REF = "__tensor__"
 PARTS = ("state.json", "tensors.safetensors")
 MANIFEST = "MANIFEST.json"
 MARK = "KEEP"
 """The object that marks a checkpoint to keep: retention never prunes it."""
+MANIFEST_DOMAIN = b"fedcore-checkpoint-manifest"
+LATEST_DOMAIN = b"fedcore-checkpoint-latest"
 
 
 @dataclass(frozen=True)
@@ -59,11 +81,31 @@ class CheckpointInfo:
     marked: bool = False
 
 
+@dataclass(frozen=True)
+class LatestRecord:
+    """The newest checkpoint a keyed writer wrote: its round and its manifest's sha256."""
+
+    round: int
+    manifest_sha256: str
+
+
+class CheckpointRefused(CheckpointError):
+    """A checkpoint (or the latest record) fails verification, is missing, or is not the one to
+    resume from; ``round`` names it (None: the latest record), ``reason`` says why."""
+
+    def __init__(self, message: str, *, round: int | None, reason: str) -> None:
+        self.round = round
+        self.reason = reason
+        super().__init__(message)
+
+
 class Checkpointer:
     """Saves and loads state trees (dicts, lists, JSON scalars and numpy arrays) in a store.
 
     Retention keeps the ``keep_last`` newest checkpoints, every checkpoint whose number is a
-    multiple of ``keep_every`` (0: none), and every marked one (``mark``).
+    multiple of ``keep_every`` (0: none), and every marked one (``mark``). With a key, a save
+    also deletes the unmarked checkpoints numbered after it: they are left from an earlier run
+    in the same store (a run started afresh writes over what was there).
 
     Args:
         store: where the objects go.
@@ -72,6 +114,9 @@ class Checkpointer:
         keep_last: how many most recent checkpoints to keep.
         keep_every: keep every checkpoint whose number is a multiple of this (0: off).
         series: the folder name of each checkpoint: ``round`` (server) or ``version`` (KDC).
+        key: the 32-byte key that signs (and with ``encrypt``, encrypts) the checkpoints; it
+            must not be in the store. None: unsigned checkpoints (format version 1).
+        encrypt: encrypt the parts with AES-256-GCM under a key derived from ``key``.
     """
 
     def __init__(
@@ -83,18 +128,36 @@ class Checkpointer:
         keep_last: int,
         keep_every: int = 0,
         series: str = "round",
+        key: bytes | None = None,
+        encrypt: bool = False,
     ) -> None:
         if keep_last < 1 or keep_every < 0:
             raise ValueError("keep_last must be at least 1 and keep_every at least 0.")
         if not re.fullmatch(r"[a-z]+", series):
             raise ValueError(f"series must be lowercase letters, not {series!r}.")
+        if encrypt and key is None:
+            raise ValueError("encrypt needs a key.")
         self.store = store
         self.run = run
         self.fingerprint = fingerprint
         self.keep_last = keep_last
         self.keep_every = keep_every
         self.series = series
+        self.latest_name = f"latest-{series}.json"
+        self._seal = None if key is None else SealKey(key, encrypt=encrypt)
+        self._head: LatestRecord | None = None
+        """The checkpoint this writer last wrote or resumed from (the next one's predecessor)."""
         self._key = re.compile(rf"^{series}-(\d{{8}})/(.+)$")
+
+    @property
+    def signed(self) -> bool:
+        """Whether this checkpointer signs and verifies its checkpoints (it has a key)."""
+        return self._seal is not None
+
+    @property
+    def key_id(self) -> str | None:
+        """The id of this checkpointer's key (a digest that reveals nothing of it)."""
+        return None if self._seal is None else self._seal.key_id
 
     def _prefix(self, number: int) -> str:
         return f"{self.series}-{number:08d}/"
@@ -103,12 +166,26 @@ class Checkpointer:
         """Names a checkpoint in messages: ``round 5``, ``version 3``."""
         return f"{self.series} {number}"
 
+    def _associated(self, number: int, part: str) -> bytes:
+        """The associated data of an encrypted part: what it belongs to."""
+        return _canonical(
+            {
+                "format": FORMAT,
+                "run": self.run,
+                "fingerprint": self.fingerprint,
+                "series": self.series,
+                "round": number,
+                "part": part,
+            }
+        )
+
     # ---------------------------------------------------------------------- writing
 
     def save(self, round: int, state: Mapping[str, Any]) -> CheckpointInfo:
         """Writes a checkpoint of ``state`` after ``round``, then prunes old ones.
 
-        The parts go first (the tensors streamed), the manifest with their checksums last.
+        The parts go first (the tensors streamed, unless encrypted), the manifest with their
+        checksums (signed) next, then, with a key, the latest record naming it.
 
         Raises:
             CheckpointError: the state cannot be checkpointed or a part could not be written;
@@ -124,34 +201,63 @@ class Checkpointer:
             ) from exc
         layout = TensorFile.of(tensors)
         prefix = self._prefix(round)
-        self.store.put(prefix + PARTS[0], state_json)
-        digest = hashlib.sha256()
-
-        def hashed() -> Iterator[memoryview]:
-            for chunk in layout.chunks():
-                digest.update(chunk)
-                yield chunk
-
-        written = self.store.put_stream(prefix + PARTS[1], hashed())
-        if written != layout.size:
-            raise CheckpointError(
-                f"The tensors of {self._at(round)} came out as {written} bytes, not {layout.size}."
+        seal = self._seal
+        if seal is not None and seal.encrypts:
+            stored = seal.encrypt(state_json, self._associated(round, PARTS[0]))
+            self.store.put(prefix + PARTS[0], stored)
+            sealed = seal.encrypt(
+                b"".join(bytes(chunk) for chunk in layout.chunks()),
+                self._associated(round, PARTS[1]),
             )
-        manifest = {
+            self.store.put(prefix + PARTS[1], sealed)
+            parts = {
+                PARTS[0]: _entry_of(stored),
+                PARTS[1]: _entry_of(sealed),
+            }
+        else:
+            self.store.put(prefix + PARTS[0], state_json)
+            digest = hashlib.sha256()
+
+            def hashed() -> Iterator[memoryview]:
+                for chunk in layout.chunks():
+                    digest.update(chunk)
+                    yield chunk
+
+            written = self.store.put_stream(prefix + PARTS[1], hashed())
+            if written != layout.size:
+                raise CheckpointError(
+                    f"The tensors of {self._at(round)} came out as {written} bytes, "
+                    f"not {layout.size}."
+                )
+            parts = {
+                PARTS[0]: _entry_of(state_json),
+                PARTS[1]: {"sha256": digest.hexdigest(), "bytes": written},
+            }
+        manifest: dict[str, Any] = {
             "format": FORMAT,
-            "version": VERSION,
+            "version": UNSIGNED_VERSION if seal is None else VERSION,
             "run": self.run,
             "fingerprint": self.fingerprint,
             "round": round,
-            "parts": {
-                PARTS[0]: {
-                    "sha256": hashlib.sha256(state_json).hexdigest(),
-                    "bytes": len(state_json),
-                },
-                PARTS[1]: {"sha256": digest.hexdigest(), "bytes": written},
-            },
+            "parts": parts,
         }
-        self.store.put(prefix + MANIFEST, json.dumps(manifest, indent=1).encode("utf-8"))
+        if seal is not None:
+            manifest.update(
+                series=self.series,
+                time=int(time.time()),
+                key_id=seal.key_id,
+                encryption=ENCRYPTION if seal.encrypts else None,
+                previous=None
+                if self._head is None
+                else {"round": self._head.round, "manifest_sha256": self._head.manifest_sha256},
+            )
+            manifest["tag"] = seal.tag(MANIFEST_DOMAIN, _canonical(manifest))
+        body = json.dumps(manifest, indent=1).encode("utf-8")
+        self.store.put(prefix + MANIFEST, body)
+        if seal is not None:
+            record = LatestRecord(round, hashlib.sha256(body).hexdigest())
+            self._write_latest(record)
+            self._head = record
         try:
             marked = self._prune(round)
         except CheckpointError as exc:
@@ -160,9 +266,25 @@ class Checkpointer:
         return CheckpointInfo(
             round=round,
             location=self.store.url(prefix),
-            bytes=len(state_json) + written,
+            bytes=sum(int(entry["bytes"]) for entry in parts.values()),
             marked=marked,
         )
+
+    def _write_latest(self, record: LatestRecord) -> None:
+        assert self._seal is not None
+        body: dict[str, Any] = {
+            "format": LATEST_FORMAT,
+            "version": VERSION,
+            "run": self.run,
+            "fingerprint": self.fingerprint,
+            "series": self.series,
+            "round": record.round,
+            "manifest_sha256": record.manifest_sha256,
+            "key_id": self._seal.key_id,
+            "time": int(time.time()),
+        }
+        body["tag"] = self._seal.tag(LATEST_DOMAIN, _canonical(body))
+        self.store.put(self.latest_name, json.dumps(body, indent=1).encode("utf-8"))
 
     def mark(self, round: int, note: str = "") -> None:
         """Marks the checkpoint of ``round`` to keep: retention never prunes it.
@@ -229,23 +351,404 @@ class Checkpointer:
             )
         return infos
 
-    def load_latest(self) -> tuple[int, dict[str, Any]] | None:
-        """Returns (round, state) of the newest checkpoint that verifies, or None if none does.
-
-        Damaged or foreign checkpoints are skipped with a warning naming why.
-        """
-        for round in reversed(self.rounds()):
-            try:
-                return round, self.load(round)
-            except CheckpointError as exc:
-                log.warning("Skipping the checkpoint of %s %d: %s", self.series, round, exc)
-        return None
-
     def load(self, round: int) -> dict[str, Any]:
-        """Returns the state saved after ``round``.
+        """Returns the state saved after ``round``, verified.
 
         Raises:
-            CheckpointError: the manifest or a part is missing, damaged or from another run.
+            CheckpointRefused: with a key: the manifest is missing, unsigned, its tag does not
+                verify (tampered, or another key), it is of another run, spec or round, a part
+                fails its checksum or does not decrypt.
+            CheckpointError: without a key: the manifest or a part is missing, damaged, from
+                another run, or signed (reading it needs its key).
+        """
+        if self._seal is None:
+            return self._load_unsigned(round)
+        state, _ = self._load_signed(round)
+        return state
+
+    def load_latest(self) -> tuple[int, dict[str, Any]] | None:
+        """Returns (round, state) of the checkpoint to resume from, or None if the store holds
+        none (and no latest record).
+
+        With a key: the checkpoint the latest record names, or the one written right after it
+        (whose manifest names it as its predecessor); the choice is logged. Without a key: the
+        newest checkpoint that verifies; damaged or foreign ones are skipped with a warning.
+
+        Raises:
+            CheckpointRefused: with a key: the checkpoint to resume from, or one newer than it,
+                fails verification or is missing, or the latest record is missing or fails;
+                the message names the round, why, and the newest older one that verifies.
+        """
+        if self._seal is None:
+            for round in reversed(self.rounds()):
+                try:
+                    return round, self.load(round)
+                except CheckpointError as exc:
+                    log.warning("Skipping the checkpoint of %s %d: %s", self.series, round, exc)
+            return None
+        return self._resume()
+
+    def latest_record(self) -> LatestRecord | None:
+        """Returns the latest record, verified (None: there is none).
+
+        Raises:
+            CheckpointRefused: it cannot be read, is malformed, or its tag does not verify.
+        """
+        seal = self._seal
+        if seal is None:
+            raise CheckpointError("Reading the latest record needs the checkpoint key.")
+        where = self.store.url(self.latest_name)
+        if self.latest_name not in self.store.list(self.latest_name):
+            return None
+
+        def refuse(why: str) -> CheckpointRefused:
+            return CheckpointRefused(
+                f"The latest-{self.series} record {where} is refused: {why}.",
+                round=None,
+                reason=why,
+            )
+
+        try:
+            body = json.loads(self.store.get(self.latest_name))
+        except CheckpointError as exc:
+            raise refuse(f"it cannot be read ({exc})") from exc
+        except (ValueError, UnicodeDecodeError) as exc:
+            raise refuse("it is not valid JSON (damaged or replaced)") from exc
+        if not isinstance(body, dict) or body.get("format") != LATEST_FORMAT:
+            raise refuse("it is not a fedcore latest record")
+        tag = body.pop("tag", None)
+        if not seal.verify(LATEST_DOMAIN, _canonical(body), tag):
+            raise refuse(self._tag_failure(body.get("key_id"), "record"))
+        if (body.get("run"), body.get("fingerprint"), body.get("series")) != (
+            self.run,
+            self.fingerprint,
+            self.series,
+        ):
+            raise refuse(
+                f"it belongs to run {body.get('run')!r} with another spec or series, not to "
+                f"this run ({self.run!r})"
+            )
+        number, digest = body.get("round"), body.get("manifest_sha256")
+        if not isinstance(number, int) or isinstance(number, bool) or not isinstance(digest, str):
+            raise refuse("it lacks its round or manifest digest")
+        return LatestRecord(number, digest)
+
+    # ------------------------------------------------------------ reading: signed
+
+    def _refuse(self, round: int, why: str) -> CheckpointRefused:
+        return CheckpointRefused(
+            f"The checkpoint of {self._at(round)} ({self.store.url(self._prefix(round))}) is "
+            f"refused: {why}.",
+            round=round,
+            reason=why,
+        )
+
+    def _tag_failure(self, key_id: object, what: str) -> str:
+        assert self._seal is not None
+        if key_id == self._seal.key_id:
+            return f"its {what} tag does not verify: the {what} was tampered with"
+        return (
+            f"its {what} tag does not verify: it was written with another key (key id "
+            f"{key_id!r}; this role's key is {self._seal.key_id}) or tampered with"
+        )
+
+    def _manifest(self, round: int) -> tuple[dict[str, Any], str]:
+        """Returns the verified manifest of ``round`` and its sha256.
+
+        Raises:
+            CheckpointRefused: naming why.
+        """
+        seal = self._seal
+        assert seal is not None
+        try:
+            body = self.store.get(self._prefix(round) + MANIFEST)
+        except CheckpointError as exc:
+            raise self._refuse(round, f"its manifest cannot be read ({exc})") from exc
+        try:
+            manifest = json.loads(body)
+        except (ValueError, UnicodeDecodeError) as exc:
+            raise self._refuse(
+                round, "its manifest is not valid JSON (damaged or replaced)"
+            ) from exc
+        if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
+            raise self._refuse(round, "it is not a fedcore checkpoint")
+        if manifest.get("version") == UNSIGNED_VERSION or "tag" not in manifest:
+            raise self._refuse(
+                round,
+                "it is unsigned (written by a fedcore from before signed checkpoints, or by "
+                "someone without the key)",
+            )
+        if manifest.get("version") != VERSION:
+            raise self._refuse(
+                round,
+                f"it has format version {manifest.get('version')!r}; this fedcore reads "
+                f"version {VERSION}",
+            )
+        tag = manifest.pop("tag")
+        if not seal.verify(MANIFEST_DOMAIN, _canonical(manifest), tag):
+            raise self._refuse(round, self._tag_failure(manifest.get("key_id"), "manifest"))
+        if manifest.get("run") != self.run or manifest.get("fingerprint") != self.fingerprint:
+            raise self._refuse(
+                round,
+                f"it belongs to run {manifest.get('run')!r} with another spec; it is not a "
+                f"checkpoint of this run ({self.run!r}) and spec",
+            )
+        if manifest.get("round") != round or manifest.get("series") != self.series:
+            raise self._refuse(
+                round,
+                f"its manifest says {manifest.get('series')} {manifest.get('round')!r} "
+                f"(moved or replaced)",
+            )
+        if manifest.get("encryption") != (ENCRYPTION if seal.encrypts else None):
+            raise self._refuse(
+                round, f"it is encrypted as {manifest.get('encryption')!r}, which this role is not"
+            )
+        parts = manifest.get("parts")
+        if (
+            not isinstance(parts, dict)
+            or set(parts) != set(PARTS)
+            or not all(isinstance(entry, dict) for entry in parts.values())
+        ):
+            raise self._refuse(round, "its manifest lists the wrong parts")
+        return manifest, hashlib.sha256(body).hexdigest()
+
+    def _load_signed(self, round: int) -> tuple[dict[str, Any], str]:
+        """Returns the verified state of ``round`` and its manifest's sha256.
+
+        Raises:
+            CheckpointRefused: naming why.
+        """
+        seal = self._seal
+        assert seal is not None
+        manifest, digest = self._manifest(round)
+        prefix = self._prefix(round)
+        entries = manifest["parts"]
+        data: dict[str, bytes | bytearray] = {}
+        for name in PARTS:
+            try:
+                size = int(entries[name]["bytes"])
+                data[name] = self.store.read_exact(prefix + name, size)
+            except (CheckpointError, KeyError, TypeError, ValueError) as exc:
+                raise self._refuse(
+                    round, f"its part {name} cannot be read as written ({exc})"
+                ) from exc
+            if hashlib.sha256(data[name]).hexdigest() != entries[name].get("sha256"):
+                raise self._refuse(
+                    round,
+                    f"its part {name} fails its checksum (sha256): the object was replaced or "
+                    f"damaged",
+                )
+        if seal.encrypts:
+            for name in PARTS:
+                try:
+                    data[name] = seal.decrypt(data[name], self._associated(round, name))
+                except ValueError as exc:
+                    raise self._refuse(
+                        round, f"its part {name} does not decrypt ({exc}): tampered or another key"
+                    ) from exc
+        tensors = data[PARTS[1]]
+        buffer = tensors if isinstance(tensors, bytearray) else bytearray(tensors)  # no copy
+        return self._decode(round, bytes(data[PARTS[0]]), buffer), digest
+
+    def _decode(self, round: int, state_json: bytes, buffer: bytearray) -> dict[str, Any]:
+        try:
+            tree = json.loads(state_json)
+            tensors = read_tensors(buffer, what=f"The part {PARTS[1]} of {self._at(round)}")
+        except CheckpointError:
+            raise
+        except Exception as exc:
+            raise CheckpointError(
+                f"The checkpoint of {self._at(round)} cannot be decoded: {exc}."
+            ) from exc
+        result: dict[str, Any] = join_tensors(tree, tensors, copy=False)
+        return result
+
+    def _resume(self) -> tuple[int, dict[str, Any]] | None:
+        """``load_latest`` with a key: see there."""
+        rounds = self.rounds()
+        try:
+            record = self.latest_record()
+        except CheckpointRefused as exc:
+            raise CheckpointRefused(
+                f"{exc} {self._fallback(max(rounds, default=0) + 1)}",
+                round=None,
+                reason=exc.reason,
+            ) from exc
+        if record is None:
+            if not rounds:
+                return None
+            newest = rounds[-1]
+            try:
+                self._manifest(newest)
+            except CheckpointRefused as exc:
+                if "unsigned" in exc.reason:
+                    raise CheckpointRefused(
+                        f"The checkpoints in {self.store.describe()} ({self.series}s {rounds}) "
+                        f"are unsigned: written by a fedcore from before signed checkpoints (or "
+                        f"by someone without the key), so none is resumed from. To take one "
+                        f"knowingly, `{self._rollback_command(newest)} --adopt-unsigned` checks "
+                        f"its sums and signs it with this role's key; or start afresh without "
+                        f"--resume.",
+                        round=newest,
+                        reason=exc.reason,
+                    ) from exc
+            raise CheckpointRefused(
+                f"{self.store.describe()} holds checkpoints of {self.series}s {rounds} but no "
+                f"latest-{self.series} record ({self.latest_name}): it was deleted, and newer "
+                f"checkpoints may have been deleted with it, so none is taken silently. "
+                f"{self._fallback(newest + 1)}",
+                round=None,
+                reason="the latest record is missing",
+            )
+        newer = [n for n in rounds if n > record.round]
+        take, why = record.round, "the latest record names it"
+        if newer:
+            candidate = newer[-1]
+            manifest, _ = self._verified_or_refused(candidate)
+            previous = manifest.get("previous")
+            follows = isinstance(previous, dict) and previous == {
+                "round": record.round,
+                "manifest_sha256": record.manifest_sha256,
+            }
+            if len(newer) > 1 or not follows:
+                raise CheckpointRefused(
+                    f"The checkpoint of {self._at(candidate)} is newer than the latest record "
+                    f"({self._at(record.round)}) and does not follow it: it is left from an "
+                    f"earlier run in this store, or the record was put back by someone. "
+                    f"{self._fallback(candidate, record.round)}",
+                    round=candidate,
+                    reason="newer than the latest record and not its successor",
+                )
+            take = candidate
+            why = (
+                f"it was written right after {self._at(record.round)}, which the latest record "
+                f"names (the writer stopped before updating the record)"
+            )
+        elif record.round not in rounds:
+            raise CheckpointRefused(
+                f"The latest record names {self._at(record.round)}, but that checkpoint is "
+                f"missing from {self.store.describe()} (deleted): an older checkpoint is not "
+                f"taken in its place silently. {self._fallback(record.round)}",
+                round=record.round,
+                reason="the checkpoint the latest record names is missing",
+            )
+        try:
+            state, digest = self._load_signed(take)
+        except CheckpointRefused as exc:
+            raise CheckpointRefused(
+                f"{exc} It is the checkpoint to resume from ({why}); an older one is not taken "
+                f"in its place silently. {self._fallback(take)}",
+                round=take,
+                reason=exc.reason,
+            ) from exc
+        if take == record.round and digest != record.manifest_sha256:
+            raise CheckpointRefused(
+                f"The checkpoint of {self._at(take)} is not the one the latest record names: "
+                f"its manifest was replaced by another signed one of the same {self.series} "
+                f"(an older copy put back). {self._fallback(take)}",
+                round=take,
+                reason="replaced by another checkpoint of the same round",
+            )
+        self._head = LatestRecord(take, digest)
+        log.info(
+            "Taking the checkpoint of %s from %s: %s; it verifies (tag and checksums).",
+            self._at(take),
+            self.store.describe(),
+            why,
+        )
+        return take, state
+
+    def _verified_or_refused(self, round: int) -> tuple[dict[str, Any], str]:
+        try:
+            return self._manifest(round)
+        except CheckpointRefused as exc:
+            raise CheckpointRefused(
+                f"{exc} It is the newest checkpoint in the store; an older one is not taken in "
+                f"its place silently. {self._fallback(round)}",
+                round=round,
+                reason=exc.reason,
+            ) from exc
+
+    def _fallback(self, below: int, at_most: int | None = None) -> str:
+        """Says which older checkpoint verifies and how to take it knowingly."""
+        limit = below if at_most is None else min(below, at_most + 1)
+        for number in reversed([n for n in self.rounds() if n < limit]):
+            try:
+                self._load_signed(number)
+            except CheckpointError:
+                continue
+            return (
+                f"The newest older checkpoint that verifies is {self._at(number)}: to resume from "
+                f"it knowingly, run `{self._rollback_command(number)}` (it deletes every newer "
+                f"checkpoint and records {self._at(number)} as the latest), then resume."
+            )
+        return (
+            "No older checkpoint verifies: start afresh without --resume (`fedcore checkpoint "
+            "purge` clears the store), or restore the store from a copy."
+        )
+
+    def _rollback_command(self, number: int) -> str:
+        kdc = " --kdc" if self.series == "version" else ""
+        return f"fedcore checkpoint rollback <manifest> {number}{kdc} --yes"
+
+    def rollback(self, round: int, *, adopt_unsigned: bool = False) -> list[int]:
+        """Takes the checkpoint of ``round`` as the latest, knowingly: checks it, deletes every
+        checkpoint numbered after it (marked or not, verified or not) and records it as the
+        latest. Returns the deleted numbers.
+
+        Args:
+            adopt_unsigned: also accept an unsigned checkpoint (from a fedcore before signed
+                checkpoints) of this run and spec whose sums check; it is signed (re-encrypted
+                for the KDC) with this checkpointer's key.
+
+        Raises:
+            CheckpointError: there is no key or no such checkpoint, or it fails verification.
+        """
+        if self._seal is None:
+            raise CheckpointError("A rollback needs the checkpoint key.")
+        rounds = self.rounds()
+        if round not in rounds:
+            raise CheckpointError(
+                f"There is no checkpoint of {self._at(round)} in {self.store.describe()} "
+                f"(have: {rounds or 'none'})."
+            )
+        adopted: dict[str, Any] | None = None
+        digest = ""
+        try:
+            _, digest = self._load_signed(round)
+        except CheckpointRefused as exc:
+            if not (adopt_unsigned and "unsigned" in exc.reason):
+                raise
+            adopted = self._load_unsigned(round)
+        newer = [n for n in rounds if n > round]
+        numbers = self._numbers()
+        for number in newer:
+            prefix = self._prefix(number)
+            self.store.delete([prefix + MANIFEST])
+            self.store.delete([prefix + name for name in sorted(numbers[number] - {MANIFEST})])
+        if adopted is not None:
+            self._head = None
+            self.save(round, adopted)
+        else:
+            record = LatestRecord(round, digest)
+            self._write_latest(record)
+            self._head = record
+        log.warning(
+            "Rolled back to the checkpoint of %s%s; deleted %s.",
+            self._at(round),
+            " (adopted unsigned, now signed)" if adopted is not None else "",
+            newer or "nothing",
+        )
+        return newer
+
+    # ---------------------------------------------------------- reading: unsigned
+
+    def _load_unsigned(self, round: int) -> dict[str, Any]:
+        """Loads a version-1 (unsigned) checkpoint, checking its run, round and sums.
+
+        Raises:
+            CheckpointError: the manifest or a part is missing, damaged, from another run, or
+                the checkpoint is signed (reading it needs its key).
         """
         prefix = self._prefix(round)
         try:
@@ -263,17 +766,7 @@ class Checkpointer:
                 f"The part {PARTS[1]} of {self._at(round)} cannot be read as written: {exc}"
             ) from exc
         self._check_part(PARTS[1], round, buffer, entries[PARTS[1]])
-        try:
-            tree = json.loads(state_json)
-            tensors = read_tensors(buffer, what=f"The part {PARTS[1]} of {self._at(round)}")
-        except CheckpointError:
-            raise
-        except Exception as exc:
-            raise CheckpointError(
-                f"The checkpoint of {self._at(round)} cannot be decoded: {exc}."
-            ) from exc
-        result: dict[str, Any] = join_tensors(tree, tensors, copy=False)
-        return result
+        return self._decode(round, state_json, buffer)
 
     def _check_part(self, name: str, round: int, data: bytes | bytearray, entry: Any) -> None:
         digest = hashlib.sha256(data).hexdigest()
@@ -285,10 +778,15 @@ class Checkpointer:
     def _check_manifest(self, manifest: Any, round: int) -> None:
         if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
             raise CheckpointError(f"The object at {self._at(round)} is not a fedcore checkpoint.")
-        if manifest.get("version") != VERSION:
+        if manifest.get("version") == VERSION:
+            raise CheckpointError(
+                f"The checkpoint of {self._at(round)} is signed; reading it needs its key."
+            )
+        if manifest.get("version") != UNSIGNED_VERSION:
             raise CheckpointError(
                 f"The checkpoint of {self._at(round)} has format version "
-                f"{manifest.get('version')!r}; this fedcore reads version {VERSION}."
+                f"{manifest.get('version')!r}; this fedcore reads version {UNSIGNED_VERSION} "
+                f"without a key."
             )
         if manifest.get("run") != self.run or manifest.get("fingerprint") != self.fingerprint:
             raise CheckpointError(
@@ -310,20 +808,18 @@ class Checkpointer:
 
     # ---------------------------------------------------------------------- retention
 
-    def _keeps(self, rounds: list[int], marked: set[int]) -> set[int]:
-        keep = set(rounds[-self.keep_last :]) | marked
-        if self.keep_every:
-            keep |= {n for n in rounds if n % self.keep_every == 0}
-        return keep
-
     def _prune(self, newest: int) -> bool:
         """Deletes what retention does not keep, and the leftovers of failed writes older
-        than ``newest`` (folders that never got a manifest); returns whether ``newest`` is
-        marked."""
+        than ``newest`` (folders that never got a manifest); with a key, also the unmarked
+        checkpoints numbered after ``newest`` (left from an earlier run). Returns whether
+        ``newest`` is marked."""
         numbers = self._numbers()
         rounds = sorted(n for n, names in numbers.items() if MANIFEST in names)
         marked = {n for n in rounds if MARK in numbers[n]}
-        keep = self._keeps(rounds, marked)
+        line = [n for n in rounds if n <= newest] if self._seal is not None else rounds
+        keep = set(line[-self.keep_last :]) | marked
+        if self.keep_every:
+            keep |= {n for n in line if n % self.keep_every == 0}
         for number in rounds:
             if number in keep:
                 continue
@@ -335,6 +831,17 @@ class Checkpointer:
             if MANIFEST not in names and number < newest:
                 self.store.delete([self._prefix(number) + name for name in sorted(names)])
         return newest in marked
+
+
+def _canonical(value: Any) -> bytes:
+    """The one encoding of a JSON value that tags are computed over."""
+    return json.dumps(
+        value, sort_keys=True, separators=(",", ":"), ensure_ascii=True, allow_nan=False
+    ).encode("ascii")
+
+
+def _entry_of(data: bytes) -> dict[str, Any]:
+    return {"sha256": hashlib.sha256(data).hexdigest(), "bytes": len(data)}
 
 
 def split_tensors(state: Mapping[str, Any]) -> tuple[Any, dict[str, np.ndarray]]:

@@ -48,26 +48,32 @@ def open_store(
 
 
 def server_checkpointer(
-    store: ObjectStore, spec: CheckpointSpec, *, run: str, fingerprint: str
+    store: ObjectStore, spec: CheckpointSpec, *, run: str, fingerprint: str, key: bytes | None
 ) -> Checkpointer:
-    """The server's checkpoints: ``round-NNNNNNNN/`` at the top of the run's store."""
+    """The server's checkpoints: ``round-NNNNNNNN/`` at the top of the run's store, signed
+    with ``key`` (``server_checkpoint_key``; None only to list or mark them)."""
     return Checkpointer(
         store,
         run=run,
         fingerprint=fingerprint,
         keep_last=spec.keep_last,
         keep_every=spec.keep_every,
+        key=key,
     )
 
 
 def kdc_checkpointer(
-    store: ObjectStore, spec: CheckpointSpec, *, run: str, fingerprint: str
+    store: ObjectStore, spec: CheckpointSpec, *, run: str, fingerprint: str, key: bytes | None
 ) -> Checkpointer:
-    """The KDC's checkpoints: ``kdc/version-NNNNNNNN/``, one per change of its state."""
+    """The KDC's checkpoints: ``kdc/version-NNNNNNNN/``, one per change of its state, encrypted
+    (AES-256-GCM) and signed under keys derived from ``key`` (``kdc_state_key``; None only to
+    list or mark them)."""
     return Checkpointer(
         store.child(KDC_FOLDER),
         run=run,
         fingerprint=fingerprint,
         keep_last=spec.keep_last,
         series="version",
+        key=key,
+        encrypt=key is not None,
     )

@@ -539,15 +539,7 @@ def _raise_interrupt(*_: Any) -> None:
     envvar="FEDCORE_KDC",
     help="host:port of the KDC, for protocols whose server calls it (ebscfl).",
 )
-@click.option(
-    "--kdc-name",
-    default=None,
-    envvar="FEDCORE_KDC_NAME",
-    help="The name on the KDC's certificate when it differs from the host.",
-)
-def server(
-    listen: str, resume: bool, kdc_address: str | None, kdc_name: str | None, **options: Any
-) -> None:
+def server(listen: str, resume: bool, kdc_address: str | None, **options: Any) -> None:
     """Runs the server role of one run."""
     from fedcore.roles import run_server
     from fedcore.roles._common import configure_logging
@@ -559,7 +551,6 @@ def server(
             listen=listen,
             resume=resume,
             kdc=kdc_address,
-            server_name=kdc_name,
         )
 
 
@@ -587,12 +578,6 @@ def server(
     help="host:port of the KDC, for protocols that need one.",
 )
 @click.option(
-    "--server-name",
-    default=None,
-    envvar="FEDCORE_SERVER_NAME",
-    help="The name on the server's certificate when it differs from the host.",
-)
-@click.option(
     "--peer-listen",
     default=None,
     envvar="FEDCORE_PEER_LISTEN",
@@ -615,7 +600,6 @@ def client(
     index: int,
     server_address: str,
     kdc_address: str | None,
-    server_name: str | None,
     peer_listen: str | None,
     peer_addresses: tuple[str, ...],
     peer_template: str | None,
@@ -644,7 +628,6 @@ def client(
             index=index,
             server=server_address,
             kdc=kdc_address,
-            server_name=server_name,
             peers=peers,
         )
 
@@ -701,36 +684,109 @@ def checkpoint_args(func: Any) -> Any:
     return func
 
 
-def _checkpointers(manifest: Path, workdir: Path | None) -> tuple[Any, Any, Any]:
-    """The run's store and its server and KDC checkpointers."""
-    from fedcore.checkpoint import kdc_checkpointer, open_store, server_checkpointer
+KEY_OPTIONS = [
+    click.option(
+        "--key-file",
+        type=click.Path(dir_okay=False, path_type=Path),
+        default=None,
+        help="The server's checkpoint key (default: $FEDCORE_CHECKPOINT_KEY_FILE, else "
+        "<workdir>/keys/checkpoint.key).",
+    ),
+    click.option(
+        "--kdc-key-file",
+        type=click.Path(dir_okay=False, path_type=Path),
+        default=None,
+        help="The KDC's state key (default: $FEDCORE_KDC_STATE_KEY_FILE, else "
+        "<workdir>/keys/kdc-state.key).",
+    ),
+]
+
+
+def key_options(func: Any) -> Any:
+    """Adds --key-file and --kdc-key-file."""
+    for option in reversed(KEY_OPTIONS):
+        func = option(func)
+    return func
+
+
+def _checkpointers(
+    manifest: Path,
+    workdir: Path | None,
+    *,
+    key_file: Path | None = None,
+    kdc_key_file: Path | None = None,
+    require: str | None = None,
+) -> tuple[Any, Any, Any]:
+    """The run's store and its server and KDC checkpointers, each with its key when its file
+    exists (``require``: ``server`` or ``kdc``, whose key must be there). Keys are only read,
+    never created here."""
+    from fedcore.checkpoint import (
+        CHECKPOINT_KEY_ENV,
+        CHECKPOINT_KEY_NAME,
+        KDC_STATE_KEY_ENV,
+        KDC_STATE_KEY_NAME,
+        kdc_checkpointer,
+        key_file_for,
+        open_store,
+        read_key,
+        server_checkpointer,
+    )
     from fedcore.roles._common import spec_fingerprint
     from fedcore.spec import load_manifest
 
     run = load_manifest(manifest)
     name = run.metadata.name
     spec = run.spec.checkpoint
-    store = open_store(spec, name=name, workdir=workdir or Path("runs") / name)
+    folder = workdir or Path("runs") / name
+    store = open_store(spec, name=name, workdir=folder)
     fingerprint = spec_fingerprint(run)
+    keys: dict[str, bytes | None] = {}
+    for side, given, env, file_name, what in (
+        ("server", key_file, CHECKPOINT_KEY_ENV, CHECKPOINT_KEY_NAME, "checkpoint key"),
+        ("kdc", kdc_key_file, KDC_STATE_KEY_ENV, KDC_STATE_KEY_NAME, "KDC state key"),
+    ):
+        path = given or key_file_for(env, folder, file_name)
+        keys[side] = read_key(path, what=what) if side == require or path.exists() else None
     return (
         store,
-        server_checkpointer(store, spec, run=name, fingerprint=fingerprint),
-        kdc_checkpointer(store, spec, run=name, fingerprint=fingerprint),
+        server_checkpointer(store, spec, run=name, fingerprint=fingerprint, key=keys["server"]),
+        kdc_checkpointer(store, spec, run=name, fingerprint=fingerprint, key=keys["kdc"]),
     )
 
 
 @checkpoint.command("list")
 @checkpoint_args
-@click.option("--verify", is_flag=True, help="Read every checkpoint and check its checksums.")
+@key_options
+@click.option(
+    "--verify",
+    is_flag=True,
+    help="Read every checkpoint and check its signature and checksums (needs the keys).",
+)
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object.")
-def checkpoint_list(manifest: Path, workdir: Path | None, verify: bool, as_json: bool) -> None:
+def checkpoint_list(
+    manifest: Path,
+    workdir: Path | None,
+    key_file: Path | None,
+    kdc_key_file: Path | None,
+    verify: bool,
+    as_json: bool,
+) -> None:
     """Lists the run's checkpoints: the server's rounds and the KDC's state versions."""
     from fedcore.errors import CheckpointError
 
-    store, server_ckpt, kdc_ckpt = _checkpointers(manifest, workdir)
+    store, server_ckpt, kdc_ckpt = _checkpointers(
+        manifest, workdir, key_file=key_file, kdc_key_file=kdc_key_file
+    )
     report: dict[str, Any] = {"store": store.describe(), "server": [], "kdc": []}
     bad = 0
     for side, checkpointer in (("server", server_ckpt), ("kdc", kdc_ckpt)):
+        if verify and checkpointer.signed:
+            try:
+                record = checkpointer.latest_record()
+                report.setdefault("latest", {})[side] = None if record is None else record.round
+            except CheckpointError as exc:
+                report.setdefault("latest", {})[side] = f"BAD: {exc}"
+                bad += 1
         for info in checkpointer.entries():
             entry: dict[str, Any] = {
                 "round" if side == "server" else "version": info.round,
@@ -738,7 +794,11 @@ def checkpoint_list(manifest: Path, workdir: Path | None, verify: bool, as_json:
                 "marked": info.marked,
                 "location": info.location,
             }
-            if verify:
+            if verify and not checkpointer.signed:
+                entry["verified"] = False
+                entry["error"] = "no key to verify it with (--key-file, --kdc-key-file)"
+                bad += 1
+            elif verify:
                 try:
                     checkpointer.load(info.round)
                     entry["verified"] = True
@@ -761,6 +821,10 @@ def checkpoint_list(manifest: Path, workdir: Path | None, verify: bool, as_json:
                 click.echo(f"  {label} {entry[label.split()[-1]]:>8}  {size:>12}  {text}".rstrip())
         if not report["server"] and not report["kdc"]:
             click.echo("  (none)")
+        for side, label in (("server", "round"), ("kdc", "kdc version")):
+            if side in report.get("latest", {}):
+                latest = report["latest"][side]
+                click.echo(f"  latest {label} record: {'none' if latest is None else latest}")
     if bad:
         sys.exit(1)
 
@@ -787,6 +851,53 @@ def checkpoint_unmark(manifest: Path, workdir: Path | None, round_: int) -> None
         f"Unmarked the checkpoint of round {round_}."
         if was
         else f"The checkpoint of round {round_} was not marked."
+    )
+
+
+@checkpoint.command("rollback")
+@checkpoint_args
+@key_options
+@click.argument("round_", metavar="ROUND", type=click.IntRange(0))
+@click.option("--kdc", is_flag=True, help="The KDC's state versions, not the server's rounds.")
+@click.option(
+    "--adopt-unsigned",
+    is_flag=True,
+    help="Also take an unsigned checkpoint (from a fedcore before signed checkpoints) whose "
+    "sums check, and sign it with the key.",
+)
+@click.option("--yes", is_flag=True, help="Really do it (without it, only say what would go).")
+def checkpoint_rollback(
+    manifest: Path,
+    workdir: Path | None,
+    key_file: Path | None,
+    kdc_key_file: Path | None,
+    round_: int,
+    kdc: bool,
+    adopt_unsigned: bool,
+    yes: bool,
+) -> None:
+    """Takes the checkpoint of ROUND as the latest, knowingly: checks it with the key, deletes
+    every newer checkpoint (tampered or not: copy them away first to keep them) and records
+    ROUND as the latest, so that --resume starts from it."""
+    side = "kdc" if kdc else "server"
+    _, server_ckpt, kdc_ckpt = _checkpointers(
+        manifest, workdir, key_file=key_file, kdc_key_file=kdc_key_file, require=side
+    )
+    checkpointer = kdc_ckpt if kdc else server_ckpt
+    label = "KDC version" if kdc else "round"
+    newer = [n for n in checkpointer.rounds() if n > round_]
+    if not yes:
+        if not adopt_unsigned:
+            checkpointer.load(round_)  # refuses, naming why, if it does not verify
+        click.echo(
+            f"Would take the checkpoint of {label} {round_} as the latest and delete "
+            f"{label}s {newer or 'none'} in {checkpointer.store.describe()}; pass --yes to do it."
+        )
+        return
+    deleted = checkpointer.rollback(round_, adopt_unsigned=adopt_unsigned)
+    click.echo(
+        f"The checkpoint of {label} {round_} is now the latest; deleted {label}s "
+        f"{deleted or 'none'}."
     )
 
 

@@ -34,6 +34,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from fedcore.checkpoint import (
+    CHECKPOINT_KEY_ENV,
+    CHECKPOINT_KEY_NAME,
+    KDC_STATE_KEY_ENV,
+    KDC_STATE_KEY_NAME,
+    KEYS_FOLDER,
+    ensure_key,
+)
 from fedcore.errors import RoleFailed, RunAborted
 from fedcore.local.launch import FEDCORE_ROLES, RoleEntry, RoleProcess, SpawnMode, start_role
 from fedcore.local.ports import LOOPBACK, free_port
@@ -42,7 +50,6 @@ from fedcore.observe.events import EventLog, read_events
 from fedcore.spec import FederatedRun, FederatedRunSpec, peer_graph, protocol_facts
 from fedcore.transport import issue_run_bundles
 
-TLS_NAME = "localhost"
 READY_SECONDS = 120.0
 """How long a role may take to start (imports included) before the run fails."""
 STOP_SECONDS = 10.0
@@ -212,17 +219,37 @@ class LocalRun:
             shutil.rmtree(pki)  # a fresh CA for every start, resumed or not
         self._announce(on_event, "certificates")
         count = self.run.spec.clients.count
-        # A decentralized run's clients also serve peer links: each certificate names its
-        # client, which is what a peer dials (fedcore.roles._peers).
-        hosts = (
-            {f"client-{i}": [f"client-{i}"] for i in range(count)}
-            if protocol_facts(self.run.spec.protocol.name).decentralized
-            else None
-        )
-        _, bundles = issue_run_bundles(self.run.metadata.name, num_clients=count, hosts=hosts)
+        # Every certificate carries only its own party's role name (client-3.fedcore.invalid),
+        # which every caller checks whatever address it dials (the server, the KDC, a peer
+        # link): no name such as localhost is shared, so no certificate passes as another's.
+        _, bundles = issue_run_bundles(self.run.metadata.name, num_clients=count)
         for common_name, bundle in bundles.items():
             bundle.write(pki / common_name)
         shutil.copyfile(self.manifest, self.workdir / "manifest.yaml")
+        # Each role's checkpoint key, kept across starts (a resume needs the same one): 0600
+        # files in a 0700 folder, each handed to its own role only (role_env).
+        for name, _ in self._role_keys().values():
+            ensure_key(self.workdir / KEYS_FOLDER / name)
+
+    def _role_keys(self) -> dict[str, tuple[str, str]]:
+        """The key file (in ``keys/``) and its variable of each role that has one."""
+        keys = {"server": (CHECKPOINT_KEY_NAME, CHECKPOINT_KEY_ENV)}
+        if protocol_facts(self.run.spec.protocol.name).needs_kdc:
+            keys["kdc"] = (KDC_STATE_KEY_NAME, KDC_STATE_KEY_ENV)
+        return keys
+
+    def role_env(self, name: str) -> dict[str, str]:
+        """The environment of the role process ``name``: this one's, with the role's own key
+        file (the server's checkpoint key, the KDC's state key) and no other role's."""
+        env = dict(os.environ)
+        env.setdefault("OMP_NUM_THREADS", str(self.threads))
+        env["PYTHONUNBUFFERED"] = "1"
+        for variable in (CHECKPOINT_KEY_ENV, KDC_STATE_KEY_ENV):
+            env.pop(variable, None)
+        if name in self._role_keys():
+            key_name, variable = self._role_keys()[name]
+            env[variable] = str((self.workdir / KEYS_FOLDER / key_name).absolute())
+        return env
 
     def _role_args(self, role: str, tls_name: str, events: Path | None) -> tuple[list[str], int]:
         port = free_port() if self.metrics else 0
@@ -245,9 +272,7 @@ class LocalRun:
 
     def _spawn(self, name: str, args: list[str], port: int) -> Child:
         log_path = self.workdir / "logs" / f"{name}.log"
-        env = dict(os.environ)
-        env.setdefault("OMP_NUM_THREADS", str(self.threads))
-        env["PYTHONUNBUFFERED"] = "1"
+        env = self.role_env(name)
         process = start_role(self.spawn, self.entry, args, log_path, env)
         child = Child(name, process, log_path, port)
         self.children[name] = child
@@ -300,7 +325,7 @@ class LocalRun:
             kdc_address = f"{LOOPBACK}:{self._ports['kdc']}"
         args, port = self._role_args("server", "server", self.events_path)
         if kdc_address and protocol_facts(spec.protocol.name).server_uses_kdc:
-            args += ["--kdc", kdc_address, "--kdc-name", TLS_NAME]
+            args += ["--kdc", kdc_address]
         self._launch["server"] = (args, port, self.events_path)
         self._announce(on_event, "server")
         server = self._spawn("server", [*args, "--listen", f"{LOOPBACK}:0", *resume], port)
@@ -310,7 +335,7 @@ class LocalRun:
         self._announce(on_event, "clients", clients=spec.clients.count)
         for index in range(spec.clients.count):
             args, port = self._role_args("client", f"client-{index}", None)
-            args += ["--index", str(index), "--server", server_address, "--server-name", TLS_NAME]
+            args += ["--index", str(index), "--server", server_address]
             if kdc_address:
                 args += ["--kdc", kdc_address]
             args += peers.get(index, [])

@@ -11,7 +11,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, Info
 import fedcore
 
 ROUND_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 300, 1800)
-REJECT_REASONS = ("malformed", "identity", "refused", "upload", "encoding", "stale")
+REJECT_REASONS = ("malformed", "identity", "refused", "upload", "encoding", "bound", "stale")
 """The closed set of ``reason`` values of ``fedcore_rejected_messages_total``."""
 
 
@@ -70,8 +70,16 @@ class RoleMetrics:
         self._rejected = Counter(
             "fedcore_rejected_messages",
             "Inbound messages refused (reason: malformed, identity, refused, upload, encoding, "
-            "stale).",
+            "bound, stale).",
             [*labels, "reason"],
+            registry=r,
+        )
+        self._rejected_by_sender = Counter(
+            "fedcore_rejected_messages_by_sender",
+            "Inbound messages refused, by the authenticated sender (a certificate's common "
+            "name) and reason. A series exists only for a sender that was refused at least "
+            "once, so it stays as small as the set of misbehaving parties.",
+            [*labels, "sender", "reason"],
             registry=r,
         )
         if role != "client":  # only the server and the KDC accept inbound calls
@@ -112,9 +120,12 @@ class RoleMetrics:
             registry=r,
         ).labels(**self._values)
 
-    def rejected(self, reason: str) -> None:
-        """Counts one refused inbound message under a closed set of reasons (REJECT_REASONS)."""
+    def rejected(self, reason: str, sender: str | None = None) -> None:
+        """Counts one refused inbound message under a closed set of reasons (REJECT_REASONS),
+        and under its sender when the sender is authenticated (e.g. ``client-3``)."""
         self._rejected.labels(**self._values, reason=reason).inc()
+        if sender is not None:
+            self._rejected_by_sender.labels(**self._values, sender=sender, reason=reason).inc()
 
     def count_bytes(self, sent: int, received: int) -> None:
         """Adds one call's traffic."""

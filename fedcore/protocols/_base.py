@@ -32,11 +32,15 @@ class RoundResult:
         participants: how many uploads went into the new state.
         train_loss: the clients' mean local training loss (weighted as the protocol weighs).
         metrics: further protocol-specific numbers (JSON-able), e.g. a recovery residual.
+        refused: uploads the protocol could judge only while combining (e.g. perturb's,
+            once recovered) and left out of the new state, with why, by client index; the
+            server role counts and logs them as it does uploads refused on arrival.
     """
 
     participants: int
     train_loss: float | None = None
     metrics: dict[str, float] = field(default_factory=dict)
+    refused: dict[int, str] = field(default_factory=dict)
 
 
 class ServerProtocol(ABC):
@@ -95,6 +99,13 @@ class ServerProtocol(ABC):
         all of them; the default is ``[global_weights()]``.
         """
         return [self.global_weights()]
+
+    def set_shard_sizes(self, sizes: Sequence[int] | None) -> None:  # noqa: B027 - optional
+        """Called by the runtime before the first round with each client's shard size, by
+        index, where the server derives the partition from the spec (None where it cannot:
+        each client reads its own data). A server that weighs by shard size then weighs by
+        these, not by what a client claims; the default ignores them.
+        """
 
     def setup(self, kdc: KeyChannel | None) -> None:  # noqa: B027 - an optional hook
         """Called once before the first round (again after a restart, after any restore).

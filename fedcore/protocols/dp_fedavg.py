@@ -30,6 +30,7 @@ from fedcore.protocols._base import (
     ServerProtocol,
     Weights,
 )
+from fedcore.protocols._bounds import UploadBounds
 from fedcore.protocols._maths import mean_loss
 from fedcore.protocols.fedavg.protocol import LocalTrainingClient, ModelAveragingServer
 from fedcore.spec import FederatedRunSpec
@@ -51,6 +52,7 @@ class DpFedAvgServer(ModelAveragingServer):
         secure_noise: whether each round's noise comes from a CSPRNG-seeded generator (True)
             or from one seeded by (seed, round) (False: reproducible, for tests only; warned).
         seed: the run's seed (``spec.seed``), for the reproducible noise.
+        bounds: the run's upload bounds, checked on each upload before clipping.
 
     Raises:
         ValueError: C or z is not positive and finite, m is below 1, or the seed is negative.
@@ -67,6 +69,7 @@ class DpFedAvgServer(ModelAveragingServer):
         expected_clients: int,
         secure_noise: bool,
         seed: int,
+        bounds: UploadBounds | None = None,
     ) -> None:
         if not (math.isfinite(clipping_norm) and clipping_norm > 0):
             raise ValueError(f"The clipping norm must be positive and finite, got {clipping_norm}.")
@@ -80,7 +83,7 @@ class DpFedAvgServer(ModelAveragingServer):
             )
         if seed < 0:
             raise ValueError(f"The seed must be non-negative, got {seed}.")
-        super().__init__(initial, weighting="Uniform")
+        super().__init__(initial, weighting="Uniform", bounds=bounds)
         self._clipping_norm = float(clipping_norm)
         self._noise_multiplier = float(noise_multiplier)
         self._expected_clients = int(expected_clients)
@@ -161,6 +164,7 @@ class DpFedAvg(Protocol):
             expected_clients=expected_clients(spec),
             secure_noise=options.secure_noise,
             seed=spec.seed,
+            bounds=UploadBounds.of(spec, initial),
         )
 
     def create_client(self, spec: FederatedRunSpec, index: int) -> ClientProtocol:

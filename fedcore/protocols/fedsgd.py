@@ -11,6 +11,7 @@ import numpy as np
 
 from fedcore.learning.training import LocalLearner
 from fedcore.protocols._base import ClientProtocol, Protocol, ServerProtocol, Weights
+from fedcore.protocols._bounds import UploadBounds, step_norm
 from fedcore.protocols.fedavg.protocol import ModelAveragingServer
 from fedcore.spec import FederatedRunSpec
 from fedcore.transport import Payload
@@ -21,9 +22,20 @@ class GradientStepServer(ModelAveragingServer):
 
     kind = "fedsgd"
 
-    def __init__(self, initial: Weights, *, weighting: str, learning_rate: float) -> None:
-        super().__init__(initial, weighting=weighting)
+    def __init__(
+        self,
+        initial: Weights,
+        *,
+        weighting: str,
+        learning_rate: float,
+        bounds: UploadBounds | None = None,
+    ) -> None:
+        super().__init__(initial, weighting=weighting, bounds=bounds)
         self._learning_rate = learning_rate
+
+    def _step_norm(self, upload: Payload) -> float:
+        """The norm of the step the gradient would take alone: learning rate x ||gradient||."""
+        return step_norm(upload.tensors, scale=self._learning_rate)
 
     def _apply(self, mean: Weights) -> Weights:
         current = self.global_weights()
@@ -56,6 +68,7 @@ class FedSgd(Protocol):
             initial,
             weighting=spec.protocol.fedsgd.weighting,
             learning_rate=spec.training.optimizer.learning_rate,
+            bounds=UploadBounds.of(spec, initial),
         )
 
     def create_client(self, spec: FederatedRunSpec, index: int) -> ClientProtocol:

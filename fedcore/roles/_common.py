@@ -8,6 +8,7 @@ import logging
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from fedcore.checkpoint import Checkpointer, open_store
 from fedcore.spec import (
@@ -17,6 +18,7 @@ from fedcore.spec import (
     RoleSpec,
     load_manifest,
 )
+from fedcore.spec._runtime import message_limit
 from fedcore.transport import Limits, RetryPolicy, TlsBundle
 
 SERVER_SERVICE = "Server"
@@ -50,12 +52,36 @@ class RoleConfig:
         return load_manifest(self.manifest), TlsBundle.load(self.tls_dir)
 
 
-def limits_of(spec: FederatedRunSpec) -> Limits:
-    """Returns the transport limits a spec sets."""
+def limits_of(spec: FederatedRunSpec, parameters: int) -> Limits:
+    """Returns the transport limits a spec sets for a model of ``parameters`` scalars.
+
+    The message limit is ``spec.transport.maxMessageBytes``, or derived from the model's size
+    when unset (``fedcore.spec._runtime.message_limit``).
+    """
     return Limits(
         chunk_bytes=spec.transport.chunk_bytes,
-        max_message_bytes=spec.transport.max_message_bytes,
+        max_message_bytes=message_limit(spec, parameters),
     )
+
+
+def parameters_of(module: Any) -> int:
+    """Returns how many scalars a torch module's state holds (weights and buffers)."""
+    return sum(int(tensor.numel()) for tensor in module.state_dict().values())
+
+
+def model_parameters(spec: FederatedRunSpec) -> int:
+    """Returns the run model's scalars, for a role that does not build the model (the KDC).
+
+    Builds the model once (loading the data's shape); skipped (0) when the spec sets
+    ``maxMessageBytes``, which then needs no model.
+    """
+    if spec.transport.max_message_bytes is not None:
+        return 0
+    from fedcore.learning.data import dataset_info
+    from fedcore.learning.models import build_model
+
+    input_shape, num_classes = dataset_info(spec)
+    return parameters_of(build_model(spec.model, input_shape, num_classes, seed=spec.seed))
 
 
 def retry_of(spec: FederatedRunSpec) -> RetryPolicy:

@@ -44,11 +44,6 @@ PEER_SERVICE = "Peer"
 LINK_METHOD = "Link"
 
 
-def peer_server_name(index: int) -> str:
-    """The name client ``index``'s certificate must carry for a peer link to reach it."""
-    return Identity("client", index).common_name
-
-
 class PeerMesh(PeerChannel):
     """One client's inbound and outbound peer links.
 
@@ -103,7 +98,8 @@ class PeerMesh(PeerChannel):
             sessions={LINK_METHOD: _Inbox(self)},
             service=PEER_SERVICE,
             limits=limits,
-            max_workers=2 * len(plan.in_neighbours) + 4,
+            max_workers=limits.workers(len(plan.in_neighbours)),
+            callers={LINK_METHOD: ["client"]},
             on_bytes=self._count,
         )
 
@@ -155,7 +151,7 @@ class PeerMesh(PeerChannel):
             service=PEER_SERVICE,
             limits=self._limits,
             retry=self._retry,
-            server_name=peer_server_name(to),
+            peer=Identity("client", to),
             on_bytes=self._count,
         )
         with self._cond:

@@ -20,6 +20,7 @@ from fedcore.roles._common import (
     RoleConfig,
     choose_device,
     limits_of,
+    parameters_of,
     retry_of,
 )
 from fedcore.roles._peer_duties import PeerDuties, PeerSettings
@@ -30,6 +31,12 @@ log = logging.getLogger(__name__)
 
 CALL_SECONDS = 120.0
 """Deadline of one Join or Push attempt (uploads of several GB need minutes)."""
+RECONNECT_CODES = frozenset(
+    {"UNAVAILABLE", "CANCELLED", "UNKNOWN", "INTERNAL", "RESOURCE_EXHAUSTED", "DEADLINE_EXCEEDED"}
+)
+"""Session endings a client reconnects after (with backoff): the server went away, was busy
+(RESOURCE_EXHAUSTED: this identity's call slots were still held by a dead session) or ended a
+session whose hello it did not get in time."""
 
 
 class Client:
@@ -42,7 +49,6 @@ class Client:
         index: this client's index (its certificate must say the same).
         server: ``host:port`` of the server.
         kdc: ``host:port`` of the KDC, for protocols that need one.
-        server_name: the name on the server's (and KDC's) certificate, if not the host.
         peers: where to serve and find peer links (decentralized protocols only).
     """
 
@@ -55,7 +61,6 @@ class Client:
         index: int,
         server: str,
         kdc: str | None = None,
-        server_name: str | None = None,
         peers: PeerSettings | None = None,
     ) -> None:
         spec = run.spec
@@ -83,7 +88,7 @@ class Client:
         self.protocol: ClientProtocol = create_protocol(spec.protocol.name).create_client(
             spec, index
         )
-        limits = limits_of(spec)
+        limits = limits_of(spec, parameters_of(model))
         retry = retry_of(spec)
         self.retry = retry
         self.duties: PeerDuties | None = None
@@ -106,7 +111,7 @@ class Client:
             service=SERVER_SERVICE,
             limits=limits,
             retry=retry,
-            server_name=server_name,
+            peer=Identity("server"),
             on_bytes=self.metrics.count_bytes,
         )
         self.kdc: RpcClient | None = None
@@ -119,7 +124,7 @@ class Client:
                 service=KDC_SERVICE,
                 limits=limits,
                 retry=retry,
-                server_name=server_name,
+                peer=Identity("kdc"),
                 on_bytes=self.metrics.count_bytes,
             )
 
@@ -164,7 +169,7 @@ class Client:
                             rounds += 1
                             self.protocol.after_upload(last[0])
                 except RemoteError as exc:
-                    if exc.code not in {"UNAVAILABLE", "CANCELLED", "UNKNOWN", "INTERNAL"}:
+                    if exc.code not in RECONNECT_CODES:
                         raise
                     log.warning("The session ended (%s); reconnecting.", exc.code)
                 finally:
@@ -224,7 +229,6 @@ def run_client(
     index: int,
     server: str,
     kdc: str | None,
-    server_name: str | None,
     peers: PeerSettings | None = None,
 ) -> dict[str, Any]:
     """The ``fedcore client`` entry point: takes part in one run to its end."""
@@ -237,6 +241,5 @@ def run_client(
         index=index,
         server=server,
         kdc=kdc,
-        server_name=server_name,
         peers=peers,
     ).serve()

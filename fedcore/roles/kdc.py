@@ -1,10 +1,15 @@
 """The KDC role: serves each party the key material its protocol's KDC side issues to it.
 
 The KDC checkpoints its protocol state apart from the server, under ``<prefix>/kdc/`` of the
-run's checkpoint store (same format: parts first, a manifest with checksums last). It saves the
-initial state before it serves, and every changed state before it answers the call that
-changed it, so a party whose call succeeded is never forgotten. Started with ``--resume`` (a
-restarted KDC), it loads its latest good checkpoint before it serves.
+run's checkpoint store (same format: parts first, a signed manifest with checksums last). Its
+parts are encrypted with AES-256-GCM and its manifests signed, under keys derived from the
+KDC's state key, which only the KDC holds (``FEDCORE_KDC_STATE_KEY_FILE``, else
+``<workdir>/keys/kdc-state.key``): whoever can read or write the store, the server included,
+can neither read the KDC's secrets nor replace its state unnoticed. It saves the initial state
+before it serves, and every changed state before it answers the call that changed it, so a
+party whose call succeeded is never forgotten. Started with ``--resume`` (a restarted KDC), it
+loads the checkpoint its signed latest record names before it serves, and refuses to start
+when that checkpoint fails verification or is missing.
 """
 
 from __future__ import annotations
@@ -19,15 +24,23 @@ from typing import Any
 
 from fedcore.checkpoint import (
     Checkpointer,
+    CheckpointRefused,
     S3ObjectStore,
     kdc_checkpointer,
+    kdc_state_key,
     split_tensors,
 )
 from fedcore.errors import CheckpointError, FedcoreError, MessageRejected, NotReady, RunAborted
 from fedcore.observe.events import EventLog
 from fedcore.observe.metrics import RoleMetrics
 from fedcore.protocols import KdcProtocol, create_protocol
-from fedcore.roles._common import KDC_SERVICE, RoleConfig, limits_of, role_checkpointer
+from fedcore.roles._common import (
+    KDC_SERVICE,
+    RoleConfig,
+    limits_of,
+    model_parameters,
+    role_checkpointer,
+)
 from fedcore.spec import FederatedRun
 from fedcore.transport import CallContext, Identity, Payload, RpcServer, TlsBundle
 
@@ -77,14 +90,16 @@ class Kdc:
         self.checkpointer = self._checkpointer()
         self.version = 0
         self._saved: str | None = None
+        limits = limits_of(run.spec, model_parameters(run.spec))
         self.rpc = RpcServer(
             listen,
             tls,
             {"IssueKeys": self._issue_keys, "Submit": self._submit},
             service=KDC_SERVICE,
-            limits=limits_of(run.spec),
-            max_workers=2 * run.spec.clients.count + 8,
-            on_rejected=lambda method, reason: self.metrics.rejected(reason),
+            limits=limits,
+            max_workers=limits.workers(run.spec.clients.count + 1),  # the clients, the server
+            callers={"IssueKeys": ["client"], "Submit": ["client", "server"]},
+            on_rejected=lambda method, reason, sender: self.metrics.rejected(reason, sender),
             on_bytes=self.metrics.count_bytes,
         )
 
@@ -123,7 +138,9 @@ class Kdc:
             self.config,
             resume=self.resume,
             on_failure=self.metrics.checkpoint_failures.inc,
-            factory=kdc_checkpointer,
+            factory=lambda store, spec, **ids: kdc_checkpointer(
+                store, spec, key=kdc_state_key(self.config.workdir), **ids
+            ),
         )
 
     def _prepare_state(self) -> None:
@@ -140,6 +157,11 @@ class Kdc:
                 checkpointer.store.check()
             found = checkpointer.load_latest() if self.resume else None
             existing = checkpointer.rounds()
+        except CheckpointRefused as exc:
+            raise RunAborted(
+                f"The KDC does not start: its state cannot be resumed: {exc}",
+                reason="CheckpointInvalid",
+            ) from exc
         except CheckpointError as exc:
             raise RunAborted(
                 f"The KDC's checkpoint store cannot be used, so the KDC does not start: {exc}",

@@ -18,16 +18,23 @@ from typing import Any
 
 from safetensors.numpy import save_file
 
-from fedcore.checkpoint import Checkpointer, S3ObjectStore, server_checkpointer
+from fedcore.checkpoint import (
+    Checkpointer,
+    S3ObjectStore,
+    server_checkpoint_key,
+    server_checkpointer,
+)
 from fedcore.errors import (
+    AggregateRefused,
     CheckpointError,
     EncodingRejected,
     MessageRejected,
     ProtocolError,
     RecoveryError,
     RunAborted,
+    UploadRefused,
 )
-from fedcore.learning.data import dataset_info, test_dataset
+from fedcore.learning.data import dataset_info, shard_sizes, test_dataset
 from fedcore.learning.models import build_model, get_weights
 from fedcore.learning.training import Evaluator
 from fedcore.local.threads import limit_threads
@@ -42,6 +49,7 @@ from fedcore.roles._common import (
     RoleConfig,
     choose_device,
     limits_of,
+    parameters_of,
     retry_of,
     role_checkpointer,
 )
@@ -232,7 +240,6 @@ class Server:
         listen: the ``host:port`` to serve on.
         resume: whether to start from the latest checkpoint.
         kdc: ``host:port`` of the KDC, for protocols whose server calls it.
-        server_name: the name on the KDC's certificate, if not its host.
     """
 
     def __init__(
@@ -244,7 +251,6 @@ class Server:
         listen: str,
         resume: bool,
         kdc: str | None = None,
-        server_name: str | None = None,
     ) -> None:
         self.run = run
         self.spec = run.spec
@@ -261,6 +267,7 @@ class Server:
         model = build_model(self.spec.model, input_shape, num_classes, seed=self.spec.seed)
         scheme = create_protocol(self.spec.protocol.name)
         self.protocol: ServerProtocol = scheme.create_server(self.spec, get_weights(model))
+        self.protocol.set_shard_sizes(shard_sizes(self.spec))  # weights from what it knows
         self.privacy = PrivacyLedger(self.spec, scheme.noise_multiplier(self.spec), self.metrics)
         if self.privacy.enabled and self.privacy.secret:
             log.info(
@@ -294,24 +301,26 @@ class Server:
                 kdc,
                 tls,
                 service=KDC_SERVICE,
-                limits=limits_of(self.spec),
+                limits=limits_of(self.spec, parameters_of(model)),
                 retry=retry_of(self.spec),
-                server_name=server_name,
+                peer=Identity("kdc"),
                 on_bytes=self.metrics.count_bytes,
             )
         self.checkpointer = self._checkpointer()
         self.board = RoundBoard(self)
         self._check_lock = threading.Lock()
         self.history: list[dict[str, Any]] = []
+        limits = limits_of(self.spec, parameters_of(model))
         self.rpc = RpcServer(
             listen,
             tls,
             {},
             sessions={"Session": self.board},
             service=SERVER_SERVICE,
-            limits=limits_of(self.spec),
-            max_workers=2 * self.spec.clients.count + 8,
-            on_rejected=lambda method, reason: self.metrics.rejected(reason),
+            limits=limits,
+            max_workers=limits.workers(self.spec.clients.count),
+            callers={"Session": ["client"]},
+            on_rejected=lambda method, reason, sender: self.metrics.rejected(reason, sender),
             on_bytes=self.metrics.count_bytes,
         )
 
@@ -335,21 +344,18 @@ class Server:
         with board.cond:
             attempt = board.current
             if attempt is None or (attempt.round, attempt.attempt) != key:
-                self.metrics.rejected("stale")
+                self.metrics.rejected("stale", sender=f"client-{index}")
                 return "stale"
             if index in attempt.uploads:
                 return "duplicate"
             if not attempt.pending(index):
-                self.metrics.rejected("stale")
+                self.metrics.rejected("stale", sender=f"client-{index}")
                 return "stale"
         try:
             with self._check_lock:  # protocols need not be thread-safe
                 self.protocol.check_upload(attempt.round, index, upload)
         except ProtocolError as exc:
-            self.metrics.rejected("encoding" if isinstance(exc, EncodingRejected) else "upload")
-            log.warning(
-                "Refused the upload of client %d in round %d: %s", index, attempt.round, exc
-            )
+            self._count_refused(index, attempt.round, exc)
             status = "rejected"
         else:
             status = "accepted"
@@ -362,6 +368,25 @@ class Server:
                 attempt.failed[index] = "rejected"
             board.cond.notify_all()
         return status
+
+    def _count_refused(self, index: int, round_: int, exc: ProtocolError | str) -> None:
+        """Counts and logs one refused upload with its sender (reason encoding, bound or
+        upload)."""
+        if isinstance(exc, EncodingRejected):
+            reason = "encoding"
+        elif isinstance(exc, UploadRefused | str):
+            reason = "bound"
+        else:
+            reason = "upload"
+        self.metrics.rejected(reason, sender=f"client-{index}")
+        log.warning(
+            "Refused the upload of client %d in round %d (sender client-%d, reason %s): %s",
+            index,
+            round_,
+            index,
+            reason,
+            exc,
+        )
 
     # ----------------------------------------------------------------------- round loop
 
@@ -393,7 +418,12 @@ class Server:
                 summary = self._rounds(start_round)
             except ProtocolError as exc:
                 # A protocol that cannot go on (e.g. a failed recovery check) stops the run.
-                reason = "RecoveryFailed" if isinstance(exc, RecoveryError) else "ProtocolFailed"
+                if isinstance(exc, RecoveryError):
+                    reason = "RecoveryFailed"
+                elif isinstance(exc, AggregateRefused):
+                    reason = "AggregateRefused"
+                else:
+                    reason = "ProtocolFailed"
                 raise RunAborted(
                     f"{type(exc).__name__}: {exc}",
                     reason=reason,
@@ -504,9 +534,12 @@ class Server:
 
         outcome = play_round(round_, self.round_policy, self.protocol, run_attempt, self.privacy)
         result = outcome.result
+        refused = {} if result is None else result.refused
+        for index, why in sorted(refused.items()):
+            self._count_refused(index, round_, why)
         return {
-            "participants": outcome.participants,
-            "failures": outcome.report.failures,
+            "participants": outcome.participants - len(refused),
+            "failures": sorted({*outcome.report.failures, *refused}),
             "train_loss": None if result is None else result.train_loss,
             "metrics": {} if result is None else result.metrics,
             "attempts": outcome.attempts,
@@ -558,7 +591,11 @@ class Server:
             self.config,
             resume=self.resume,
             on_failure=self.metrics.checkpoint_failures.inc,
-            factory=server_checkpointer,
+            # The key that signs the checkpoints: FEDCORE_CHECKPOINT_KEY_FILE or
+            # <workdir>/keys/checkpoint.key, read (or made) only when checkpoints are on.
+            factory=lambda store, spec, **ids: server_checkpointer(
+                store, spec, key=server_checkpoint_key(self.config.workdir), **ids
+            ),
         )
 
     def _check_store(self) -> None:
@@ -616,7 +653,10 @@ class Server:
         """Loads the latest good checkpoint when resuming; returns its round (0: none)."""
         if not self.resume or self.checkpointer is None:
             return 0
-        found = self.checkpointer.load_latest()
+        try:
+            found = self.checkpointer.load_latest()
+        except CheckpointError as exc:  # tampered, unsigned, missing: refused, never skipped
+            raise RunAborted(f"Cannot resume: {exc}", reason="CheckpointInvalid", round=0) from exc
         if found is None:
             log.warning(
                 "No usable checkpoint in %s; starting from round 1.",
@@ -673,14 +713,11 @@ def run_server(
     listen: str,
     resume: bool,
     kdc: str | None = None,
-    server_name: str | None = None,
 ) -> dict[str, Any]:
     """The ``fedcore server`` entry point: serves one run to its end."""
     run, tls = config.load()
     limit_threads(config.threads)
-    server = Server(
-        run, config, tls, listen=listen, resume=resume, kdc=kdc, server_name=server_name
-    )
+    server = Server(run, config, tls, listen=listen, resume=resume, kdc=kdc)
     try:
         return server.serve()
     finally:

@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from fedcore.errors import ProtocolError
-from fedcore.learning.data import client_dataset, dataset_info, test_dataset
+from fedcore.learning.data import client_dataset, dataset_info, shard_sizes, test_dataset
 from fedcore.learning.models import build_model, get_weights
 from fedcore.learning.training import Evaluator, LocalLearner
 from fedcore.local.threads import ROLE_THREADS, threads_limited
@@ -147,6 +147,7 @@ def _simulate(
     input_shape, num_classes = dataset_info(spec)
     model = build_model(spec.model, input_shape, num_classes, seed=spec.seed)
     server = protocol.create_server(spec, get_weights(model))
+    server.set_shard_sizes(shard_sizes(spec))
     evaluator = Evaluator(model, test_dataset(spec), spec.training)
     kdc = protocol.create_kdc(spec)
     server.setup(

@@ -40,6 +40,7 @@ from fedcore.spec._protocol import ProtocolSpec
 from fedcore.spec._roles import RoleSpec, RolesSpec
 from fedcore.spec._run import API_VERSION, KIND, FederatedRun, FederatedRunSpec, ObjectMeta
 from fedcore.spec._runtime import FailurePolicySpec, TransportSpec
+from fedcore.spec._uploads import UploadsSpec
 from fedcore.spec._validate import load_manifest, parse_manifest, semantic_issues
 
 if TYPE_CHECKING:
@@ -72,6 +73,7 @@ __all__ = [
     "RolesSpec",
     "TrainingSpec",
     "TransportSpec",
+    "UploadsSpec",
     "load_manifest",
     "manifest_reference",
     "openapi_schema",

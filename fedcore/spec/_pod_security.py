@@ -6,8 +6,8 @@ locks there; these rules refuse, at validation, every template that would weaken
 same verdict: host namespaces, a node name, privileged or root containers (in ``containers``,
 ``initContainers`` and ``ephemeralContainers`` alike), added capabilities, privilege escalation,
 a writable root filesystem, seccomp or AppArmor unconfined, host paths or Secret, ConfigMap and
-projected volumes it does not own, and a service-account token for a role that has none. Each
-problem names its field.
+projected volumes it does not own, environment read from a Secret or ConfigMap, host ports, and
+a service-account token for a role that has none. Each problem names its field.
 """
 
 from __future__ import annotations
@@ -43,6 +43,9 @@ FOREIGN_VOLUMES = {
     "projected": "projected volumes can carry Secrets, ConfigMaps and tokens; refused",
 }
 """Volume kinds a template may not add, and why."""
+FOREIGN_ENV = (
+    "the operator gives each role its own Secrets and ConfigMap; a template may read no other"
+)
 APPARMOR_PREFIX = "container.apparmor.security.beta.kubernetes.io/"
 
 
@@ -92,10 +95,36 @@ def _pod_problems(role: str, template: Object) -> list[str]:
             )
     for field in CONTAINER_LISTS:
         for index, container in enumerate(_list(spec.get(field))):
-            where = f"{base}.spec.{field}[{index}].securityContext"
+            where = f"{base}.spec.{field}[{index}]"
             problems += _container_problems(
-                where, _mapping(_mapping(container).get("securityContext"))
+                f"{where}.securityContext",
+                _mapping(_mapping(container).get("securityContext")),
             )
+            problems += _reference_problems(where, _mapping(container))
+    return problems
+
+
+def _reference_problems(where: str, container: Object) -> list[str]:
+    """Environment read from a Secret or ConfigMap, and ports on the node's address."""
+    problems = []
+    for index, variable in enumerate(_list(container.get("env"))):
+        source = _mapping(_mapping(variable).get("valueFrom"))
+        for kind in ("secretKeyRef", "configMapKeyRef"):
+            if kind in source:
+                problems.append(
+                    f"{where}.env[{index}].valueFrom.{kind}: may not be set: {FOREIGN_ENV}."
+                )
+    for index, source in enumerate(_list(container.get("envFrom"))):
+        for kind in ("secretRef", "configMapRef"):
+            if kind in _mapping(source):
+                problems.append(f"{where}.envFrom[{index}].{kind}: may not be set: {FOREIGN_ENV}.")
+    for index, port in enumerate(_list(container.get("ports"))):
+        for key in ("hostPort", "hostIP"):
+            if key in _mapping(port):
+                problems.append(
+                    f"{where}.ports[{index}].{key}: may not be set: pods of a run do not bind "
+                    "the node's address."
+                )
     return problems
 
 

@@ -23,6 +23,9 @@ UPDATE_ATTACKS = frozenset({"SignFlip", "Scale"})
 UPDATE_ATTACK_PROTOCOLS = frozenset({"fedavg", "ebscfl"})
 """The protocols whose clients apply SignFlip and Scale."""
 
+INSIDER_ATTACKS = frozenset({"Overflow", "InflateExamples"})
+"""Attacks on the server's upload checks (spec.uploads), which fedavg's clients apply."""
+
 
 class DataClustersSpec(SpecModel):
     """A ground-truth cluster structure of the clients' data (for clustered protocols)."""
@@ -47,11 +50,16 @@ class DataClustersSpec(SpecModel):
 class AttackSpec(SpecModel):
     """Byzantine clients for robustness experiments: an experiment knob, never for production."""
 
-    kind: Literal["LabelFlip", "SignFlip", "Scale", "MalformedEncoding"] = Field(
+    kind: Literal[
+        "LabelFlip", "SignFlip", "Scale", "MalformedEncoding", "Overflow", "InflateExamples"
+    ] = Field(
         description="kind of attack. LabelFlip: the attackers train on labels y -> classes-1-y. "
         "SignFlip: they upload -scale times their honest update. Scale: scale times it. "
         "MalformedEncoding (ebscfl only): they add noise to their encoded upload, which the "
-        "server's verification must reject. Required."
+        "server's verification must reject. Overflow (fedavg only): they upload a model of "
+        "finite float32-max values. InflateExamples (fedavg only): they claim scale times "
+        "their shard's example count. The server's upload bounds (spec.uploads) must refuse "
+        "the last two. Required."
     )
     fraction: float = Field(
         0.2,
@@ -98,6 +106,15 @@ def attack_issues(
                     f"{attack.kind!r} is applied by clients that upload a model update, which "
                     f"protocol {name!r} does not; allowed here: 'LabelFlip' (or protocol fedavg "
                     f"or ebscfl).",
+                )
+            )
+        if attack.kind in INSIDER_ATTACKS and name != "fedavg":
+            issues.append(
+                SpecIssue(
+                    "spec.attack.kind",
+                    f"{attack.kind!r} is applied by fedavg's clients; protocol {name!r}'s do "
+                    f"not apply it. Allowed here: 'LabelFlip'"
+                    + (", 'SignFlip', 'Scale'." if name in UPDATE_ATTACK_PROTOCOLS else "."),
                 )
             )
         if attack.kind == "MalformedEncoding" and name != "ebscfl":

@@ -17,6 +17,7 @@ from fedcore.spec._protocol import ProtocolSpec
 from fedcore.spec._robust import AttackSpec
 from fedcore.spec._roles import RolesSpec
 from fedcore.spec._runtime import FailurePolicySpec, TransportSpec
+from fedcore.spec._uploads import UploadsSpec
 
 API_GROUP = "fedcore.dev"
 API_VERSION = f"{API_GROUP}/v1alpha1"
@@ -59,6 +60,11 @@ class FederatedRunSpec(SpecModel):
         description="attack makes a share of the clients Byzantine, for robustness experiments "
         "only: an experiment knob, never for production. Unset (default): every client is "
         "honest.",
+    )
+    uploads: UploadsSpec = Field(
+        default_factory=UploadsSpec,
+        description="uploads: how far one client's upload may move the model and how much "
+        "it may weigh; the server refuses an upload past either bound.",
     )
     evaluation: EvaluationSpec = Field(
         default_factory=EvaluationSpec, description="evaluation on the server's held-out split."

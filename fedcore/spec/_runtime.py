@@ -2,9 +2,22 @@
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 from pydantic import Field
 
 from fedcore.spec._base import SpecModel
+
+if TYPE_CHECKING:
+    from fedcore.spec._run import FederatedRunSpec
+
+MESSAGE_FLOOR_BYTES = 64 * 1024**2
+"""What the derived message limit allows on top of the model: headers, keys, small models."""
+MODEL_COPIES = 32
+"""How many float64 copies of the model one message may carry under the derived limit
+(ebscfl's task carries up to 16 float64 cluster models)."""
+MESSAGE_CEILING_BYTES = 8 * 1024**3
+"""The derived message limit never exceeds this (the former fixed default)."""
 
 
 class FailurePolicySpec(SpecModel):
@@ -59,10 +72,43 @@ class TransportSpec(SpecModel):
         description="chunkBytes is the size of one gRPC message; tensors travel in chunks of "
         "this size. Default 4 MiB (4194304).",
     )
-    max_message_bytes: int = Field(
-        8 * 1024**3,
+    max_message_bytes: int | None = Field(
+        None,
         ge=1024 * 1024,
         le=1024**4,
         description="maxMessageBytes is the largest logical message (a whole model or upload) "
-        "a role accepts; larger ones are rejected. Default 8 GiB.",
+        "a role accepts; larger ones are rejected, and one party may have a role hold at most "
+        "this many bytes of unfinished messages. Unset (default): derived from the model, "
+        "32 float64 copies of its parameters plus 64 MiB (plus ebscfl's SRFC key matrices), "
+        "at most 8 GiB.",
     )
+
+
+def message_limit(spec: FederatedRunSpec, parameters: int) -> int:
+    """The largest logical message the roles of a run accept.
+
+    Args:
+        spec: the run's spec; an explicit ``spec.transport.maxMessageBytes`` wins.
+        parameters: how many scalars the run's model has (weights and buffers).
+
+    Returns:
+        ``maxMessageBytes`` when set; otherwise ``MODEL_COPIES`` float64 copies of the model
+        plus ``MESSAGE_FLOOR_BYTES`` (plus, for ebscfl, room for its four widest SRFC key
+        matrices, which the KDC sends the server), at most ``MESSAGE_CEILING_BYTES``.
+
+    Raises:
+        ValueError: ``parameters`` is negative.
+    """
+    explicit = spec.transport.max_message_bytes
+    if explicit is not None:
+        return explicit
+    if parameters < 0:
+        raise ValueError(f"A model has a non-negative number of parameters, got {parameters}.")
+    extra = 0
+    if spec.protocol.name == "ebscfl":
+        options = spec.protocol.ebscfl
+        sampled = min(spec.clients.sampled_per_round(), spec.clients.count)
+        side = 2 * options.segment_length * options.clusters * sampled
+        extra = 4 * side * side * 8
+    derived = MESSAGE_FLOOR_BYTES + MODEL_COPIES * 8 * parameters + extra
+    return min(derived, MESSAGE_CEILING_BYTES)

@@ -13,10 +13,13 @@ import numpy as np
 from fedcore.errors import MessageRejected, TransportError
 from fedcore.transport._payload import Payload
 
-__all__ = ["MAGIC", "PayloadDecoder", "decode_chunks", "encode_chunks"]
+__all__ = ["MAGIC", "MAX_HEADER_BYTES", "PayloadDecoder", "decode_chunks", "encode_chunks"]
 
 MAGIC = b"FCM1"
 """The four bytes that open every encoded message (format version 1)."""
+
+MAX_HEADER_BYTES = 1 << 20
+"""The largest JSON header a decoder accepts by default."""
 
 _PREFIX = struct.Struct("<4sI")
 _ALLOWED_DTYPES: frozenset[str] = frozenset(
@@ -175,11 +178,11 @@ class PayloadDecoder:
     """Reassemble one Payload from the chunks produced by :func:`encode_chunks`.
 
     The decoder checks the prefix and header as soon as they are complete, refuses a body
-    larger than ``max_message_bytes`` before buffering any of it, then copies each chunk into
-    one preallocated buffer (uninitialised: ``finish`` refuses a message until every byte
-    arrived; a fresh zeroed buffer would fault in every page on the first write, which costs
-    more than the copy). The arrays of the decoded payload are writable views into it. A
-    decoder serves a single message.
+    larger than ``max_message_bytes`` before buffering any of it, then appends each chunk to
+    one buffer that grows as the bytes arrive: nothing is reserved on the header's word, so a
+    sender that announces a large body and sends little holds only what it sent (growing a
+    large buffer remaps its pages rather than copying them). The arrays of the decoded payload
+    are writable views into that buffer. A decoder serves a single message.
 
     Args:
         max_message_bytes: the largest body (sum of tensor bytes) to accept.
@@ -189,7 +192,7 @@ class PayloadDecoder:
         ValueError: a limit is negative or not an integer.
     """
 
-    def __init__(self, *, max_message_bytes: int, max_header_bytes: int = 1 << 20) -> None:
+    def __init__(self, *, max_message_bytes: int, max_header_bytes: int = MAX_HEADER_BYTES) -> None:
         for label, limit in (
             ("max_message_bytes", max_message_bytes),
             ("max_header_bytes", max_header_bytes),
@@ -201,14 +204,19 @@ class PayloadDecoder:
         self._head = bytearray()
         self._head_needed = _PREFIX.size
         self._header: dict[str, Any] | None = None
-        self._body: np.ndarray = np.empty(0, dtype=np.uint8)
-        self._received = 0
+        self._body = bytearray()
+        self._body_bytes = 0
         self._closed = False
 
     @property
     def complete(self) -> bool:
         """Whether the header and every announced body byte have arrived."""
-        return self._header is not None and self._received == len(self._body)
+        return self._header is not None and len(self._body) == self._body_bytes
+
+    @property
+    def buffered(self) -> int:
+        """How many bytes this decoder holds now (prefix, header and body so far)."""
+        return len(self._head) + len(self._body)
 
     def feed(self, chunk: bytes) -> None:
         """Add the next chunk of the message.
@@ -245,11 +253,11 @@ class PayloadDecoder:
                 f"The message is truncated: the stream ended after {len(self._head)} bytes, "
                 "before its header was complete."
             )
-        body_bytes = len(self._body)
-        if self._received < body_bytes:
+        body_bytes = self._body_bytes
+        if len(self._body) < body_bytes:
             raise MessageRejected(
                 f"The message is truncated: its header announced {body_bytes} body bytes but "
-                f"only {self._received} arrived."
+                f"only {len(self._body)} arrived."
             )
         tensors: dict[str, np.ndarray] = {}
         for entry in header["tensors"]:
@@ -274,14 +282,13 @@ class PayloadDecoder:
         size = len(view)
         if not size:
             return
-        end = self._received + size
-        if end > len(self._body):
+        end = len(self._body) + size
+        if end > self._body_bytes:
             raise MessageRejected(
                 f"The message is longer than announced: its header announced "
-                f"{len(self._body)} body bytes but at least {end} arrived."
+                f"{self._body_bytes} body bytes but at least {end} arrived."
             )
-        self._body[self._received : end] = np.frombuffer(view, dtype=np.uint8)
-        self._received = end
+        self._body += view
 
     def _feed_head(self, view: memoryview) -> memoryview:
         """Consume prefix and header bytes from ``view``; return what is left of it."""
@@ -308,7 +315,7 @@ class PayloadDecoder:
                 if header_length:
                     continue
             header = _parse_header(bytes(self._head[_PREFIX.size :]), self._max_message_bytes)
-            self._body = np.empty(header["body_bytes"], dtype=np.uint8)
+            self._body_bytes = header["body_bytes"]
             self._head = bytearray()
             self._header = header
         return view

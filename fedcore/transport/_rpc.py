@@ -22,15 +22,15 @@ import random
 import threading
 import time
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Iterable, Iterator, Mapping
+from collections.abc import Callable, Collection, Iterable, Iterator, Mapping
 from concurrent import futures
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NoReturn
 
 import grpc
 
 from fedcore.errors import MessageRejected, NotReady, TransportError
-from fedcore.transport._codec import PayloadDecoder, decode_chunks, encode_chunks
+from fedcore.transport._codec import MAX_HEADER_BYTES, PayloadDecoder, decode_chunks, encode_chunks
 from fedcore.transport._payload import Payload
 from fedcore.transport._tls import Identity, TlsBundle
 
@@ -51,19 +51,54 @@ Handler = Callable[[Identity, Payload, "CallContext"], Payload]
 """A method implementation: the caller's identity and request in, the response out."""
 
 
+SPARE_WORKERS = 4
+"""Workers a server keeps beyond every party's share (see ``Limits.workers``)."""
+
+
 @dataclass(frozen=True)
 class Limits:
-    """Message limits shared by both ends of a link.
+    """Message limits shared by both ends of a link, and what one party may hold of a server.
 
     Attributes:
         chunk_bytes: the largest single gRPC message.
         max_message_bytes: the largest logical (reassembled) message.
         keepalive_ms: how often a link with nothing to send pings its peer.
+        calls_per_identity: how many calls (sessions included) one identity may have open on
+            a server at once; one more is refused at once with RESOURCE_EXHAUSTED.
+        hello_seconds: how long a new session may take to deliver its first whole message
+            (the hello); one that has not is ended with DEADLINE_EXCEEDED.
+        bytes_in_flight: how many bytes of unfinished messages one identity may have a server
+            hold at once; None: one largest message (``max_message_bytes`` plus its header).
     """
 
     chunk_bytes: int = 4 * 1024 * 1024
     max_message_bytes: int = 8 * 1024**3
     keepalive_ms: int = 20_000
+    calls_per_identity: int = 4
+    hello_seconds: float = 30.0
+    bytes_in_flight: int | None = None
+
+    @property
+    def identity_bytes(self) -> int:
+        """The bytes of unfinished messages one identity may have a server hold at once."""
+        if self.bytes_in_flight is not None:
+            return self.bytes_in_flight
+        return self.max_message_bytes + MAX_HEADER_BYTES + 8
+
+    def workers(self, parties: int) -> int:
+        """The worker threads a server needs so that no party can starve another.
+
+        gRPC's synchronous server holds one worker per open call. With room for every
+        party's ``calls_per_identity``, a party at its limit still leaves every other party
+        its own share; a call over the limit is refused as soon as a worker picks it up.
+
+        Args:
+            parties: how many identities may call this server.
+
+        Returns:
+            ``calls_per_identity * parties + SPARE_WORKERS``.
+        """
+        return self.calls_per_identity * max(parties, 1) + SPARE_WORKERS
 
     def channel_options(self) -> list[tuple[str, Any]]:
         """Returns the grpc options of both ends: the per-chunk limit and keepalive.
@@ -146,23 +181,128 @@ class CallContext:
 
 
 class RejectionCounter:
-    """Counts rejected inbound messages; roles wire it to a metric."""
+    """Counts rejected inbound messages; roles wire it to a metric.
 
-    def __init__(self, callback: Callable[[str, str], None] | None = None) -> None:
+    The callback gets ``(method, reason, sender)``: the sender is the caller's common name,
+    or None when its certificate names no party.
+    """
+
+    def __init__(self, callback: Callable[[str, str, str | None], None] | None = None) -> None:
         self._callback = callback
 
-    def __call__(self, method: str, reason: str) -> None:
+    def __call__(self, method: str, reason: str, sender: str | None = None) -> None:
         if self._callback is not None:
-            self._callback(method, reason)
+            self._callback(method, reason, sender)
+
+
+class _Admission:
+    """What each identity holds of one server: open calls and bytes of unfinished messages."""
+
+    def __init__(self, limits: Limits) -> None:
+        self._calls_cap = limits.calls_per_identity
+        self._bytes_cap = limits.identity_bytes
+        self._lock = threading.Lock()
+        self._calls: dict[str, int] = {}
+        self._bytes: dict[str, int] = {}
+
+    def enter(self, who: str) -> bool:
+        """Takes one call slot of ``who``; False when it already holds all of them."""
+        with self._lock:
+            held = self._calls.get(who, 0)
+            if held >= self._calls_cap:
+                return False
+            self._calls[who] = held + 1
+            return True
+
+    def leave(self, who: str) -> None:
+        """Gives back one call slot of ``who``."""
+        with self._lock:
+            held = self._calls.get(who, 0) - 1
+            if held > 0:
+                self._calls[who] = held
+            else:
+                self._calls.pop(who, None)
+
+    def take_bytes(self, who: str, count: int) -> bool:
+        """Counts ``count`` more bytes held for ``who``; False (nothing counted) over its cap."""
+        with self._lock:
+            held = self._bytes.get(who, 0) + count
+            if held > self._bytes_cap:
+                return False
+            self._bytes[who] = held
+            return True
+
+    def give_bytes(self, who: str, count: int) -> None:
+        """Forgets ``count`` bytes held for ``who`` (its message finished or was dropped)."""
+        if not count:
+            return
+        with self._lock:
+            held = self._bytes.get(who, 0) - count
+            if held > 0:
+                self._bytes[who] = held
+            else:
+                self._bytes.pop(who, None)
+
+
+class _Inbound:
+    """One call's unfinished inbound message, with its bytes counted against its sender.
+
+    Raises ``_OverLimit`` from ``feed`` when the sender would hold more than its share.
+    """
+
+    def __init__(self, admission: _Admission, who: str, max_message_bytes: int) -> None:
+        self._admission = admission
+        self._who = who
+        self._max = max_message_bytes
+        self.decoder = PayloadDecoder(max_message_bytes=max_message_bytes)
+        self.held = 0
+
+    def feed(self, chunk: bytes) -> None:
+        if not self._admission.take_bytes(self._who, len(chunk)):
+            raise _OverLimit(
+                f"{self._who} has more bytes of unfinished messages in flight than its share "
+                f"allows; this chunk of {len(chunk)} bytes is refused."
+            )
+        self.held += len(chunk)
+        self.decoder.feed(chunk)
+
+    def finish(self) -> Payload:
+        """Returns the message and forgets its bytes; the next message starts afresh."""
+        try:
+            return self.decoder.finish()
+        finally:
+            self.release()
+            self.decoder = PayloadDecoder(max_message_bytes=self._max)
+
+    def release(self) -> None:
+        self._admission.give_bytes(self._who, self.held)
+        self.held = 0
+
+
+class _OverLimit(Exception):
+    """A caller went over its share of a server (calls or bytes in flight)."""
 
 
 class RpcServer:
     """A mutual-TLS gRPC server that dispatches chunked Payload calls to handlers.
 
     Every client must present a certificate signed by the run's CA whose common name parses as
-    an ``Identity``; others are refused during the TLS handshake or with PERMISSION_DENIED.
-    A malformed, truncated or oversized request gets INVALID_ARGUMENT (or RESOURCE_EXHAUSTED
-    from grpc for an oversized chunk) and never reaches a handler; the server keeps serving.
+    an ``Identity`` and whose URI name (:attr:`Identity.uri`) agrees with it; others are
+    refused during the TLS handshake or with PERMISSION_DENIED. ``callers`` limits a method to
+    the roles that may call it. A malformed, truncated or oversized request gets
+    INVALID_ARGUMENT (or RESOURCE_EXHAUSTED from grpc for an oversized chunk) and never
+    reaches a handler; the server keeps serving.
+
+    No party can starve another (see docs of ``Limits``): each identity may hold at most
+    ``limits.calls_per_identity`` calls at once (one more is refused with RESOURCE_EXHAUSTED
+    as soon as a worker picks it up, which frees the worker at once), and at most
+    ``limits.identity_bytes`` of unfinished messages; nothing is reserved for a message
+    before its bytes arrive. Size ``max_workers`` with ``Limits.workers``. Sessions: at most
+    one live session per identity and method. A new one must deliver its hello (first whole
+    message) within ``limits.hello_seconds``; then it replaces the previous one, which is
+    ended (its peer sees the stream end). Replacing rather than refusing lets a client whose
+    old connection died unnoticed (a lost network, a killed process) come back at once, and it
+    can only ever displace a session of the same certificate.
     """
 
     def __init__(
@@ -175,14 +315,22 @@ class RpcServer:
         limits: Limits,
         sessions: Mapping[str, SessionHandler] | None = None,
         max_workers: int = 32,
-        on_rejected: Callable[[str, str], None] | None = None,
+        callers: Mapping[str, Collection[str]] | None = None,
+        on_rejected: Callable[[str, str, str | None], None] | None = None,
         on_bytes: Callable[[int, int], None] | None = None,
     ) -> None:
         self._service = service
         self._handlers = dict(handlers)
         self._sessions = dict(sessions or {})
         self._limits = limits
+        self._callers = {name: frozenset(roles) for name, roles in (callers or {}).items()}
+        unknown = sorted(set(self._callers) - set(self._handlers) - set(self._sessions))
+        if unknown:
+            raise TransportError(f"callers names {unknown}, which this server does not serve.")
         self._rejected = RejectionCounter(on_rejected)
+        self._admission = _Admission(limits)
+        self._live: dict[tuple[str, str], ServerSession] = {}
+        self._live_lock = threading.Lock()
         self._on_bytes = on_bytes
         self._server = grpc.server(
             futures.ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="rpc"),
@@ -226,16 +374,71 @@ class RpcServer:
         """Stops serving; calls in flight get ``grace`` seconds to finish."""
         self._server.stop(grace).wait(grace + 1)
 
-    def _require_identity(self, context: grpc.ServicerContext, name: str) -> Identity:
-        """Returns the caller's identity, or aborts with PERMISSION_DENIED when it has none."""
-        peer = _peer_identity(context)
+    def _reject(
+        self,
+        context: grpc.ServicerContext,
+        name: str,
+        reason: str,
+        sender: Identity | None,
+        code: grpc.StatusCode,
+        message: str,
+    ) -> NoReturn:
+        """Counts, logs (with the sender) and aborts one refused call; never returns."""
+        who = None if sender is None else sender.common_name
+        self._rejected(name, reason, who)
+        log.warning("Refused a %s call from %s: %s", name, who or "an unknown party", message)
+        context.abort(code, message)
+        raise AssertionError("context.abort raises")  # pragma: no cover
+
+    def _admit(self, context: grpc.ServicerContext, name: str) -> Identity:
+        """Checks the caller and takes one of its call slots, given back when the call ends.
+
+        Aborts with PERMISSION_DENIED for a certificate that names no party (or whose names
+        disagree) or a role ``name`` does not take calls from, and with RESOURCE_EXHAUSTED
+        when the caller already holds all its call slots.
+        """
+        peer, problem = _peer_identity(context)
         if peer is None:
-            self._rejected(name, "identity")
-            context.abort(
+            self._reject(
+                context,
+                name,
+                "identity",
+                None,
                 grpc.StatusCode.PERMISSION_DENIED,
-                "The client certificate names no fedcore identity.",
+                f"The client certificate names no fedcore identity: {problem}",
             )
-        assert peer is not None  # context.abort raises
+        assert peer is not None
+        roles = self._callers.get(name)
+        if roles is not None and peer.role not in roles:
+            self._reject(
+                context,
+                name,
+                "identity",
+                peer,
+                grpc.StatusCode.PERMISSION_DENIED,
+                f"{self._service}.{name} takes calls from {sorted(roles)} only, not from "
+                f"{peer.common_name!r}.",
+            )
+        who = peer.common_name
+        if not self._admission.enter(who):
+            self._reject(
+                context,
+                name,
+                "refused",
+                peer,
+                grpc.StatusCode.RESOURCE_EXHAUSTED,
+                f"{who} already has {self._limits.calls_per_identity} calls open on this "
+                f"server (limits.calls_per_identity); this one is refused.",
+            )
+        released = threading.Event()
+
+        def release() -> None:
+            if not released.is_set():
+                released.set()
+                self._admission.leave(who)
+
+        if not context.add_callback(release):
+            release()  # the call already ended
         return peer
 
     def _run_handler(
@@ -245,15 +448,15 @@ class RpcServer:
         try:
             return self._handlers[name](peer, request, CallContext(context))
         except MessageRejected as exc:
-            self._rejected(name, "refused")
+            self._rejected(name, "refused", peer.common_name)
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
         except NotReady as exc:
             context.abort(grpc.StatusCode.UNAVAILABLE, str(exc))
         except PermissionError as exc:
-            self._rejected(name, "identity")
+            self._rejected(name, "identity", peer.common_name)
             context.abort(grpc.StatusCode.PERMISSION_DENIED, str(exc))
         except Exception as exc:  # a handler bug must not take the server down
-            log.exception("The %s handler failed for %s.", name, peer)
+            log.exception("The %s handler failed for %s.", name, peer.common_name)
             context.abort(grpc.StatusCode.INTERNAL, f"{type(exc).__name__}: {exc}")
         raise AssertionError("context.abort raises")  # pragma: no cover
 
@@ -275,8 +478,8 @@ class RpcServer:
         limits = self._limits
 
         def serve(requests: Iterator[bytes], context: grpc.ServicerContext) -> Iterator[bytes]:
-            peer = self._require_identity(context, name)
-            decoder = PayloadDecoder(max_message_bytes=limits.max_message_bytes)
+            peer = self._admit(context, name)
+            inbound = _Inbound(self._admission, peer.common_name, limits.max_message_bytes)
             received = 0
             first: list[bytes] = []
             try:
@@ -284,12 +487,18 @@ class RpcServer:
                     received += len(chunk)
                     if len(first) < 2:
                         first.append(chunk)
-                    decoder.feed(chunk)
-                request = decoder.finish()
+                    inbound.feed(chunk)
+                request = inbound.finish()
             except MessageRejected as exc:
-                self._rejected(name, "malformed")
-                log.warning("Rejected a %s request from %s: %s", name, peer, exc)
-                context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+                self._reject(
+                    context, name, "malformed", peer, grpc.StatusCode.INVALID_ARGUMENT, str(exc)
+                )
+            except _OverLimit as exc:
+                self._reject(
+                    context, name, "refused", peer, grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc)
+                )
+            finally:
+                inbound.release()
             parked = None
             if len(first) == 1 and self._parked:
                 parked = self._park(_park_key(peer, name, first[0]), None)
@@ -311,13 +520,15 @@ class RpcServer:
         limits = self._limits
 
         def serve(raw: bytes, context: grpc.ServicerContext) -> bytes:
-            peer = self._require_identity(context, name)
+            # One chunk at most (grpc's receive limit), read before the handler starts: the
+            # call slot bounds what a party holds here.
+            peer = self._admit(context, name)
             try:
                 request = decode_chunks([raw], max_message_bytes=limits.max_message_bytes)
             except MessageRejected as exc:
-                self._rejected(name, "malformed")
-                log.warning("Rejected a %s request from %s: %s", name, peer, exc)
-                context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+                self._reject(
+                    context, name, "malformed", peer, grpc.StatusCode.INVALID_ARGUMENT, str(exc)
+                )
             response = self._run_handler(name, peer, request, context)
             chunks = list(encode_chunks(response, chunk_bytes=limits.chunk_bytes))
             if len(chunks) != 1:
@@ -336,7 +547,7 @@ class RpcServer:
         limits = self._limits
 
         def serve(requests: Iterator[bytes], context: grpc.ServicerContext) -> Iterator[bytes]:
-            peer = self._require_identity(context, name)
+            peer = self._admit(context, name)
             session = ServerSession(peer, limits, on_bytes=self._on_bytes)
             reader = threading.Thread(
                 target=self._read_session,
@@ -344,11 +555,18 @@ class RpcServer:
                 args=(name, handler, session, requests),
                 daemon=True,
             )
+            # The worker this stream holds is bounded: the stream says hello in time or ends.
+            deadline = threading.Timer(limits.hello_seconds, self._hello_late, (name, session))
+            deadline.daemon = True
+            session.hello_timer = deadline
             reader.start()
+            deadline.start()
             try:
                 yield from session.outbound()
             finally:
+                deadline.cancel()
                 session.close()
+                self._forget(name, session)
                 if session.registered:
                     handler.closed(session)
             if session.abort_reason is not None:
@@ -356,44 +574,106 @@ class RpcServer:
 
         return serve
 
+    def _hello_late(self, name: str, session: ServerSession) -> None:
+        """Ends a session that has not delivered its hello within ``limits.hello_seconds``."""
+        if session.registered or not session.is_open:
+            return
+        message = (
+            f"The {name} session sent no whole first message within "
+            f"{self._limits.hello_seconds} s (limits.hello_seconds); it is closed."
+        )
+        self._rejected(name, "refused", session.peer.common_name)
+        log.warning("Closing a %s session of %s: %s", name, session.peer.common_name, message)
+        session.abort(message, code=grpc.StatusCode.DEADLINE_EXCEEDED)
+
+    def _claim(self, name: str, session: ServerSession) -> ServerSession | None:
+        """Makes ``session`` the live one of its identity; returns the one it replaces."""
+        key = (name, session.peer.common_name)
+        with self._live_lock:
+            old = self._live.get(key)
+            self._live[key] = session
+        return None if old is session else old
+
+    def _unclaim(self, name: str, session: ServerSession, old: ServerSession | None) -> None:
+        """Undoes ``_claim`` for a session the handler refused."""
+        key = (name, session.peer.common_name)
+        with self._live_lock:
+            if self._live.get(key) is session:
+                if old is not None and old.is_open:
+                    self._live[key] = old
+                else:
+                    del self._live[key]
+
+    def _forget(self, name: str, session: ServerSession) -> None:
+        key = (name, session.peer.common_name)
+        with self._live_lock:
+            if self._live.get(key) is session:
+                del self._live[key]
+
     def _read_session(
         self, name: str, handler: SessionHandler, session: ServerSession, requests: Iterator[bytes]
     ) -> None:
-        decoder = PayloadDecoder(max_message_bytes=self._limits.max_message_bytes)
+        limit = self._limits.max_message_bytes
+        inbound = _Inbound(self._admission, session.peer.common_name, limit)
         received = 0
         try:
             for chunk in requests:
+                if not session.is_open:
+                    return  # ended (replaced, late hello): drop what else arrives
                 received += len(chunk)
-                decoder.feed(chunk)
-                if decoder.complete:
-                    message = decoder.finish()
-                    decoder = PayloadDecoder(max_message_bytes=self._limits.max_message_bytes)
+                inbound.feed(chunk)
+                if inbound.decoder.complete:
+                    message = inbound.finish()
                     if self._on_bytes is not None:
                         self._on_bytes(0, received)
                     received = 0
                     if not session.registered:
                         # A session counts only once its first message is well formed, so a
                         # malformed stream can never displace the peer's working session.
+                        old = self._claim(name, session)
                         try:
                             handler.opened(session)
                         except PermissionError as exc:
-                            self._rejected(name, "identity")
+                            self._unclaim(name, session, old)
+                            self._rejected(name, "identity", session.peer.common_name)
+                            log.warning(
+                                "Refused the %s session of %s: %s",
+                                name,
+                                session.peer.common_name,
+                                exc,
+                            )
                             session.abort(str(exc), code=grpc.StatusCode.PERMISSION_DENIED)
                             return
                         session.registered = True
+                        if session.hello_timer is not None:
+                            session.hello_timer.cancel()
+                        if old is not None:
+                            # The handler may have closed it already (same identity twice).
+                            log.warning(
+                                "A new %s session of %s replaces its previous one, which is "
+                                "closed.",
+                                name,
+                                session.peer.common_name,
+                            )
+                            old.close()
                     handler.received(session, message)
             if received:
-                decoder.finish()  # raises: the peer half-closed inside a message
+                inbound.finish()  # raises: the peer half-closed inside a message
         except MessageRejected as exc:
-            self._rejected(name, "malformed")
-            log.warning("Closing the %s session of %s: %s", name, session.peer, exc)
+            self._rejected(name, "malformed", session.peer.common_name)
+            log.warning("Closing the %s session of %s: %s", name, session.peer.common_name, exc)
             session.abort(str(exc))
+        except _OverLimit as exc:
+            self._rejected(name, "refused", session.peer.common_name)
+            log.warning("Closing the %s session of %s: %s", name, session.peer.common_name, exc)
+            session.abort(str(exc), code=grpc.StatusCode.RESOURCE_EXHAUSTED)
         except grpc.RpcError:
             pass  # the peer went away; closed() tells the handler
         except Exception as exc:  # a handler bug must not take the server down
-            log.exception("The %s session handler failed for %s.", name, session.peer)
+            log.exception("The %s session handler failed for %s.", name, session.peer.common_name)
             session.abort(f"{type(exc).__name__}: {exc}")
         finally:
+            inbound.release()
             session.close()
 
 
@@ -403,7 +683,8 @@ class SessionHandler(ABC):
     ``opened`` is called when a session's first well-formed message has arrived (just before
     ``received`` is called with it) and ``closed`` once it ends, if it was opened; ``received``
     is called once per inbound message, in order, from that session's reader thread. Sending is
-    ``session.send``.
+    ``session.send``. The server keeps one live session per identity: once a new one is
+    opened, the previous one of the same identity is closed (and ``closed`` follows for it).
     """
 
     @abstractmethod
@@ -436,6 +717,7 @@ class ServerSession:
         self.abort_reason: str | None = None
         self.abort_code = grpc.StatusCode.INVALID_ARGUMENT
         self.registered = False
+        self.hello_timer: threading.Timer | None = None
 
     @property
     def is_open(self) -> bool:
@@ -489,18 +771,36 @@ def _park_key(peer: Identity, method: str, request: bytes) -> tuple[str, str, by
     return peer.common_name, method, hashlib.sha256(request).digest()
 
 
-def _peer_identity(context: grpc.ServicerContext) -> Identity | None:
-    names = context.auth_context().get("x509_common_name") or []
+def _peer_identity(context: grpc.ServicerContext) -> tuple[Identity | None, str]:
+    """Returns the caller's identity, or None and why its certificate names none.
+
+    The common name must parse as an identity and the certificate's URI names must be
+    exactly that identity's URI (grpc reads both from the verified certificate).
+    """
+    auth = context.auth_context()
+    names = auth.get("x509_common_name") or []
     if len(names) != 1:
-        return None
+        return None, f"it has {len(names)} common names, expected one."
     try:
-        return Identity.parse(names[0].decode("utf-8", "replace"))
-    except TransportError:
-        return None
+        identity = Identity.parse(names[0].decode("utf-8", "replace"))
+    except TransportError as exc:
+        return None, str(exc)
+    uris = [uri.decode("utf-8", "replace") for uri in auth.get("peer_uri") or []]
+    if uris != [identity.uri]:
+        return None, (
+            f"its common name says {identity.common_name!r} but its URI names are {uris}, "
+            f"expected exactly [{identity.uri!r}]."
+        )
+    return identity, ""
 
 
 class RpcClient:
-    """A mutual-TLS gRPC client for one peer role.
+    """A mutual-TLS gRPC client for one peer party.
+
+    The peer's certificate is checked against the role name of the party we mean to reach
+    (:attr:`Identity.dns_name`, e.g. ``server.fedcore.invalid``), whatever host or address
+    ``target`` names: only that party's certificate carries it, so no other certificate of
+    the run (a client's, the KDC's) passes as the server, locally as on Kubernetes.
 
     Args:
         target: ``host:port`` of the peer.
@@ -508,7 +808,12 @@ class RpcClient:
         service: the peer's service name, e.g. ``Server`` or ``Kdc``.
         limits: message limits.
         retry: backoff for calls that fail before reaching the peer.
-        server_name: the name the peer's certificate must carry when it differs from the host.
+        peer: the party we mean to reach; default: the role the service is named after
+            (``Server``: the server, ``Kdc``: the KDC).
+        on_bytes: called with (sent, received) byte counts of each call.
+
+    Raises:
+        TransportError: ``peer`` is not given and ``service`` names no role.
     """
 
     def __init__(
@@ -519,12 +824,20 @@ class RpcClient:
         service: str,
         limits: Limits,
         retry: RetryPolicy | None = None,
-        server_name: str | None = None,
+        peer: Identity | None = None,
         on_bytes: Callable[[int, int], None] | None = None,
     ) -> None:
+        if peer is None:
+            try:
+                peer = Identity.parse(service.lower())
+            except TransportError as exc:
+                raise TransportError(
+                    f"The service {service!r} is not named after a role; pass the party to "
+                    "reach as peer=Identity(...)."
+                ) from exc
+        self.peer = peer
         options = limits.channel_options()
-        if server_name:
-            options.append(("grpc.ssl_target_name_override", server_name))
+        options.append(("grpc.ssl_target_name_override", peer.dns_name))
         credentials = grpc.ssl_channel_credentials(
             root_certificates=tls.ca_pem, private_key=tls.key_pem, certificate_chain=tls.cert_pem
         )

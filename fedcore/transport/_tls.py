@@ -20,7 +20,7 @@ from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 from fedcore._files import write_atomically
 from fedcore.errors import TransportError
 
-__all__ = ["Identity", "Role", "RunCa", "TlsBundle", "issue_run_bundles"]
+__all__ = ["ROLE_DOMAIN", "Identity", "Role", "RunCa", "TlsBundle", "issue_run_bundles"]
 
 Role = Literal["server", "kdc", "client", "runner"]
 _ROLES: frozenset[str] = frozenset(get_args(Role))
@@ -30,6 +30,13 @@ _CLOCK_SKEW = datetime.timedelta(minutes=5)
 _CA_FILE = "ca.crt"
 _CERT_FILE = "tls.crt"
 _KEY_FILE = "tls.key"
+ROLE_DOMAIN = "fedcore.invalid"
+"""The domain of every party's role name, ``<common name>.fedcore.invalid``.
+
+A name under ``.invalid`` (RFC 6761) never resolves, so it names a party and never a host: a
+caller checks the peer's certificate against the role name of the party it means to reach
+(``grpc.ssl_target_name_override``), whatever host or address it dials."""
+_URI_PREFIX = f"spiffe://{ROLE_DOMAIN}/"
 
 
 @dataclass(frozen=True)
@@ -162,6 +169,60 @@ class Identity:
     def common_name(self) -> str:
         """The certificate common name: ``server``, ``kdc``, ``runner`` or ``client-<i>``."""
         return f"client-{self.index}" if self.role == "client" else self.role
+
+    @property
+    def dns_name(self) -> str:
+        """The party's role name, e.g. ``server.fedcore.invalid``: only its certificate has it.
+
+        Every caller checks the peer's certificate against this name, so no other party's
+        certificate (each carries only its own role name) passes as this party's.
+        """
+        return f"{self.common_name}.{ROLE_DOMAIN}"
+
+    @property
+    def uri(self) -> str:
+        """The party's URI subject alternative name, ``spiffe://fedcore.invalid/<common name>``.
+
+        A server checks that it names the same party as the certificate's common name.
+        """
+        return f"{_URI_PREFIX}{self.common_name}"
+
+    @classmethod
+    def from_certificate(cls, cert_pem: bytes) -> Identity:
+        """Read the party a certificate names, checking its names agree.
+
+        The common name must parse as an identity, and the certificate's URI subject
+        alternative names must be exactly that identity's :attr:`uri`.
+
+        Args:
+            cert_pem: the PEM-encoded leaf certificate.
+
+        Returns:
+            The identity.
+
+        Raises:
+            TransportError: the certificate is not PEM, has no single common name, or its
+                URI names do not match its common name.
+        """
+        try:
+            certificate = x509.load_pem_x509_certificate(cert_pem)
+        except ValueError as exc:
+            raise TransportError("The peer certificate is not a PEM certificate.") from exc
+        names = certificate.subject.get_attributes_for_oid(NameOID.COMMON_NAME)
+        if len(names) != 1:
+            raise TransportError("The certificate has no single common name.")
+        identity = cls.parse(str(names[0].value))
+        try:
+            sans = certificate.extensions.get_extension_for_class(x509.SubjectAlternativeName)
+            uris = sans.value.get_values_for_type(x509.UniformResourceIdentifier)
+        except x509.ExtensionNotFound:
+            uris = []
+        if uris != [identity.uri]:
+            raise TransportError(
+                f"The certificate of {identity.common_name!r} carries the URI names {uris}, "
+                f"expected exactly [{identity.uri!r}]; its names disagree."
+            )
+        return identity
 
     @classmethod
     def parse(cls, common_name: str) -> Identity:
@@ -326,7 +387,12 @@ class RunCa:
     ) -> TlsBundle:
         """Issue a leaf certificate usable both as TLS server and as TLS client.
 
-        The subject alternative names always include DNS ``localhost`` and IP ``127.0.0.1``.
+        A fedcore party (``common_name`` parses as an :class:`Identity`) gets its role name
+        (:attr:`Identity.dns_name`) as a DNS name and its :attr:`Identity.uri` as a URI name,
+        which no other party's certificate carries; callers check a peer by its role name, and
+        servers check that the URI agrees with the common name. No name is added for free (no
+        ``localhost``, no ``127.0.0.1``): a name every certificate carried would let any of
+        them pass as any party reached under that name.
 
         Args:
             common_name: the subject's common name, e.g. ``client-7``.
@@ -346,16 +412,26 @@ class RunCa:
                 "characters."
             )
         _check_valid_days(valid_days)
+        try:
+            party: Identity | None = Identity.parse(common_name)
+        except TransportError:
+            party = None  # not a party of the run (e.g. a webhook's certificate)
+        role_names = [] if party is None else [party.dns_name]
         names: list[x509.GeneralName] = []
-        for dns_name in dict.fromkeys(["localhost", *dns_names]):
+        for dns_name in dict.fromkeys([*role_names, *dns_names]):
             if not isinstance(dns_name, str) or not dns_name or not dns_name.isascii():
                 raise TransportError(
                     f"The DNS name {dns_name!r} for {common_name!r} must be a non-empty ASCII "
                     "string."
                 )
+            if _is_role_name(dns_name) and (party is None or dns_name.lower() != role_names[0]):
+                raise TransportError(
+                    f"The DNS name {dns_name!r} for {common_name!r} is under {ROLE_DOMAIN!r} "
+                    "but is not its own role name; a certificate carries only its own party's."
+                )
             names.append(x509.DNSName(dns_name))
         addresses: dict[ipaddress.IPv4Address | ipaddress.IPv6Address, None] = {}
-        for text in ["127.0.0.1", *ip_addresses]:
+        for text in ip_addresses:
             try:
                 addresses[ipaddress.ip_address(text)] = None
             except ValueError as exc:
@@ -363,12 +439,14 @@ class RunCa:
                     f"The IP address {text!r} for {common_name!r} is not a valid address."
                 ) from exc
         names.extend(x509.IPAddress(address) for address in addresses)
+        if party is not None:
+            names.append(x509.UniformResourceIdentifier(party.uri))
 
         key = ec.generate_private_key(ec.SECP256R1())
         public_key = key.public_key()
         now = datetime.datetime.now(datetime.UTC)
         ca_not_after = self._certificate.not_valid_after_utc
-        certificate = (
+        builder = (
             x509.CertificateBuilder()
             .subject_name(
                 x509.Name(
@@ -404,14 +482,15 @@ class RunCa:
                 ),
                 critical=False,
             )
-            .add_extension(x509.SubjectAlternativeName(names), critical=False)
             .add_extension(x509.SubjectKeyIdentifier.from_public_key(public_key), critical=False)
             .add_extension(
                 x509.AuthorityKeyIdentifier.from_issuer_public_key(self._private_key.public_key()),
                 critical=False,
             )
-            .sign(self._private_key, hashes.SHA256())
         )
+        if names:  # an outsider's client-only certificate may carry none
+            builder = builder.add_extension(x509.SubjectAlternativeName(names), critical=False)
+        certificate = builder.sign(self._private_key, hashes.SHA256())
         return TlsBundle(
             ca_pem=self._cert_pem,
             cert_pem=certificate.public_bytes(serialization.Encoding.PEM),
@@ -426,6 +505,12 @@ class RunCa:
 def _check_valid_days(valid_days: int) -> None:
     if isinstance(valid_days, bool) or not isinstance(valid_days, int) or valid_days < 1:
         raise TransportError(f"valid_days must be a positive integer, got {valid_days!r}.")
+
+
+def _is_role_name(dns_name: str) -> bool:
+    """Whether ``dns_name`` lies under :data:`ROLE_DOMAIN` (case-insensitively, as TLS does)."""
+    lowered = dns_name.lower().rstrip(".")
+    return lowered == ROLE_DOMAIN or lowered.endswith(f".{ROLE_DOMAIN}")
 
 
 def _ca_common_name(run_name: str) -> str:
@@ -449,7 +534,8 @@ def issue_run_bundles(
     Args:
         run_name: the run's name, written into the CA's common name.
         num_clients: how many client identities to issue (``client-0`` onwards).
-        hosts: extra DNS names per common name, e.g. ``{"server": ["run-server.ns.svc"]}``.
+        hosts: extra DNS names per common name, e.g. ``{"server": ["run-server.ns.svc"]}``;
+            every bundle already carries its party's role name (:attr:`Identity.dns_name`).
 
     Returns:
         The CA and the bundles keyed by common name: ``kdc``, ``server``, ``runner``, then

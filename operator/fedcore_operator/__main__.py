@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import os
 import socket
@@ -83,6 +84,12 @@ def crd(write: bool) -> None:
 )
 @click.option("--lease-name", default="fedcore-operator", show_default=True)
 @click.option(
+    "--ca-namespace",
+    envvar="FEDCORE_OPERATOR_CA_NAMESPACE",
+    default=None,
+    help="Keep the runs' CA Secrets here (default: the lease namespace, the operator's own).",
+)
+@click.option(
     "--webhook-port",
     type=click.IntRange(0, 65535),
     default=0,
@@ -127,6 +134,7 @@ def run(
     leader_election: bool,
     lease_namespace: str,
     lease_name: str,
+    ca_namespace: str | None,
     webhook_port: int,
     webhook_address: str,
     webhook_host: str | None,
@@ -142,7 +150,9 @@ def run(
         config.load_kube_config(config_file=kubeconfig)
     else:
         load_in_cluster()
-    settings = OperatorSettings.from_env()
+    settings = dataclasses.replace(
+        OperatorSettings.from_env(), ca_namespace=ca_namespace or lease_namespace
+    )
     metrics = OperatorMetrics()
     metrics.serve(metrics_port, metrics_address)
     api = client.ApiClient()

@@ -123,13 +123,16 @@ def differs(desired: Any, actual: Any) -> bool:
     """Whether ``actual`` lacks or contradicts anything ``desired`` sets (subset comparison).
 
     Maps compare key by key (keys the API server added are ignored), lists item by item
-    and must have the same length, scalars by equality.
+    and must have the same length (an empty list matches an absent one: the API server
+    omits empty lists, such as a NetworkPolicy's ``ingress: []``), scalars by equality.
     """
     if isinstance(desired, dict):
         if not isinstance(actual, dict):
             return True
         return any(differs(value, actual.get(key)) for key, value in desired.items())
     if isinstance(desired, list):
+        if not desired and actual is None:
+            return False
         if not isinstance(actual, list) or len(actual) != len(desired):
             return True
         return any(differs(want, have) for want, have in zip(desired, actual, strict=True))

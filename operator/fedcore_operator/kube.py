@@ -76,7 +76,8 @@ class Kube:
         return result
 
     def list(self, kind: str, namespace: str, labels: str) -> list[Object]:
-        """Returns every object of ``kind`` in ``namespace`` matching the label selector."""
+        """Returns every object of ``kind`` in ``namespace`` matching the label selector
+        (empty: all)."""
         result = self._call("GET", self._path(kind, namespace), query=[("labelSelector", labels)])
         return list(result.get("items") or [])
 
@@ -104,16 +105,28 @@ class Kube:
         return result
 
     def delete(
-        self, kind: str, namespace: str, name: str, grace_seconds: int | None = None
+        self,
+        kind: str,
+        namespace: str,
+        name: str,
+        grace_seconds: int | None = None,
+        *,
+        uid: str | None = None,
     ) -> bool:
-        """Deletes the object in the background; returns False when it was already gone."""
+        """Deletes the object in the background; returns False when it was already gone.
+
+        With ``uid``, only that very object: one made again under the same name is kept
+        (returns False).
+        """
         body: Object = {"propagationPolicy": "Background"}
         if grace_seconds is not None:
             body["gracePeriodSeconds"] = grace_seconds
+        if uid is not None:
+            body["preconditions"] = {"uid": uid}
         try:
             self._call("DELETE", self._path(kind, namespace, name), body=body)
         except ApiException as exc:
-            if exc.status == 404:
+            if exc.status == 404 or (exc.status == 409 and uid is not None):
                 return False
             raise
         self._on_write("delete")

@@ -2,14 +2,17 @@
 
 Nothing here talks to the API server. Each builder takes a ``RunContext`` and returns the
 object as a plain dict, labelled with the run and owned by it (garbage collection removes
-them all with the run). Certificates are the one random part: the run's CA is made once and
-kept in a Secret; a pod's certificate Secret is issued only when it is missing.
+them all with the run). Certificates and keys are the random part: the run's CA is made once
+and kept in a Secret in the operator's own namespace (never the run's; see ``ca_secret``); a
+pod's certificate Secret is issued only when it is missing; the server's and KDC's checkpoint
+keys (``keys_secret``) are drawn once per run and never replaced.
 """
 
 from __future__ import annotations
 
 import base64
 import copy
+import ipaddress
 import json
 from dataclasses import dataclass
 from typing import Any
@@ -25,8 +28,23 @@ RUN_LABEL = "fedcore.dev/run"
 ROLE_LABEL = "fedcore.dev/role"
 INDEX_LABEL = "fedcore.dev/client-index"
 RESUME_ANNOTATION = "fedcore.dev/resume"
+CA_COMPONENT = "run-ca"
+CA_NAMESPACE_LABEL = "fedcore.dev/run-namespace"
+CA_NAME_LABEL = "fedcore.dev/run-name"
+CA_UID_LABEL = "fedcore.dev/run-uid"
 
 TLS_DIR = "/etc/fedcore/tls"
+KEYS_DIR = "/etc/fedcore/keys"
+KEY_BYTES = 32
+"""A checkpoint key is 32 random bytes, kept as 64 lowercase hex digits (fedcore.checkpoint)."""
+ROLE_KEYS = {
+    "server": ("checkpoint.key", "FEDCORE_CHECKPOINT_KEY_FILE"),
+    "kdc": ("state.key", "FEDCORE_KDC_STATE_KEY_FILE"),
+}
+"""Per role that has one, its key's file name in ``<run>-<role>-keys`` and the variable that
+names it in that role's pod alone (fedcore/checkpoint/_keys.py; docs/operations.md, "On
+Kubernetes (the operator's contract)"). Clients get no key."""
+KEY_FILE_ENVS = frozenset(env for _, env in ROLE_KEYS.values())
 MANIFEST_DIR = "/etc/fedcore/run"
 MANIFEST_FILE = "run.yaml"
 WORK_DIR = "/var/lib/fedcore"
@@ -78,9 +96,34 @@ def tls_secret_name(pod: str) -> str:
     return f"{pod}-tls"
 
 
-def ca_secret_name(run: str) -> str:
-    """The Secret with the run's CA key (read by the operator only)."""
+def keys_secret_name(run: str, role: str) -> str:
+    """``<run>-server-keys`` or ``<run>-kdc-keys``: the role's checkpoint key, its pod's alone."""
+    return f"{run}-{role}-keys"
+
+
+def ca_secret_name(namespace: str, run: str) -> str:
+    """The Secret with the run's CA key, in the operator's namespace (read by it only).
+
+    Neither a namespace nor a run name holds a dot, so the name is unambiguous.
+    """
+    return f"fedcore-ca.{namespace}.{run}"
+
+
+def legacy_ca_secret_name(run: str) -> str:
+    """Where operators before issue 19 kept the CA: ``<run>-ca`` in the run's own namespace.
+
+    A run that still has one gets it moved to ``ca_secret_name`` (``plan.MoveCa``).
+    """
     return f"{run}-ca"
+
+
+def ca_labels() -> dict[str, str]:
+    """The labels every run CA Secret carries, as a selector (``Reconciler.collect_orphans``)."""
+    return {
+        "app.kubernetes.io/name": "fedcore",
+        "app.kubernetes.io/managed-by": MANAGED_BY,
+        "app.kubernetes.io/component": CA_COMPONENT,
+    }
 
 
 def manifest_name(run: str) -> str:
@@ -206,22 +249,84 @@ def pod_identities(ctx: RunContext) -> list[tuple[str, str, int | None]]:
     return identities
 
 
-def ca_secret(ctx: RunContext, ca: RunCa) -> Object:
-    """The Secret with the run's CA certificate and key; no pod mounts it."""
-    ca_cert, ca_key = ca.to_pem()
+def key_roles(ctx: RunContext) -> list[str]:
+    """The roles that get a key Secret: the KDC (when the protocol has one) and the server."""
+    return [role for role in ("kdc", "server") if role != "kdc" or ctx.needs_kdc]
+
+
+def keys_secret(ctx: RunContext, role: str, key_hex: str) -> Object:
+    """The Secret ``<run>-<role>-keys`` holding the role's key ``key_hex`` (64 lowercase hex
+    digits, drawn by the caller: ``secrets.token_hex(KEY_BYTES)``).
+
+    Owned by the run like the pods' certificate Secrets, so it lives exactly as long as the
+    run, across recreated pods and suspensions: a new key would make the run's own
+    checkpoints unreadable. Only that role's pod mounts it (``_pod``).
+
+    Raises:
+        ValueError: ``role`` has no key, or ``key_hex`` is not 64 lowercase hex digits.
+    """
+    if role not in ROLE_KEYS:
+        raise ValueError(f"Role {role!r} has no key Secret.")
+    if len(key_hex) != 2 * KEY_BYTES or set(key_hex) - set("0123456789abcdef"):
+        raise ValueError(f"A key is {2 * KEY_BYTES} lowercase hex digits.")
+    file_name, _ = ROLE_KEYS[role]
     return {
         "apiVersion": "v1",
         "kind": "Secret",
         "type": "Opaque",
-        "metadata": _metadata(ctx, ca_secret_name(ctx.name), run_labels(ctx.name)),
-        "stringData": {"ca.crt": ca_cert.decode(), "ca.key": ca_key.decode()},
+        "metadata": _metadata(ctx, keys_secret_name(ctx.name, role), role_labels(ctx.name, role)),
+        "stringData": {file_name: key_hex},
     }
+
+
+def ca_secret(ctx: RunContext, ca: RunCa) -> Object:
+    """The Secret with the run's CA certificate and key, in the operator's namespace.
+
+    Not in the run's namespace: no run pod, run author or ServiceAccount there can read it
+    (the operator's namespace is one only the operator reads). Owner references cannot cross
+    namespaces, so it has none: the operator deletes it when the run is deleted, and its
+    labels (the run's namespace, name and uid) let it find those whose run is gone.
+    """
+    ca_cert, ca_key = ca.to_pem()
+    return ca_secret_from(ctx, {"ca.crt": ca_cert.decode(), "ca.key": ca_key.decode()})
+
+
+def ca_secret_from(ctx: RunContext, string_data: dict[str, str]) -> Object:
+    """``ca_secret`` with the given ``ca.crt`` and ``ca.key`` (a legacy Secret's, moved)."""
+    return {
+        "apiVersion": "v1",
+        "kind": "Secret",
+        "type": "Opaque",
+        "metadata": {
+            "name": ca_secret_name(ctx.namespace, ctx.name),
+            "namespace": ctx.settings.ca_namespace,
+            "labels": {
+                **ca_labels(),
+                CA_NAMESPACE_LABEL: ctx.namespace,
+                CA_NAME_LABEL: ctx.name,
+                CA_UID_LABEL: ctx.uid,
+            },
+        },
+        "stringData": dict(string_data),
+    }
+
+
+def ca_secret_is_for(secret: Object, uid: str) -> bool:
+    """Whether a CA Secret belongs to the run with ``uid`` (not to a deleted namesake)."""
+    labels = (secret.get("metadata") or {}).get("labels") or {}
+    return bool(labels.get(CA_UID_LABEL) == uid)
+
+
+def ca_pem_of(secret: Object) -> dict[str, str]:
+    """``ca.crt`` and ``ca.key`` of a CA Secret as the API server returns it (base64 data)."""
+    data = secret.get("data") or {}
+    return {key: base64.b64decode(data[key]).decode() for key in ("ca.crt", "ca.key")}
 
 
 def load_ca(secret: Object) -> RunCa:
     """Reads the run's CA back from its Secret (as the API server returns it: base64 data)."""
-    data = secret.get("data") or {}
-    return RunCa.from_pem(base64.b64decode(data["ca.crt"]), base64.b64decode(data["ca.key"]))
+    pem = ca_pem_of(secret)
+    return RunCa.from_pem(pem["ca.crt"].encode(), pem["ca.key"].encode())
 
 
 def pod_tls_secret(
@@ -369,14 +474,26 @@ def network_policies(ctx: RunContext) -> list[Object]:
     Every policy names both directions, so anything not listed is denied: clients reach the
     server and (when there is one) the KDC, and each other only when the protocol is
     decentralized; only the run's clients (and, for ebscfl, its server) reach the KDC; the
-    server reaches the API server (its status) and the checkpoint store; every pod resolves
-    DNS and serves /metrics.
+    server reaches the API server (its status, ``settings.api_cidrs``) and the checkpoint
+    store (``_store_egress``); every pod resolves names at the cluster DNS only
+    (``settings.dns_to``) and serves /metrics to the named scraper only
+    (``settings.metrics_from``; none named: to no one).
     """
     settings = ctx.settings
     dns: dict[str, Any] = {
+        "to": [copy.deepcopy(peer) for peer in settings.dns_to],
         "ports": [{"protocol": "UDP", "port": 53}, {"protocol": "TCP", "port": 53}],
     }
-    metrics_in: dict[str, Any] = {"ports": [{"protocol": "TCP", "port": settings.metrics_port}]}
+    scrapes: list[dict[str, Any]] = (
+        [
+            {
+                "from": [copy.deepcopy(peer) for peer in settings.metrics_from],
+                "ports": [{"protocol": "TCP", "port": settings.metrics_port}],
+            }
+        ]
+        if settings.metrics_from
+        else []
+    )
     clients: dict[str, Any] = {"podSelector": {"matchLabels": selector(ctx.name, "client")}}
 
     def to_role(role: str, port: int) -> dict[str, Any]:
@@ -386,18 +503,18 @@ def network_policies(ctx: RunContext) -> list[Object]:
         }
 
     store = _store_egress(ctx)
-    server_egress = [dns, _anywhere(settings.api_ports), *store]
+    server_egress = [dns, _to_cidrs(settings.api_cidrs, settings.api_ports), *store]
     if ctx.needs_kdc and ctx.server_uses_kdc:  # the server fetches its own keys (ebscfl)
         server_egress.append(to_role("kdc", settings.kdc_port))
     client_egress = [dns, to_role("server", settings.server_port)]
-    client_ingress = [metrics_in]
+    client_ingress = [*scrapes]
     policies = [
         _policy(
             ctx,
             "server",
             ingress=[
                 {"from": [clients], "ports": [{"protocol": "TCP", "port": settings.server_port}]},
-                metrics_in,
+                *scrapes,
             ],
             egress=server_egress,
         )
@@ -416,7 +533,7 @@ def network_policies(ctx: RunContext) -> list[Object]:
                         "from": kdc_callers,
                         "ports": [{"protocol": "TCP", "port": settings.kdc_port}],
                     },
-                    metrics_in,
+                    *scrapes,
                 ],
                 egress=[dns, *store],
             )
@@ -431,23 +548,40 @@ def network_policies(ctx: RunContext) -> list[Object]:
     return policies
 
 
-def _anywhere(ports: tuple[int, ...]) -> dict[str, Any]:
+def _to_cidrs(cidrs: tuple[str, ...], ports: tuple[int, ...]) -> dict[str, Any]:
     return {
-        "to": [{"ipBlock": {"cidr": "0.0.0.0/0"}}, {"ipBlock": {"cidr": "::/0"}}],
+        "to": [{"ipBlock": {"cidr": cidr}} for cidr in cidrs],
         "ports": [{"protocol": "TCP", "port": port} for port in ports],
     }
 
 
 def _store_egress(ctx: RunContext) -> list[dict[str, Any]]:
-    """Egress to the S3 endpoint's port, when checkpoints go to S3."""
+    """Egress to the S3 endpoint, when checkpoints go to S3.
+
+    To the endpoint's own address when it is an IP (a /32 or /128); for a host name (or
+    AWS's default endpoint) to ``settings.s3_to`` when the chart names it (CIDRs, or the
+    selectors of an in-cluster store), else to any address, on the endpoint's port only.
+    """
     s3 = ctx.run.spec.checkpoint.s3
     if s3 is None:
         return []
-    if s3.endpoint is None:
-        return [_anywhere((443,))]
-    url = urlparse(s3.endpoint)
-    port = url.port or (443 if url.scheme == "https" else 80)
-    return [_anywhere((port,))]
+    host: str | None = None
+    port = 443
+    if s3.endpoint is not None:
+        url = urlparse(s3.endpoint)
+        host = url.hostname
+        port = url.port or (443 if url.scheme == "https" else 80)
+    ports = [{"protocol": "TCP", "port": port}]
+    try:
+        address = ipaddress.ip_address(host or "")
+    except ValueError:
+        address = None
+    if address is not None:
+        cidr = f"{address}/{address.max_prefixlen}"
+        return [{"to": [{"ipBlock": {"cidr": cidr}}], "ports": ports}]
+    if ctx.settings.s3_to:
+        return [{"to": [copy.deepcopy(peer) for peer in ctx.settings.s3_to], "ports": ports}]
+    return [_to_cidrs(("0.0.0.0/0", "::/0"), (port,))]
 
 
 def _policy(
@@ -594,6 +728,9 @@ def _pod(
         {"name": "PYTHONDONTWRITEBYTECODE", "value": "1"},
         *({"name": key, "value": value} for key, value in sorted(settings.extra_env.items())),
     ]
+    keys = ROLE_KEYS.get(role)
+    if keys is not None:
+        common_env.append({"name": keys[1], "value": f"{KEYS_DIR}/{keys[0]}"})
     container: dict[str, Any] = {
         "name": CONTAINER,
         "image": placement.image or settings.image,
@@ -619,6 +756,8 @@ def _pod(
             {"name": "tmp", "mountPath": "/tmp"},
         ],
     }
+    if keys is not None:
+        container["volumeMounts"].append({"name": "keys", "mountPath": KEYS_DIR, "readOnly": True})
     # Clients of a decentralized protocol write their own checkpoints.
     writes_checkpoints = role in ("server", "kdc") or (role == "client" and ctx.decentralized)
     if s3 is not None and s3.credentials_secret and writes_checkpoints:
@@ -650,6 +789,16 @@ def _pod(
             {"name": "tmp", "emptyDir": {}},
         ],
     }
+    if keys is not None:
+        # 0440 like the TLS Secret: the kubelet makes the files root-owned with the pod's
+        # fsGroup as group (a 0400 mode gets the group bits added anyway), so uid 10001 reads
+        # them through its fsGroup; no other user of the node can.
+        spec["volumes"].append(
+            {
+                "name": "keys",
+                "secret": {"secretName": keys_secret_name(ctx.name, role), "defaultMode": 0o440},
+            }
+        )
     if placement.node_selector:
         spec["nodeSelector"] = dict(placement.node_selector)
     if placement.tolerations:
@@ -686,15 +835,42 @@ LOCKED_CONTAINER_SECURITY = {
     "privileged": False,
 }
 """Container security settings a podTemplate cannot change."""
+OWNED_POD_FIELDS = ("restartPolicy", "serviceAccountName", "automountServiceAccountToken")
+"""Pod fields the operator sets and a podTemplate cannot change: put back from the built pod."""
+DROPPED_POD_FIELDS = (
+    "hostNetwork",
+    "hostPID",
+    "hostIPC",
+    "nodeName",
+    "serviceAccount",
+    "ephemeralContainers",
+)
+"""Pod fields a podTemplate may not set: dropped (host namespaces, a node that bypasses the
+scheduler, the deprecated ServiceAccount alias, ephemeral containers)."""
+TEMPLATE_VOLUME_KINDS = frozenset(
+    {"emptyDir", "ephemeral", "persistentVolumeClaim", "downwardAPI", "csi"}
+)
+"""Volume kinds a podTemplate may add: those Pod Security ``restricted`` allows, less the
+Secret, ConfigMap and projected volumes the operator alone mounts (each role's own)."""
+CONFINED_PROFILES = ("RuntimeDefault", "Localhost")
+"""seccomp and AppArmor profile types a template may choose (never ``Unconfined``)."""
+PROFILE_ANNOTATIONS = (
+    "container.apparmor.security.beta.kubernetes.io/",
+    "seccomp.security.alpha.kubernetes.io/pod",
+    "container.seccomp.security.alpha.kubernetes.io/",
+)
+"""Annotations that still set AppArmor and seccomp profiles on older clusters."""
 
 
 def apply_pod_template(pod: Object, template: dict[str, Any]) -> Object:
-    """Merges a role's ``podTemplate`` over a built pod; the security settings stay locked.
+    """Merges a role's ``podTemplate`` over a built pod, then re-applies its locks.
 
     Labels and annotations are added (the operator's own labels win), spec fields are set
     (maps merged, lists replaced), containers merge by name (unknown names are added as
-    sidecars), and the pod- and container-level security settings that keep pods non-root
-    with a read-only root filesystem are put back afterwards.
+    sidecars), volumes are added beside the operator's (which keep their names), and then
+    ``lock_pod`` takes back whatever would weaken the pod. Validation refuses such templates
+    already (``fedcore/spec/_pod_security.py``); this is the second line, for whatever gets
+    past it.
     """
     if not template:
         return pod
@@ -705,21 +881,222 @@ def apply_pod_template(pod: Object, template: dict[str, Any]) -> Object:
         merged["metadata"][key] = {**extra, **merged["metadata"].get(key, {})}
     spec_template = copy.deepcopy(template.get("spec") or {})
     containers = spec_template.pop("containers", None)
+    volumes = spec_template.pop("volumes", None)
     merged["spec"] = _merge_maps(merged["spec"], spec_template)
     if containers:
         by_name = {container["name"]: container for container in merged["spec"]["containers"]}
         for override in containers:
+            if not isinstance(override, dict):
+                continue
             name = override.get("name", CONTAINER)
             if name in by_name:
                 by_name[name].update(_merge_maps(by_name[name], override))
             else:
                 merged["spec"]["containers"].append(override)
-    merged["spec"]["securityContext"]["runAsNonRoot"] = True
-    merged["spec"]["restartPolicy"] = "Never"
-    for container in merged["spec"]["containers"]:
-        security = container.setdefault("securityContext", {})
-        security.update(LOCKED_CONTAINER_SECURITY)
-    return merged
+    if isinstance(volumes, list):
+        merged["spec"]["volumes"] = [*merged["spec"].get("volumes", []), *volumes]
+    return lock_pod(merged, pod)
+
+
+def lock_pod(pod: Object, built: Object) -> Object:
+    """``pod`` (``built`` with a template merged over it) with every lock of ``built`` back.
+
+    Host namespaces, ``nodeName``, the deprecated ``serviceAccount`` and ephemeral containers
+    are dropped; the restart policy, ServiceAccount and token mount are the built pod's; the
+    pod's securityContext keeps only non-root ids, group settings and confined profiles over
+    the built one (no sysctls, SELinux or Windows options); the operator's volumes are its own
+    (the server's and KDC's ``keys`` among them; a client has none, and a template's ``secret``
+    volume never stays, so no template gives a pod another role's key), and of the template's
+    only kinds in ``TEMPLATE_VOLUME_KINDS`` under new names stay; every
+    container, init container and sidecar alike gets ``_lock_container``; AppArmor and seccomp
+    annotations that say ``unconfined`` are dropped. Returns a new object.
+    """
+    locked = copy.deepcopy(pod)
+    spec = locked["spec"]
+    base = built["spec"]
+    for key in DROPPED_POD_FIELDS:
+        spec.pop(key, None)
+    for key in OWNED_POD_FIELDS:
+        spec[key] = copy.deepcopy(base[key])
+    spec["securityContext"] = _pod_security(
+        spec.get("securityContext"), base.get("securityContext") or {}
+    )
+    own_volumes = [copy.deepcopy(volume) for volume in base.get("volumes") or []]
+    own_names = {volume["name"] for volume in own_volumes}
+    spec["volumes"] = own_volumes + [
+        volume
+        for volume in spec.get("volumes") or []
+        if isinstance(volume, dict)
+        and volume.get("name") not in own_names
+        and set(volume) - {"name"}
+        and set(volume) - {"name"} <= TEMPLATE_VOLUME_KINDS
+    ]
+    volume_names = {volume["name"] for volume in spec["volumes"]}
+    secrets = _secret_names(built)
+    built_containers = {container["name"]: container for container in base["containers"]}
+    spec["containers"] = [
+        _lock_container(
+            container, volume_names, secrets, built_containers.get(container.get("name"))
+        )
+        for container in spec["containers"]
+        if isinstance(container, dict)
+    ]
+    if "initContainers" in spec:
+        spec["initContainers"] = [
+            _lock_container(container, volume_names, secrets, None)
+            for container in spec["initContainers"] or []
+            if isinstance(container, dict)
+        ]
+        if not spec["initContainers"]:
+            del spec["initContainers"]
+    annotations = locked["metadata"].get("annotations")
+    if annotations:
+        locked["metadata"]["annotations"] = {
+            key: value
+            for key, value in annotations.items()
+            if not (str(key).startswith(PROFILE_ANNOTATIONS) and value == "unconfined")
+        }
+    return locked
+
+
+def _positive_id(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value > 0
+
+
+def _confined(value: Any) -> bool:
+    return isinstance(value, dict) and value.get("type") in CONFINED_PROFILES
+
+
+def _pod_security(given: Any, built: Object) -> Object:
+    """The pod's securityContext: the built one, with only harmless template choices kept."""
+    result = copy.deepcopy(built)
+    given = given if isinstance(given, dict) else {}
+    for key in ("runAsUser", "runAsGroup", "fsGroup"):
+        if _positive_id(given.get(key)):
+            result[key] = given[key]
+    for key in ("seccompProfile", "appArmorProfile"):
+        if _confined(given.get(key)):
+            result[key] = copy.deepcopy(given[key])
+    groups = given.get("supplementalGroups")
+    if isinstance(groups, list) and all(_positive_id(group) for group in groups) and groups:
+        result["supplementalGroups"] = list(groups)
+    if given.get("fsGroupChangePolicy") in ("Always", "OnRootMismatch"):
+        result["fsGroupChangePolicy"] = given["fsGroupChangePolicy"]
+    result["runAsNonRoot"] = True
+    return result
+
+
+def _container_security(given: Any) -> Object:
+    """A container's securityContext: the locks, plus a non-root id or confined profile."""
+    given = given if isinstance(given, dict) else {}
+    result: Object = {}
+    for key in ("runAsUser", "runAsGroup"):
+        if _positive_id(given.get(key)):
+            result[key] = given[key]
+    for key in ("seccompProfile", "appArmorProfile"):
+        if _confined(given.get(key)):
+            result[key] = copy.deepcopy(given[key])
+    result.update(LOCKED_CONTAINER_SECURITY)
+    result["capabilities"] = {"drop": ["ALL"]}
+    return result
+
+
+def _secret_names(pod: Object) -> set[str]:
+    """Every Secret the (built) pod refers to: its own volumes and environment."""
+    spec = pod["spec"]
+    names = {
+        volume["secret"]["secretName"] for volume in spec.get("volumes") or [] if "secret" in volume
+    }
+    for container in spec["containers"]:
+        for item in container.get("envFrom") or []:
+            if "secretRef" in item:
+                names.add(item["secretRef"]["name"])
+        for item in container.get("env") or []:
+            ref = (item.get("valueFrom") or {}).get("secretKeyRef")
+            if ref:
+                names.add(ref["name"])
+    return names
+
+
+def _lock_container(
+    container: Object, volumes: set[str], secrets: set[str], built: Object | None
+) -> Object:
+    """One container with the locks back.
+
+    Its securityContext is ``_container_security``'s; host ports go; environment from a
+    Secret the pod does not own goes (the operator hands each pod its own Secrets only: a
+    client never gets ``<run>-server-keys``); mounts of volumes the pod does not have go; the
+    operator's own container (``built``) keeps its mounts and its key file variable
+    (``KEY_FILE_ENVS``), and the template's extra mounts may not take their paths.
+    """
+    locked = dict(container)
+    locked["securityContext"] = _container_security(container.get("securityContext"))
+    if "ports" in locked:
+        locked["ports"] = [
+            {key: value for key, value in port.items() if key not in ("hostPort", "hostIP")}
+            for port in locked["ports"] or []
+            if isinstance(port, dict)
+        ]
+    if "env" in locked:
+        locked["env"] = [
+            item
+            for item in locked["env"] or []
+            if isinstance(item, dict)
+            and _ref_name(_mapping(item.get("valueFrom")).get("secretKeyRef"), secrets)
+        ]
+    if "envFrom" in locked:
+        locked["envFrom"] = [
+            item
+            for item in locked["envFrom"] or []
+            if isinstance(item, dict) and _ref_name(item.get("secretRef"), secrets)
+        ]
+    if built is not None:
+        _keep_key_env(locked, built)
+    mounts = [
+        mount
+        for mount in locked.get("volumeMounts") or []
+        if isinstance(mount, dict) and mount.get("name") in volumes
+    ]
+    if built is not None:
+        own = [copy.deepcopy(mount) for mount in built.get("volumeMounts") or []]
+        paths = {mount["mountPath"] for mount in own}
+        mounts = own + [mount for mount in mounts if mount.get("mountPath") not in paths]
+    if mounts or "volumeMounts" in locked:
+        locked["volumeMounts"] = mounts
+    if "volumeDevices" in locked:
+        locked["volumeDevices"] = [
+            device
+            for device in locked["volumeDevices"] or []
+            if isinstance(device, dict) and device.get("name") in volumes
+        ]
+    return locked
+
+
+def _keep_key_env(container: Object, built: Object) -> None:
+    """Puts the built container's key file variable back (in place, or appended), so that a
+    template's ``env`` cannot point the role at a key in its work ``emptyDir`` instead: a new
+    key per pod, which would leave a recreated pod unable to read the run's checkpoints."""
+    own = {
+        item["name"]: item for item in built.get("env") or [] if item.get("name") in KEY_FILE_ENVS
+    }
+    if not own:
+        return
+    env = [
+        copy.deepcopy(own[item["name"]]) if item.get("name") in own else item
+        for item in container.get("env") or []
+    ]
+    present = {item.get("name") for item in env}
+    env += [copy.deepcopy(item) for name, item in own.items() if name not in present]
+    container["env"] = env
+
+
+def _ref_name(ref: Any, allowed: set[str]) -> bool:
+    """True when ``ref`` is absent or names a Secret in ``allowed``."""
+    return ref is None or (isinstance(ref, dict) and ref.get("name") in allowed)
+
+
+def _mapping(value: Any) -> Object:
+    return value if isinstance(value, dict) else {}
 
 
 def _merge_maps(base: dict[str, Any], override: dict[str, Any]) -> dict[str, Any]:

@@ -8,9 +8,10 @@ random number, so the same observation always gives the same plan.
 
 The rules it encodes (``fedcore_operator.reconcile`` applies them):
 
-- Missing Secrets, ConfigMap, ServiceAccounts, RBAC, Services and NetworkPolicies are created
-  and drifted fields of the latter (``UPDATABLE``) patched back, then the KDC, server and
-  client pods in that order, each waiting for the one before to be ready.
+- Missing Secrets (pods' certificates, the server's and KDC's keys), ConfigMap,
+  ServiceAccounts, RBAC, Services and NetworkPolicies are created and drifted fields of the
+  latter (``UPDATABLE``) patched back, then the KDC, server and client pods in that order, each
+  waiting for the one before to be ready.
 - A failed pod is deleted at once (grace 0) and recreated in the same pass while the run's
   failed pods stay within ``spec.backoffLimit``; past it the run fails
   (``BackoffLimitExceeded``). A failed server whose own report (``status.outcome``) says the
@@ -23,9 +24,14 @@ The rules it encodes (``fedcore_operator.reconcile`` applies them):
   those of a run that succeeded less than ``finish_grace_seconds`` ago may end on their own.
 - The status is patched only when the operator's part of it changed.
 
-Certificates are the one random part: the plan only says which pods' certificate Secrets are
-missing (``IssueCertificates``); whoever applies it loads the run's CA from its Secret, or
-mints and creates one, and issues them.
+Certificates and keys are the random part: the plan only says which pods' certificate Secrets
+are missing (``IssueCertificates``); whoever applies it loads the run's CA from its Secret in the
+operator's namespace, or mints and creates one, and issues them. Likewise it says which of the
+server's and KDC's checkpoint key Secrets are missing (``IssueKeys``, once per run: one that
+exists is never replaced); the applier draws the keys. A CA Secret still in the run's
+namespace (where operators before issue 19 kept it) is moved there first (``MoveCa``).
+The CA Secrets of deleted runs, which no owner reference can remove across namespaces, are
+found by ``orphaned_ca_secrets``.
 """
 
 from __future__ import annotations
@@ -128,7 +134,8 @@ def manifest_of(body: Object) -> FederatedRun:
 def kinds_to_observe(body: Object) -> tuple[str, ...]:
     """The kinds ``plan`` reads for this run, so a pass lists no more than it needs.
 
-    None for an invalid spec, only ``Pod`` for a finished or suspended run, and for a run
+    None for an invalid spec, ``Pod`` and ``Secret`` (a CA Secret left in the run's
+    namespace is moved out in every phase) for a finished or suspended run, and for a run
     that goes on ``Pod``, ``Secret`` and then ``STATIC_KINDS``.
     """
     try:
@@ -136,7 +143,7 @@ def kinds_to_observe(body: Object) -> tuple[str, ...]:
     except SpecError:
         return ()
     if (body.get("status") or {}).get("phase") in TERMINAL or manifest.spec.suspend:
-        return ("Pod",)
+        return ("Pod", "Secret")
     return ("Pod", "Secret", *STATIC_KINDS)
 
 
@@ -174,19 +181,47 @@ class DeletePod:
 class IssueCertificates:
     """Create the certificate Secrets of these pods, which are missing.
 
-    Not planned purely because keys are random: the applier loads the run's CA from
-    ``ca_secret`` or, when that is None, mints a CA and creates its Secret first
-    (``objects.ca_secret``); then it creates every pod's Secret (``objects.pod_tls_secret``).
+    Not planned purely because keys are random: the applier reads the run's CA Secret
+    ``objects.ca_secret_name`` in ``settings.ca_namespace`` and, when it does not exist or
+    belongs to a deleted namesake (``objects.ca_secret_is_for``), mints a CA and creates its
+    Secret first (``objects.ca_secret``); then it creates every pod's Secret
+    (``objects.pod_tls_secret``).
 
     Attributes:
         context: the run.
         identities: (pod name, certificate common name, client index) of each missing one.
-        ca_secret: the run's CA Secret as listed, or None when it does not exist.
     """
 
     context: objects.RunContext
     identities: tuple[tuple[str, str, int | None], ...]
-    ca_secret: Object | None
+
+
+@dataclass(frozen=True)
+class IssueKeys:
+    """Create the key Secrets (``objects.keys_secret``) of these roles, which are missing.
+
+    Not planned purely because keys are random: the applier draws each key
+    (``secrets.token_hex(objects.KEY_BYTES)``) and creates the Secret. A Secret of that name
+    that exists after all is left as it is: a run's key is never replaced, since its
+    checkpoints are readable only with it.
+
+    Attributes:
+        context: the run.
+        roles: ``server`` and, for protocols with a KDC, ``kdc`` (``objects.key_roles``).
+    """
+
+    context: objects.RunContext
+    roles: tuple[str, ...]
+
+
+@dataclass(frozen=True)
+class MoveCa:
+    """Move the run's CA out of its namespace: copy ``legacy`` (``<run>-ca``, as listed there)
+    into ``objects.ca_secret`` in the operator's namespace (kept if it already exists), then
+    delete ``legacy``. The run keeps its CA, so its pods' certificates stay valid."""
+
+    context: objects.RunContext
+    legacy: Object
 
 
 @dataclass(frozen=True)
@@ -197,7 +232,7 @@ class Note:
     warning: bool = False
 
 
-Step = CreateObjects | PatchObject | DeletePod | IssueCertificates | Note
+Step = CreateObjects | PatchObject | DeletePod | IssueCertificates | IssueKeys | MoveCa | Note
 """One thing to do; a plan's steps run in order."""
 
 
@@ -228,6 +263,34 @@ class Plan:
 def plan(observed: Observed) -> Plan:
     """Decides one reconcile pass over ``observed.body`` (see the module docstring)."""
     return _Planner(observed).run()
+
+
+def orphaned_ca_secrets(
+    ca_secrets: Sequence[Object], runs: Mapping[str, Sequence[Object]]
+) -> list[str]:
+    """The names of the CA Secrets whose run is gone, to delete.
+
+    Args:
+        ca_secrets: the CA Secrets in the operator's namespace, as listed by
+            ``objects.ca_labels`` (listed before ``runs``, so that a run made in between
+            has its CA listed after it, or not at all).
+        runs: the FederatedRuns of each namespace the Secrets name, as listed; a namespace
+            that could not be listed is absent, and its Secrets are kept (nothing is deleted
+            on a guess).
+
+    A Secret is an orphan when its namespace was listed and holds no run of its name and uid
+    (a run deleted and made again under the same name is another run).
+    """
+    orphans = []
+    for secret in ca_secrets:
+        labels = secret["metadata"].get("labels") or {}
+        namespace = str(labels.get(objects.CA_NAMESPACE_LABEL) or "")
+        if namespace not in runs:
+            continue
+        alive = {(run["metadata"]["name"], run["metadata"].get("uid")) for run in runs[namespace]}
+        if (labels.get(objects.CA_NAME_LABEL), labels.get(objects.CA_UID_LABEL)) not in alive:
+            orphans.append(secret["metadata"]["name"])
+    return sorted(orphans)
 
 
 # ---------------------------------------------------------------------------------- planner
@@ -274,6 +337,7 @@ class _Planner:
         self.status["progress"] = f"{self.old.get('round') or 0}/{spec.rounds}"
         self.status.setdefault("restarts", 0)
         self.status.setdefault("startTime", self.now)
+        self._move_legacy_ca()
 
         if self.old.get("phase") in TERMINAL:
             self._remove_pods(keep_finished=True, spare_running=self._in_finish_grace())
@@ -317,6 +381,34 @@ class _Planner:
         if items:
             self.steps.append(CreateObjects(tuple(items)))
 
+    def _move_legacy_ca(self) -> None:
+        """Moves ``<run>-ca`` out of the run's namespace when it is the run's own CA.
+
+        Only a Secret owned by this run whose certificate is the one every issued pod
+        Secret carries is taken: anyone else's Secret of that name is left alone, never
+        trusted as the run's CA.
+        """
+        listed = self._listed("Secret")
+        legacy = listed.get(objects.legacy_ca_secret_name(self.name))
+        if legacy is None:
+            return
+        owners = {ref.get("uid") for ref in legacy["metadata"].get("ownerReferences") or []}
+        ca_crt = (legacy.get("data") or {}).get("ca.crt")
+        issued = [
+            listed[name]
+            for name in (
+                objects.tls_secret_name(pod) for pod, _, _ in objects.pod_identities(self.ctx)
+            )
+            if name in listed
+        ]
+        if (
+            self.uid in owners
+            and ca_crt
+            and issued
+            and all((secret.get("data") or {}).get("ca.crt") == ca_crt for secret in issued)
+        ):
+            self.steps.append(MoveCa(self.ctx, legacy))
+
     def _ensure_secrets(self) -> None:
         existing = self._listed("Secret")
         wanted = tuple(
@@ -325,8 +417,14 @@ class _Planner:
             if objects.tls_secret_name(pod) not in existing
         )
         if wanted:
-            ca = existing.get(objects.ca_secret_name(self.name))
-            self.steps.append(IssueCertificates(self.ctx, wanted, ca))
+            self.steps.append(IssueCertificates(self.ctx, wanted))
+        keys = tuple(
+            role
+            for role in objects.key_roles(self.ctx)
+            if objects.keys_secret_name(self.name, role) not in existing
+        )
+        if keys:
+            self.steps.append(IssueKeys(self.ctx, keys))
 
     def _ensure_static(self) -> None:
         listed = {kind: self._listed(kind) for kind in STATIC_KINDS}

@@ -8,17 +8,25 @@ status patch, written only when the operator's part of the status changed. A pas
 that needs nothing writes nothing. The rules themselves live in ``fedcore_operator.plan``.
 
 Certificates are minted here, not planned: keys are random, so an ``IssueCertificates`` step
-loads the run's CA from its Secret (or generates one and creates its Secret first) and issues
-the missing pods' certificate Secrets.
+loads the run's CA from its Secret in the operator's namespace (or generates one and creates
+its Secret first) and issues the missing pods' certificate Secrets. That Secret has no owner
+reference (none can cross namespaces): ``forget`` deletes it when the run is deleted, and
+``collect_orphans`` deletes those whose run went while no operator watched. Likewise an
+``IssueKeys`` step draws the missing checkpoint keys and creates their Secrets (one that exists
+is never replaced).
 """
 
 from __future__ import annotations
 
 import datetime
 import logging
+from collections.abc import Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
+from secrets import token_hex
 from typing import Any
+
+from kubernetes.client.exceptions import ApiException
 
 from fedcore.transport import RunCa
 from fedcore_operator import objects
@@ -27,12 +35,15 @@ from fedcore_operator.plan import (
     CreateObjects,
     DeletePod,
     IssueCertificates,
+    IssueKeys,
+    MoveCa,
     Note,
     Observed,
     PatchObject,
     Step,
     kinds_to_observe,
     manifest_of,
+    orphaned_ca_secrets,
     plan,
 )
 from fedcore_operator.settings import OperatorSettings
@@ -113,6 +124,17 @@ class Reconciler:
                 outcome.actions.append(f"deleted Pod/{step.name}")
         elif isinstance(step, IssueCertificates):
             self._issue_certificates(step, outcome)
+        elif isinstance(step, IssueKeys):
+            ctx = step.context
+            self._create_all(
+                [
+                    objects.keys_secret(ctx, role, token_hex(objects.KEY_BYTES))
+                    for role in step.roles
+                ],
+                outcome,
+            )
+        elif isinstance(step, MoveCa):
+            self._move_ca(step, namespace, outcome)
         elif isinstance(step, Note):
             if step.warning:
                 log.warning("%s", step.text)
@@ -134,12 +156,7 @@ class Reconciler:
     def _issue_certificates(self, step: IssueCertificates, outcome: Outcome) -> None:
         """Loads or mints the run's CA, then creates the missing pods' certificate Secrets."""
         ctx = step.context
-        ca: RunCa
-        if step.ca_secret is not None:
-            ca = objects.load_ca(step.ca_secret)
-        else:
-            ca = RunCa.generate(ctx.name)
-            self._create_all([objects.ca_secret(ctx, ca)], outcome)
+        ca = self._run_ca(ctx, outcome)
         self._create_all(
             [
                 objects.pod_tls_secret(ctx, ca, pod, common_name, index)
@@ -147,3 +164,90 @@ class Reconciler:
             ],
             outcome,
         )
+
+    def _run_ca(self, ctx: objects.RunContext, outcome: Outcome) -> RunCa:
+        """The run's CA from its Secret in the operator's namespace, made when missing.
+
+        A Secret of that name left by a deleted run of the same name is replaced.
+        """
+        where = ctx.settings.ca_namespace
+        name = objects.ca_secret_name(ctx.namespace, ctx.name)
+        for _ in range(3):
+            secret = self.kube.get("Secret", where, name)
+            if secret is not None and objects.ca_secret_is_for(secret, ctx.uid):
+                return objects.load_ca(secret)
+            if secret is not None:
+                uid = secret["metadata"]["uid"]
+                if self.kube.delete("Secret", where, name, uid=uid):
+                    outcome.writes += 1
+                    outcome.actions.append(f"deleted Secret/{name} of an earlier run")
+            ca = RunCa.generate(ctx.name)
+            if self.kube.create(objects.ca_secret(ctx, ca)) is not None:
+                outcome.writes += 1
+                outcome.actions.append(f"created Secret/{name} in {where}")
+                return ca
+        raise RuntimeError(f"Secret {where}/{name} keeps changing; the next pass retries.")
+
+    def _move_ca(self, step: MoveCa, namespace: str, outcome: Outcome) -> None:
+        """Copies a CA Secret left in the run's namespace to the operator's, then deletes it."""
+        ctx = step.context
+        moved = objects.ca_secret_from(ctx, objects.ca_pem_of(step.legacy))
+        where, name = moved["metadata"]["namespace"], moved["metadata"]["name"]
+        existing = self.kube.get("Secret", where, name)
+        if existing is not None and not objects.ca_secret_is_for(existing, ctx.uid):
+            # A deleted namesake's, not yet collected: this run's own CA takes its place.
+            self.kube.delete("Secret", where, name, uid=existing["metadata"]["uid"])
+            existing = None
+        if existing is None and self.kube.create(moved) is None:
+            raise RuntimeError(f"Secret {where}/{name} keeps changing; the next pass retries.")
+        if existing is None:
+            outcome.writes += 1
+        legacy = step.legacy["metadata"]
+        if self.kube.delete("Secret", namespace, legacy["name"], uid=legacy.get("uid")):
+            outcome.writes += 1
+            outcome.actions.append(
+                f"moved Secret/{legacy['name']} to {ctx.settings.ca_namespace}/"
+                f"{moved['metadata']['name']}"
+            )
+
+    # ------------------------------------------------------------------ CA custody
+
+    def forget(self, namespace: str, name: str, uid: str | None) -> bool:
+        """Deletes the CA Secret of the deleted run ``namespace/name`` (with ``uid``).
+
+        Returns whether it deleted one; a Secret of a newer run of that name is kept.
+        """
+        where = self.settings.ca_namespace
+        secret_name = objects.ca_secret_name(namespace, name)
+        secret = self.kube.get("Secret", where, secret_name)
+        if secret is None or (uid is not None and not objects.ca_secret_is_for(secret, uid)):
+            return False
+        return self.kube.delete("Secret", where, secret_name, uid=secret["metadata"]["uid"])
+
+    def collect_orphans(self) -> list[str]:
+        """Deletes the CA Secrets whose run is gone (``plan.orphaned_ca_secrets``); their names.
+
+        Namespaces whose runs cannot be listed (not watched, forbidden) are skipped.
+        """
+        where = self.settings.ca_namespace
+        selector = objects.label_selector(objects.ca_labels())
+        secrets = self.kube.list("Secret", where, selector)
+        runs: dict[str, Sequence[Object]] = {}
+        for namespace in sorted(
+            {
+                (secret["metadata"].get("labels") or {}).get(objects.CA_NAMESPACE_LABEL, "")
+                for secret in secrets
+            }
+            - {""}
+        ):
+            try:
+                runs[namespace] = self.kube.list("FederatedRun", namespace, "")
+            except ApiException as exc:
+                log.warning("Cannot list FederatedRuns in %s (%s); skipped.", namespace, exc.reason)
+        by_name: Mapping[str, Object] = {item["metadata"]["name"]: item for item in secrets}
+        deleted = []
+        for orphan in orphaned_ca_secrets(secrets, runs):
+            uid = by_name[orphan]["metadata"].get("uid")
+            if self.kube.delete("Secret", where, orphan, uid=uid):
+                deleted.append(orphan)
+        return deleted

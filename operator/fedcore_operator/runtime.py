@@ -3,8 +3,10 @@
 kopf delivers raw watch events (no handler state is written into the objects): a change to a
 FederatedRun, or to a pod it owns, marks that run dirty, and one worker per run reconciles it
 (several triggers while a pass runs cause one more pass, not many). Every run is also
-reconciled every ``resync_seconds`` (deadlines, missed events). The validating webhook is
-served by kopf on the same loop.
+reconciled every ``resync_seconds`` (deadlines, missed events). A run's deletion deletes its
+CA Secret in the operator's namespace (no owner reference reaches there), and every
+``resync_seconds`` the CA Secrets of runs deleted while no operator watched are collected.
+The validating webhook is served by kopf on the same loop.
 """
 
 from __future__ import annotations
@@ -64,6 +66,7 @@ class RunQueue:
         self._workers: dict[Key, asyncio.Task[None]] = {}
         self.known: set[Key] = set()
         self.resyncer: asyncio.Task[None] | None = None
+        self.collector: asyncio.Task[None] | None = None
 
     def trigger(self, key: Key) -> None:
         """Marks ``key`` for a reconcile pass soon."""
@@ -136,6 +139,7 @@ def build_registry(
             )
             settings.admission.managed = webhook.managed
         queue.resyncer = asyncio.create_task(queue.resync(resync_seconds))
+        queue.collector = asyncio.create_task(collect_orphans(reconciler, resync_seconds))
 
     @kopf.on.login(registry=registry)
     def login(**_: Any) -> kopf.ConnectionInfo:
@@ -146,8 +150,17 @@ def build_registry(
         key = (kwargs["namespace"], kwargs["name"])
         if kwargs["event"].get("type") == "DELETED":
             queue.forget(key)
+            uid = (kwargs.get("body") or {}).get("metadata", {}).get("uid")
+            await forget_ca(key, uid)
             return
         queue.trigger(key)
+
+    async def forget_ca(key: Key, uid: str | None) -> None:
+        try:
+            if await asyncio.to_thread(reconciler.forget, key[0], key[1], uid):
+                log.info("%s/%s: deleted its CA Secret (the run was deleted)", *key)
+        except Exception:
+            log.exception("Deleting the CA Secret of %s/%s failed; collected later.", *key)
 
     @kopf.on.event(
         "v1", "pods", labels={"app.kubernetes.io/managed-by": objects.MANAGED_BY}, registry=registry
@@ -178,6 +191,17 @@ def build_registry(
                 raise kopf.AdmissionError("; ".join(problems), code=422)
 
     return registry
+
+
+async def collect_orphans(reconciler: Reconciler, seconds: float) -> None:
+    """Deletes the CA Secrets of deleted runs now and every ``seconds``, forever."""
+    while True:
+        try:
+            for name in await asyncio.to_thread(reconciler.collect_orphans):
+                log.info("Deleted the CA Secret %s: its run is gone.", name)
+        except Exception:
+            log.exception("Collecting the CA Secrets of deleted runs failed; retried later.")
+        await asyncio.sleep(seconds)
 
 
 def connection_info() -> kopf.ConnectionInfo:

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 from safetensors.numpy import load_file
 
-from fedcore.checkpoint import kdc_checkpointer, open_store
+from fedcore.checkpoint import kdc_checkpointer, open_store, read_key
 from fedcore.learning.poisoning import attackers
 from fedcore.local.runner import LocalRun
 from fedcore.protocols.ebscfl.protocol import (
@@ -68,7 +68,6 @@ def test_the_kdc_role_hands_each_party_only_its_own_keys_over_mutual_tls(tmp_pat
             bundles[identity],
             service="Kdc",
             limits=Limits(),
-            server_name="localhost",
         ) as rpc:
             return rpc.call(method, payload, timeout=60.0)
 
@@ -191,6 +190,7 @@ def test_kdc_killed_mid_run_resumes_from_its_checkpoint_and_the_run_finishes(
         ebscfl.spec.checkpoint,
         run="e2e",
         fingerprint=spec_fingerprint(ebscfl),
+        key=read_key(work / "keys" / "kdc-state.key"),  # the KDC's own, from the run folder
     ).load_latest()
     assert state is not None and state[1]["protocol"]["open"]["round"] == total
     released = load_file(str(work / "model.safetensors"))

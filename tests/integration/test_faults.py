@@ -17,7 +17,13 @@ import numpy as np
 import pytest
 from safetensors.numpy import load_file
 
-from fedcore.checkpoint import Checkpointer, S3ObjectStore, kdc_checkpointer, open_store
+from fedcore.checkpoint import (
+    Checkpointer,
+    S3ObjectStore,
+    kdc_checkpointer,
+    open_store,
+    read_key,
+)
 from fedcore.errors import RoleFailed, RunAborted
 from fedcore.learning.data import dataset_info
 from fedcore.learning.models import build_model, get_weights
@@ -303,6 +309,7 @@ def test_kdc_killed_mid_run_restarts_from_its_checkpoint_and_the_run_finishes(
         mpdp_run.spec.checkpoint,
         run="e2e",
         fingerprint=spec_fingerprint(mpdp_run),
+        key=read_key(work / "keys" / "kdc-state.key"),  # the KDC's own, from the run folder
     ).load_latest()
     assert state is not None and len(state[1]["protocol"]["public_keys"]) == 3
     released = load_file(str(work / "model.safetensors"))
@@ -357,9 +364,11 @@ def metric(port: int, name: str) -> float:
     return float(found.group(1)) if found else 0.0
 
 
-def s3_checkpointer(s3: S3Server, prefix: str, run: FederatedRun) -> Checkpointer:
+def s3_checkpointer(s3: S3Server, prefix: str, run: FederatedRun, work: Path) -> Checkpointer:
+    """The server's checkpoints of the run in ``work`` (signed with its key there)."""
     store = S3ObjectStore(BUCKET, prefix=prefix, endpoint=s3.endpoint, client=s3.client())
-    return Checkpointer(store, run="e2e", fingerprint=spec_fingerprint(run), keep_last=3)
+    key = read_key(work / "keys" / "checkpoint.key")
+    return Checkpointer(store, run="e2e", fingerprint=spec_fingerprint(run), keep_last=3, key=key)
 
 
 def resume_to(tmp_path: Path, rounds: int, checkpoint: dict[str, Any], work: Path) -> Path:
@@ -404,12 +413,17 @@ def test_s3_down_30_seconds_mid_run_is_ridden_out_counted_and_resume_still_works
     assert result.phase == "Succeeded" and result.restarts == {}
     assert failures >= 1
     assert sorted(e["round"] for e in events if e["event"] == "checkpoint") == list(range(1, 9))
-    checkpointer = s3_checkpointer(s3, "e2e/outage", load_manifest(manifest))
+    checkpointer = s3_checkpointer(s3, "e2e/outage", load_manifest(manifest), work)
     assert checkpointer.rounds() == [6, 7, 8]
     for round_ in checkpointer.rounds():
         checkpointer.load(round_)  # every part passes its checksum
     folders = {key.split("/")[0] for key in checkpointer.store.list("")}
-    assert folders == {"round-00000006", "round-00000007", "round-00000008"}  # no leftovers
+    assert folders == {  # no leftovers
+        "latest-round.json",
+        "round-00000006",
+        "round-00000007",
+        "round-00000008",
+    }
     released = load_file(str(work / "model.safetensors"))
     assert models_equal(released, simulate(load_manifest(manifest)).weights)
     # ...and a resume from the last checkpoint goes on to the same model as a 9-round run.
@@ -448,7 +462,7 @@ def test_s3_down_past_retry_seconds_fails_the_run_clearly_and_resume_continues(
     events = events_of(run.events_path)
     saved = [e["round"] for e in events if e["event"] == "checkpoint"]
     assert events[-1]["event"] == "failed" and events[-1]["round"] == saved[-1] + 1
-    checkpointer = s3_checkpointer(s3, "e2e/exhausted", load_manifest(manifest))
+    checkpointer = s3_checkpointer(s3, "e2e/exhausted", load_manifest(manifest), work)
     assert checkpointer.rounds() == saved[-3:]
     for round_ in checkpointer.rounds():
         checkpointer.load(round_)

@@ -15,7 +15,8 @@ import grpc
 import numpy as np
 import pytest
 
-from fedcore.errors import FedcoreError
+from fedcore.checkpoint import KDC_STATE_KEY_ENV, CheckpointKeyError
+from fedcore.errors import FedcoreError, RunAborted
 from fedcore.protocols import KdcProtocol
 from fedcore.protocols._base import check_state_kind
 from fedcore.roles._common import RoleConfig
@@ -102,7 +103,6 @@ class KdcUnderTest:
             bundle,
             service="Kdc",
             limits=Limits(),
-            server_name="localhost",
             **kwargs,
         )
 
@@ -211,7 +211,7 @@ def test_issue_keys_garbage_bytes_are_invalid_argument_and_kdc_keeps_serving(
     # Prepare
     bundle = kdc.bundles["client-1"]
     credentials = grpc.ssl_channel_credentials(bundle.ca_pem, bundle.key_pem, bundle.cert_pem)
-    options = [("grpc.ssl_target_name_override", "localhost")]
+    options = [("grpc.ssl_target_name_override", "kdc.fedcore.invalid")]
     # Execute
     with grpc.secure_channel(f"127.0.0.1:{kdc.port}", credentials, options=options) as channel:
         call = channel.stream_stream("/fedcore.v1.Kdc/IssueKeys")(
@@ -234,7 +234,6 @@ def test_issue_keys_certificate_of_another_ca_is_unavailable(kdc: KdcUnderTest) 
         service="Kdc",
         limits=Limits(),
         retry=RetryPolicy(total_seconds=1),
-        server_name="localhost",
     )
     # Execute
     with intruder, pytest.raises(RemoteError) as refused:
@@ -338,6 +337,7 @@ def test_kdc_restarted_with_resume_serves_its_checkpointed_state_and_without_for
     # The fresh KDC's state is numbered after the old one, so a later resume finds it.
     assert [e["version"] for e in events if e["event"] == "checkpoint"] == [1, 2]
     assert sorted(p.name for p in (tmp_path / "checkpoints" / "kdc").iterdir()) == [
+        "latest-version.json",
         "version-00000001",
         "version-00000002",
     ]
@@ -368,3 +368,61 @@ def test_mpdp_kdc_saves_a_registration_before_answering_it(tmp_path: Path) -> No
     assert saved[1]["protocol"]["public_keys"] == {"0": key.tobytes().hex()}
     assert restarted.protocol.state_dict()["session"] == session
     assert restarted.protocol.state_dict()["public_keys"] == {"0": key.tobytes().hex()}
+
+
+def test_kdc_state_in_the_store_is_encrypted_under_a_key_only_the_kdc_holds(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Prepare
+    monkeypatch.delenv(KDC_STATE_KEY_ENV, raising=False)
+    secret = b"the KDC master secret"
+    # Execute
+    kdc, _ = start_kdc(tmp_path, PairwiseSeeds(2, secret), resume=False)
+    kdc.stop()
+    stored = b"".join(p.read_bytes() for p in (tmp_path / "checkpoints").rglob("*") if p.is_file())
+    key_file = tmp_path / "keys" / "kdc-state.key"
+    manifest = json.loads(
+        (tmp_path / "checkpoints" / "kdc" / "version-00000001" / "MANIFEST.json").read_text()
+    )
+    # Assert
+    assert secret not in stored and secret.hex().encode() not in stored
+    assert b"pairwise-seeds" not in stored  # the state's JSON is ciphertext too
+    assert manifest["encryption"] == "AES-256-GCM" and manifest["version"] == 2
+    assert oct(key_file.stat().st_mode & 0o777) == "0o600"
+    assert key_file.read_text().strip() not in stored.decode("latin-1")
+
+
+def test_kdc_resume_refuses_a_tampered_state_and_does_not_start(tmp_path: Path) -> None:
+    # Prepare: version 1 saved, then its encrypted state replaced by other bytes.
+    first, _ = start_kdc(tmp_path, PairwiseSeeds(2, b"secret A"), resume=False)
+    first.stop()
+    part = tmp_path / "checkpoints" / "kdc" / "version-00000001" / "state.json"
+    part.write_bytes(bytes(len(part.read_bytes())))
+    # Execute
+    with pytest.raises(RunAborted) as refused:
+        start_kdc(tmp_path, PairwiseSeeds(2, b"secret B"), resume=True)
+    # Assert
+    assert refused.value.reason == "CheckpointInvalid"
+    assert str(refused.value).startswith(
+        "The KDC does not start: its state cannot be resumed: The checkpoint of version 1"
+    )
+    assert "its part state.json fails its checksum (sha256)" in str(refused.value)
+    events = [json.loads(line) for line in (tmp_path / "events.jsonl").read_text().splitlines()]
+    assert [e["reason"] for e in events if e["event"] == "failed"] == ["CheckpointInvalid"]
+
+
+def test_kdc_with_a_malformed_state_key_fails_at_start_up_naming_it(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Prepare
+    key_file = tmp_path / "state.key"
+    key_file.write_text("not a key\n")
+    monkeypatch.setenv(KDC_STATE_KEY_ENV, str(key_file))
+    # Execute
+    with pytest.raises(CheckpointKeyError) as refused:
+        start_kdc(tmp_path, PairwiseSeeds(2, b"secret A"), resume=False)
+    # Assert
+    assert str(refused.value).startswith(
+        f"The KDC state key ({KDC_STATE_KEY_ENV}) file {key_file} is malformed"
+    )
+    assert not (tmp_path / "checkpoints").exists()

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 from safetensors.numpy import load_file
 
-from fedcore.checkpoint import Checkpointer, LocalObjectStore
+from fedcore.checkpoint import Checkpointer, LocalObjectStore, read_key
 from fedcore.errors import RoleFailed, RunAborted
 from fedcore.local.runner import LocalRun
 from fedcore.simulation import simulate
@@ -87,7 +87,10 @@ def test_run_writes_checkpoints_every_k_rounds(finished_run: dict) -> None:
     # Execute
     from fedcore.roles._common import spec_fingerprint
 
-    checkpointer = Checkpointer(store, run="e2e", fingerprint=spec_fingerprint(run), keep_last=3)
+    key = read_key(finished_run["folder"] / "work" / "keys" / "checkpoint.key")
+    checkpointer = Checkpointer(
+        store, run="e2e", fingerprint=spec_fingerprint(run), keep_last=3, key=key
+    )
     rounds = checkpointer.rounds()
     _, state = checkpointer.load_latest() or (None, {})
     # Assert
@@ -217,7 +220,7 @@ def raw_session_call(target: str, bundle: TlsBundle, chunks: list[bytes]) -> grp
     """Sends raw chunks on the server's Session method; returns the status it ends with."""
     credentials = grpc.ssl_channel_credentials(bundle.ca_pem, bundle.key_pem, bundle.cert_pem)
     with grpc.secure_channel(
-        target, credentials, options=[("grpc.ssl_target_name_override", "localhost")]
+        target, credentials, options=[("grpc.ssl_target_name_override", "server.fedcore.invalid")]
     ) as channel:
         call = channel.stream_stream("/fedcore.v1.Server/Session")(iter(chunks), timeout=60)
         try:
@@ -258,7 +261,6 @@ def test_hostile_peers_are_refused_and_the_run_goes_on(tmp_path: Path) -> None:
                 service="Server",
                 limits=Limits(),
                 retry=RetryPolicy(total_seconds=1),
-                server_name="localhost",
             ) as intruder,
             pytest.raises(RemoteError) as refused,
         ):

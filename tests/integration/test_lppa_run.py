@@ -214,8 +214,6 @@ def test_the_coordinator_never_receives_a_model_tensor(tmp_path: Path) -> None:
                     str(i),
                     "--server",
                     f"127.0.0.1:{server.rpc.port}",
-                    "--server-name",
-                    "localhost",
                     *peers[i],
                 ],
                 stdout=log,

@@ -68,7 +68,7 @@ def test_quickstart_releases_model_and_keeps_last_three_checkpoints(
     checkpoints = work / "checkpoints"
     # Execute
     model = load_file(str(work / "model.safetensors"))
-    folders = sorted(path.name for path in checkpoints.iterdir())
+    folders = sorted(path.name for path in checkpoints.iterdir() if path.is_dir())
     published = [
         json.loads((checkpoints / name / "MANIFEST.json").read_text(encoding="utf-8"))
         for name in folders
@@ -76,6 +76,7 @@ def test_quickstart_releases_model_and_keeps_last_three_checkpoints(
     # Assert
     assert model and all(array.size > 0 for array in model.values())
     assert folders == ["round-00000010", "round-00000015", "round-00000020"]
+    assert json.loads((checkpoints / "latest-round.json").read_text())["round"] == 20
     assert [manifest["round"] for manifest in published] == [10, 15, 20]
     assert all(manifest["run"] == "digits-fedavg" for manifest in published)
 
@@ -107,6 +108,7 @@ def test_run_spawn_exec_tiny_manifest_succeeds(tmp_path: Path) -> None:
     assert 0.0 < summary["accuracy"] <= 1.0
     assert (work / "model.safetensors").exists()
     assert sorted(path.name for path in (work / "checkpoints").iterdir()) == [
+        "latest-round.json",
         "round-00000001",
         "round-00000002",
     ]

@@ -119,7 +119,9 @@ class Pki:
     bundles: dict[str, TlsBundle]
 
 
-def _start_server(bundle: TlsBundle, address: str = "127.0.0.1:0") -> Running:
+def _start_server(
+    bundle: TlsBundle, address: str = "127.0.0.1:0", limits: Limits = SERVER_LIMITS
+) -> Running:
     service = Service()
     sessions = EchoSessions()
     server = RpcServer(
@@ -127,10 +129,10 @@ def _start_server(bundle: TlsBundle, address: str = "127.0.0.1:0") -> Running:
         bundle,
         service.handlers(),
         service=SERVICE,
-        limits=SERVER_LIMITS,
+        limits=limits,
         sessions={"Session": sessions},
-        max_workers=8,
-        on_rejected=lambda method, reason: service.rejected.append((method, reason)),
+        max_workers=limits.workers(2),
+        on_rejected=lambda method, reason, sender: service.rejected.append((method, reason)),
         on_bytes=lambda sent, received: service.transferred.append((sent, received)),
     )
     server.start()
@@ -150,7 +152,7 @@ def _client(
         service=SERVICE,
         limits=CLIENT_LIMITS,
         retry=retry,
-        server_name="localhost",
+        peer=Identity("server"),
         on_bytes=on_bytes,
     )
 
@@ -162,7 +164,7 @@ def _raw_channel(target: str, bundle: TlsBundle) -> grpc.Channel:
         certificate_chain=bundle.cert_pem,
     )
     return grpc.secure_channel(
-        target, credentials, options=[("grpc.ssl_target_name_override", "localhost")]
+        target, credentials, options=[("grpc.ssl_target_name_override", "server.fedcore.invalid")]
     )
 
 
@@ -495,7 +497,7 @@ def test_rpc_idle_session_survives_its_keepalive_pings(pki: Pki) -> None:
         pki.bundles["client-1"],
         service=SERVICE,
         limits=limits,
-        server_name="localhost",
+        peer=Identity("server"),
     )
     session = client.open_session("Session")
     try:
@@ -581,3 +583,160 @@ def test_rpc_callbacks_count_bytes_and_rejections(
     assert any(sent > size and received > size for sent, received in server_bytes)
     assert any(sent == 0 and received > size for sent, received in server_bytes)
     assert running.service.rejected == [("Echo", "malformed")]
+
+
+# ------------------------------------------------- connections that cannot starve others
+
+
+class IdleStreams:
+    """Raw Session streams that authenticate and then never send a byte (until released)."""
+
+    def __init__(self, channel: grpc.Channel, count: int) -> None:
+        self._release = threading.Event()
+        self.ended = threading.Semaphore(0)
+        self.calls = [channel.stream_stream(SESSION)(self._silence()) for _ in range(count)]
+        for call in self.calls:
+            call.add_done_callback(lambda _: self.ended.release())
+
+    def _silence(self) -> Iterator[bytes]:
+        self._release.wait(TIMEOUT * 4)
+        return
+        yield b""  # a generator that sends nothing
+
+    def wait_ended(self, count: int) -> None:
+        """Waits (bounded) until ``count`` of the streams have ended."""
+        for _ in range(count):
+            assert self.ended.acquire(timeout=TIMEOUT), "a stream did not end"
+
+    def codes(self) -> list[grpc.StatusCode]:
+        return sorted((call.code() for call in self.calls if call.done()), key=str)
+
+    def close(self) -> None:
+        self._release.set()
+        for call in self.calls:
+            call.cancel()
+
+
+def test_rpc_server_refuses_streams_over_an_identitys_share_at_once(pki: Pki) -> None:
+    # Prepare: each identity may hold 2 calls; client-0 opens 6 idle Session streams
+    limits = Limits(
+        chunk_bytes=CHUNK_BYTES, max_message_bytes=32 << 20, calls_per_identity=2, hello_seconds=60
+    )
+    running = _start_server(pki.bundles["server"], limits=limits)
+    channel = _raw_channel(running.target, pki.bundles["client-0"])
+    idle = IdleStreams(channel, 6)
+    honest = _client(running.target, pki.bundles["client-1"])
+    try:
+        # Execute: 4 streams over the share end at once; the honest client still gets through
+        idle.wait_ended(4)
+        answer = _ping(honest)
+        session = honest.open_session("Session")
+        try:
+            session.send(Payload(meta={"hello": 1}))
+            echoed = session.receive()
+        finally:
+            session.close()
+        codes = idle.codes()
+    finally:
+        idle.close()
+        honest.close()
+        channel.close()
+        running.server.stop(grace=0)
+
+    # Assert
+    assert codes == [grpc.StatusCode.RESOURCE_EXHAUSTED] * 4
+    assert answer.meta["caller"] == "client-1"
+    assert echoed is not None and echoed.meta == {"hello": 1}
+    assert running.service.rejected == [("Session", "refused")] * 4
+    assert running.sessions.opened_peers == [Identity("client", 1)]
+
+
+def test_rpc_session_without_hello_ends_and_frees_its_slot(pki: Pki) -> None:
+    # Prepare: one call per identity, and a session must say hello within 0.5 s
+    limits = Limits(
+        chunk_bytes=CHUNK_BYTES,
+        max_message_bytes=32 << 20,
+        calls_per_identity=1,
+        hello_seconds=0.5,
+    )
+    running = _start_server(pki.bundles["server"], limits=limits)
+    channel = _raw_channel(running.target, pki.bundles["client-0"])
+    idle = IdleStreams(channel, 1)
+    client = _client(running.target, pki.bundles["client-0"])
+    try:
+        # Execute
+        idle.wait_ended(1)
+        codes = idle.codes()
+        answer = _ping(client)  # the slot the silent stream held is free again
+    finally:
+        idle.close()
+        client.close()
+        channel.close()
+        running.server.stop(grace=0)
+
+    # Assert
+    assert codes == [grpc.StatusCode.DEADLINE_EXCEEDED]
+    assert "no whole first message within 0.5 s" in idle.calls[0].details()
+    assert answer.meta["caller"] == "client-0"
+    assert running.service.rejected == [("Session", "refused")]
+    assert running.sessions.opened_peers == []
+
+
+def test_rpc_second_session_of_an_identity_replaces_the_first(
+    running: Running, client: RpcClient
+) -> None:
+    # Prepare
+    first = client.open_session("Session")
+    second = client.open_session("Session")
+    try:
+        first.send(Payload(meta={"session": 1}))
+        first_echo = first.receive()
+
+        # Execute: the second session says hello
+        second.send(Payload(meta={"session": 2}))
+        second_echo = second.receive()
+        first_after = first.receive()  # the server ended the first session
+        second.send(Payload(meta={"session": 2, "again": True}))
+        second_again = second.receive()
+    finally:
+        first.close()
+        second.close()
+    closed = running.sessions.wait_closed(2)
+
+    # Assert
+    assert first_echo is not None and first_echo.meta == {"session": 1}
+    assert second_echo is not None and second_echo.meta == {"session": 2}
+    assert first_after is None
+    assert second_again is not None and second_again.meta == {"session": 2, "again": True}
+    assert running.sessions.opened_peers == [Identity("client", 1)] * 2
+    assert closed == [Identity("client", 1)] * 2
+
+
+def test_rpc_server_refuses_bytes_over_an_identitys_share(pki: Pki) -> None:
+    # Prepare: an identity may have 256 KiB of unfinished messages held; 64 KiB chunks
+    limits = Limits(chunk_bytes=64 << 10, max_message_bytes=32 << 20, bytes_in_flight=256 << 10)
+    running = _start_server(pki.bundles["server"], limits=limits)
+    client = RpcClient(
+        running.target,
+        pki.bundles["client-0"],
+        service=SERVICE,
+        limits=limits,
+        peer=Identity("server"),
+    )
+    large = Payload(tensors={"w": np.ones(1 << 17, dtype=np.float32)})  # 512 KiB
+    small = Payload(tensors={"w": np.ones(1 << 14, dtype=np.float32)})  # 64 KiB
+    try:
+        # Execute
+        with pytest.raises(RemoteError) as caught:
+            client.call("Echo", large, timeout=TIMEOUT, retry=False)
+        echoed = client.call("Echo", small, timeout=TIMEOUT, retry=False)
+    finally:
+        client.close()
+        running.server.stop(grace=0)
+
+    # Assert: refused as soon as the share was passed; the share is given back afterwards
+    assert caught.value.code == "RESOURCE_EXHAUSTED"
+    assert "client-0 has more bytes of unfinished messages in flight" in str(caught.value)
+    np.testing.assert_array_equal(echoed.tensors["w"], small.tensors["w"])
+    assert running.service.rejected == [("Echo", "refused")]
+    assert running.service.callers == [Identity("client", 0)]

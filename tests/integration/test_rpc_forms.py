@@ -67,7 +67,7 @@ def served(bundles: dict[str, TlsBundle]) -> Iterator[tuple[RpcClient, Counting,
         bundles["client-0"],
         service=SERVICE,
         limits=LIMITS,
-        server_name="localhost",
+        peer=Identity("server"),
     )
     try:
         yield client, handlers, transferred
@@ -89,7 +89,7 @@ def test_one_chunk_call_is_answered_in_the_unary_form(served, bundles) -> None:
             private_key=bundle.key_pem,
             certificate_chain=bundle.cert_pem,
         ),
-        options=[("grpc.ssl_target_name_override", "localhost")],
+        options=[("grpc.ssl_target_name_override", "server.fedcore.invalid")],
     )
     # Execute
     try:

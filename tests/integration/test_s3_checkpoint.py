@@ -7,12 +7,13 @@ import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
 from safetensors.numpy import load_file
 
-from fedcore.checkpoint import Checkpointer, S3ObjectStore
+from fedcore.checkpoint import Checkpointer, CheckpointRefused, S3ObjectStore
 from fedcore.errors import CheckpointError
 from tests.integration._runs import fedcore, last_json, write_manifest
 from tests.integration._s3 import ACCESS_KEY, SECRET_KEY, S3Server, start_s3
@@ -20,6 +21,8 @@ from tests.integration._s3 import ACCESS_KEY, SECRET_KEY, S3Server, start_s3
 pytestmark = pytest.mark.integration
 
 BUCKET = "fedcore-ckpt"
+KEY = bytes(range(32))
+"""The checkpoint key of these tests' checkpointers (never in the store)."""
 
 
 @pytest.fixture(scope="module")
@@ -54,31 +57,84 @@ def test_s3_store_put_get_list_delete_round_trip(s3: S3Server) -> None:
         store.get("a/one")
 
 
-def test_s3_checkpointer_skips_a_corrupted_checkpoint_for_the_previous_good_one(
-    s3: S3Server,
+@pytest.mark.parametrize(
+    ("part", "what"),
+    [
+        ("tensors.safetensors", "its part tensors.safetensors fails its checksum"),
+        ("MANIFEST.json", "its manifest tag does not verify: the manifest was tampered with"),
+    ],
+    ids=["object", "manifest"],
+)
+def test_s3_tampered_newest_checkpoint_is_refused_by_load_and_resume_naming_it(
+    s3: S3Server, part: str, what: str
 ) -> None:
-    # Prepare
-    store = store_for(s3, "unit/corrupt")
-    checkpointer = Checkpointer(store, run="r", fingerprint="f", keep_last=5)
+    # Prepare: the store's own credentials in a plain boto3 client, as any writer of it has.
+    prefix = f"unit/tampered-{part.split('.')[0].lower()}"
+    checkpointer = Checkpointer(
+        store_for(s3, prefix), run="r", fingerprint="f", keep_last=5, key=KEY
+    )
     checkpointer.save(1, {"w": np.arange(4.0)})
     checkpointer.save(2, {"w": np.arange(4.0) * 2})
-    data = bytearray(store.get("round-00000002/tensors.safetensors"))
-    data[-1] ^= 0xFF
-    store.put("round-00000002/tensors.safetensors", bytes(data))
+    writer = s3.client()
+    key = f"{prefix}/round-00000002/{part}"
+    body = writer.get_object(Bucket=BUCKET, Key=key)["Body"].read()  # type: ignore[attr-defined]
+    if part == "MANIFEST.json":  # a forged manifest: the sums of forged parts, the old tag
+        manifest = json.loads(body)
+        manifest["parts"]["tensors.safetensors"]["sha256"] = "0" * 64
+        forged = json.dumps(manifest, indent=1).encode()
+    else:  # same size, one byte changed
+        forged = body[:-1] + bytes([body[-1] ^ 0xFF])
+    writer.put_object(Bucket=BUCKET, Key=key, Body=forged)  # type: ignore[attr-defined]
+    resumer = Checkpointer(store_for(s3, prefix), run="r", fingerprint="f", keep_last=5, key=KEY)
     # Execute
-    round_, state = checkpointer.load_latest() or (None, {})
+    with pytest.raises(CheckpointRefused) as loaded:
+        resumer.load(2)
+    with pytest.raises(CheckpointRefused) as resumed:
+        resumer.load_latest()
+    older = resumer.load(1)
     # Assert
-    assert round_ == 1
-    np.testing.assert_array_equal(state["w"], np.arange(4.0))
+    assert str(loaded.value).startswith(
+        f"The checkpoint of round 2 (s3://{BUCKET}/{prefix}/round-00000002/) is refused: {what}"
+    )
+    assert resumed.value.round == 2 and what in str(resumed.value)
+    assert "an older one is not taken in its place silently" in str(resumed.value)
+    assert "The newest older checkpoint that verifies is round 1" in str(resumed.value)
+    assert "fedcore checkpoint rollback <manifest> 1 --yes" in str(resumed.value)
+    np.testing.assert_array_equal(older["w"], np.arange(4.0))
+
+
+def test_s3_deleting_the_newest_checkpoint_is_refused_not_rolled_back(s3: S3Server) -> None:
+    # Prepare
+    prefix = "unit/deleted"
+    checkpointer = Checkpointer(
+        store_for(s3, prefix), run="r", fingerprint="f", keep_last=5, key=KEY
+    )
+    for round_ in (1, 2, 3):
+        checkpointer.save(round_, {"w": np.full(2, float(round_))})
+    writer = s3.client()
+    for name in ("MANIFEST.json", "state.json", "tensors.safetensors"):
+        writer.delete_object(Bucket=BUCKET, Key=f"{prefix}/round-00000003/{name}")  # type: ignore[attr-defined]
+    resumer = Checkpointer(store_for(s3, prefix), run="r", fingerprint="f", keep_last=5, key=KEY)
+    # Execute
+    with pytest.raises(CheckpointRefused) as resumed:
+        resumer.load_latest()
+    # Assert
+    assert resumer.rounds() == [1, 2]
+    assert str(resumed.value).startswith(
+        f"The latest record names round 3, but that checkpoint is missing from s3://{BUCKET}/"
+        f"{prefix}/"
+    )
+    assert "The newest older checkpoint that verifies is round 2" in str(resumed.value)
 
 
 def test_s3_checkpointer_refuses_a_foreign_checkpoint(s3: S3Server) -> None:
     # Prepare
     store = store_for(s3, "unit/foreign")
-    Checkpointer(store, run="other", fingerprint="f", keep_last=3).save(1, {"x": 1})
-    ours = Checkpointer(store, run="mine", fingerprint="f", keep_last=3)
+    Checkpointer(store, run="other", fingerprint="f", keep_last=3, key=KEY).save(1, {"x": 1})
+    ours = Checkpointer(store, run="mine", fingerprint="f", keep_last=3, key=KEY)
     # Execute / Assert
-    assert ours.load_latest() is None
+    with pytest.raises(CheckpointRefused, match="belongs to run 'other'"):
+        ours.load_latest()
     with pytest.raises(CheckpointError, match="belongs to run 'other'"):
         ours.load(1)
 
@@ -134,7 +190,7 @@ def test_run_checkpoints_to_s3_and_resumes_from_it_to_the_same_model(
     # Prepare
     for key, value in s3_env(s3).items():
         monkeypatch.setenv(key, value)
-    checkpoint = {
+    checkpoint: dict[str, Any] = {
         "everyRounds": 1,
         "s3": {"bucket": BUCKET, "endpoint": s3.endpoint, "prefix": "{name}/e2e"},
     }
@@ -183,6 +239,61 @@ def test_run_checkpoints_to_s3_and_resumes_from_it_to_the_same_model(
     assert sorted(a) == sorted(b) and all(np.array_equal(a[k], b[k]) for k in a)
 
 
+def test_resume_refuses_a_newest_checkpoint_tampered_in_s3_until_rolled_back_knowingly(
+    s3: S3Server, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Prepare: a run of 2 rounds checkpointing each to S3; then whoever holds the store's
+    # credentials replaces round 2's tensors with plain boto3 (the key stays in the run folder).
+    for key, value in s3_env(s3).items():
+        monkeypatch.setenv(key, value)
+    checkpoint = {
+        "everyRounds": 1,
+        "s3": {"bucket": BUCKET, "endpoint": s3.endpoint, "prefix": "{name}/tampered"},
+    }
+    work = tmp_path / "w"
+    two = write_manifest(tmp_path / "two.yaml", rounds=2, checkpoint=checkpoint)
+    three = write_manifest(tmp_path / "three.yaml", rounds=3, checkpoint=checkpoint)
+    first = fedcore("run", str(two), "--json", "--quiet", "--workdir", str(work), cwd=tmp_path)
+    assert first.returncode == 0, first.stderr
+    writer = s3.client()
+    key = "e2e/tampered/round-00000002/tensors.safetensors"
+    body = writer.get_object(Bucket=BUCKET, Key=key)["Body"].read()  # type: ignore[attr-defined]
+    writer.put_object(Bucket=BUCKET, Key=key, Body=body[:-4] + b"evil")  # type: ignore[attr-defined]
+    resume = ("run", str(three), "--json", "--quiet", "--resume", "--workdir", str(work))
+    # Execute
+    refused = fedcore(*resume, cwd=tmp_path)
+    refused_events = (work / "events.jsonl").read_text()
+    dry = fedcore("checkpoint", "rollback", str(three), "1", "--workdir", str(work), cwd=tmp_path)
+    rolled = fedcore(
+        "checkpoint", "rollback", str(three), "1", "--workdir", str(work), "--yes", cwd=tmp_path
+    )
+    resumed = fedcore(*resume, cwd=tmp_path)
+    # Assert
+    assert refused.returncode == 1
+    failed = last_json(refused.stdout)
+    assert failed["phase"] == "Failed" and failed["reason"] == "RoleFailed"
+    assert failed["message"].startswith(
+        f"The server failed: Cannot resume: The checkpoint of round 2 "
+        f"(s3://{BUCKET}/e2e/tampered/round-00000002/) is refused: its part "
+        f"tensors.safetensors fails its checksum (sha256)"
+    )
+    assert "The newest older checkpoint that verifies is round 1" in failed["message"]
+    assert '"event": "resumed"' not in refused_events and '"event": "round"' not in refused_events
+    assert dry.returncode == 0 and "delete rounds [2]" in dry.stdout, dry.stderr
+    assert rolled.returncode == 0, rolled.stderr
+    assert "round 1 is now the latest; deleted rounds [2]" in rolled.stdout
+    assert resumed.returncode == 0, resumed.stderr
+    events = [json.loads(line) for line in (work / "events.jsonl").read_text().splitlines()]
+    assert [e["round"] for e in events if e["event"] == "resumed"] == [1]
+    assert [e["round"] for e in events if e["event"] == "round"] == [2, 3]
+    log = (work / "logs" / "server.log").read_text()
+    assert "Taking the checkpoint of round 1" in log and "the latest record names it" in log
+    assert (
+        body[-4:].hex() not in log
+        and (work / "keys" / "checkpoint.key").read_text()[:64] not in log
+    )
+
+
 def test_run_with_wrong_s3_credentials_does_not_start(
     s3: S3Server, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -214,7 +325,7 @@ def big_state(mib: int, value: float) -> dict[str, object]:
 def test_s3_large_checkpoint_goes_up_in_parts_and_comes_back_by_ranges(s3: S3Server) -> None:
     # Prepare: 5 MiB parts, three at a time; a 42 MiB state is nine parts and nine ranges.
     store = store_for(s3, "unit/multipart", part_bytes=5 * MIB, threads=3)
-    checkpointer = Checkpointer(store, run="r", fingerprint="f", keep_last=2)
+    checkpointer = Checkpointer(store, run="r", fingerprint="f", keep_last=2, key=KEY)
     state = big_state(42, 1.0)
     # Execute
     info = checkpointer.save(1, state)
@@ -283,7 +394,7 @@ def test_s3_upload_cut_by_an_outage_fails_and_keeps_the_previous_object(s3: S3Se
 def test_s3_retention_keeps_the_last_n_every_keep_every_and_the_marked(s3: S3Server) -> None:
     # Prepare
     store = store_for(s3, "unit/retention")
-    checkpointer = Checkpointer(store, run="r", fingerprint="f", keep_last=2, keep_every=3)
+    checkpointer = Checkpointer(store, run="r", fingerprint="f", keep_last=2, keep_every=3, key=KEY)
     # Execute
     checkpointer.save(1, {"w": np.zeros(2)})
     checkpointer.mark(1, "baseline")
@@ -293,7 +404,13 @@ def test_s3_retention_keeps_the_last_n_every_keep_every_and_the_marked(s3: S3Ser
     assert checkpointer.rounds() == [1, 3, 6, 7]
     assert checkpointer.marked() == [1]
     folders = sorted({key.split("/")[0] for key in store.list("")})
-    assert folders == ["round-00000001", "round-00000003", "round-00000006", "round-00000007"]
+    assert folders == [
+        "latest-round.json",
+        "round-00000001",
+        "round-00000003",
+        "round-00000006",
+        "round-00000007",
+    ]
     assert "round-00000001/KEEP" in store.list("round-00000001/")
     np.testing.assert_array_equal(checkpointer.load(3)["w"], np.full(2, 3.0))
 
@@ -304,7 +421,7 @@ def test_cli_checkpoint_list_mark_and_purge_on_s3(
     # Prepare
     from click.testing import CliRunner
 
-    from fedcore.checkpoint import open_store, server_checkpointer
+    from fedcore.checkpoint import ensure_key, open_store, server_checkpointer
     from fedcore.cli import main
     from fedcore.roles._common import spec_fingerprint
     from fedcore.spec import load_manifest
@@ -318,15 +435,19 @@ def test_cli_checkpoint_list_mark_and_purge_on_s3(
     manifest = write_manifest(tmp_path / "run.yaml", checkpoint=checkpoint)
     run = load_manifest(manifest)
     store = open_store(run.spec.checkpoint, name="e2e", workdir=tmp_path)
+    signing, _ = ensure_key(tmp_path / "keys" / "checkpoint.key")
     checkpointer = server_checkpointer(
-        store, run.spec.checkpoint, run="e2e", fingerprint=spec_fingerprint(run)
+        store, run.spec.checkpoint, run="e2e", fingerprint=spec_fingerprint(run), key=signing
     )
     for round_ in (1, 2):
         checkpointer.save(round_, {"w": np.full(3, float(round_))})
     cli = CliRunner()
     # Execute
     marked = cli.invoke(main, ["checkpoint", "mark", str(manifest), "1"])
-    listed = cli.invoke(main, ["checkpoint", "list", str(manifest), "--verify", "--json"])
+    listed = cli.invoke(
+        main,
+        ["checkpoint", "list", str(manifest), "--workdir", str(tmp_path), "--verify", "--json"],
+    )
     purged = cli.invoke(main, ["checkpoint", "purge", str(manifest), "--yes"])
     # Assert
     assert marked.exit_code == 0, marked.output
@@ -336,5 +457,6 @@ def test_cli_checkpoint_list_mark_and_purge_on_s3(
         (1, True, True),
         (2, False, True),
     ]
-    assert "Deleted 7 objects" in purged.output
+    assert report["latest"] == {"server": 2}
+    assert "Deleted 8 objects" in purged.output
     assert store.list("") == []

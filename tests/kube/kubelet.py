@@ -12,8 +12,8 @@ The strong form of the loop TESTENV.md describes. For each pod bound to one of i
   interpreter), then rewrites it for the host: mount paths become the pod's folders,
   ``0.0.0.0`` becomes the pod's IP (a pod's "all interfaces" is its own), and cluster DNS
   names (``svc.ns.svc[.cluster.local]``, ``host.subdomain.ns.svc...``) become the IP of a
-  Ready pod behind them (waiting for one), with a Service's port mapped to its targetPort; when
-  a DNS name was rewritten, ``FEDCORE_SERVER_NAME=localhost`` lets TLS verify by name;
+  Ready pod behind them (waiting for one), with a Service's port mapped to its targetPort (TLS
+  still verifies: every fedcore client checks its peer by role name, not by host);
 - serves cluster DNS (`tests.kube.dns`) for names a process can only resolve later: a value
   that is a whole ``host-{index}.subdomain.ns.svc[.cluster.local]:port`` template (one address
   per pod, filled in by the process) becomes the gRPC target
@@ -780,20 +780,12 @@ class _PodWorker(threading.Thread):
             command = list(entrypoint)
         rewrite = self._rewriter(self._mounts(container))
 
-        def rewrite_all() -> tuple[list[str], dict[str, str], bool]:
-            dns = False
-            argv = []
-            for part in [*command, *args]:
-                text, changed = rewrite(part)
-                argv.append(text)
-                dns |= changed
-            env = {}
-            for key, value in own.items():
-                env[key], changed = rewrite(value)
-                dns |= changed
-            return argv, env, dns
+        def rewrite_all() -> tuple[list[str], dict[str, str]]:
+            argv = [rewrite(part)[0] for part in [*command, *args]]
+            env = {key: rewrite(value)[0] for key, value in own.items()}
+            return argv, env
 
-        argv, env_rewritten, dns = self._wait_for("cluster DNS names", rewrite_all)
+        argv, env_rewritten = self._wait_for("cluster DNS names", rewrite_all)
         if PYTHON_RE.fullmatch(Path(argv[0]).name):
             argv[0] = sys.executable
         hostname = self.pod["spec"].get("hostname") or self.pod_name
@@ -810,8 +802,6 @@ class _PodWorker(threading.Thread):
             env["FEDCORE_SERVICEACCOUNT_DIR"] = str(self.sa_dir)
         env.update(kubelet.extra_env)
         env.update(env_rewritten)
-        if dns:
-            env["FEDCORE_SERVER_NAME"] = "localhost"
         cwd = self.folder
         if spec.get("workingDir"):
             cwd = Path(rewrite(spec["workingDir"])[0])

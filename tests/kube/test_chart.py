@@ -7,8 +7,10 @@ FederatedRun applied through it trains to the end.
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
+import tempfile
 import uuid
 from pathlib import Path
 from typing import Any
@@ -17,6 +19,8 @@ import pytest
 import yaml
 
 import fedcore
+from fedcore_operator.kube import request
+from fedcore_operator.settings import CLUSTER_DNS, OperatorSettings
 from tests.kube._operator import install_crd, wait_for_run
 from tests.kube.cluster import DEFAULT_BIN, ControlPlane
 from tests.kube.kubelet import FakeKubelet
@@ -49,6 +53,24 @@ def render(*sets: str) -> list[dict[str, Any]]:
     return [doc for doc in yaml.safe_load_all(helm(*args).stdout) if doc]
 
 
+def render_sets(release: str, namespace: str, *sets: str) -> list[dict[str, Any]]:
+    args = ["template", release, str(CHART), "--namespace", namespace]
+    for item in sets:
+        args += ["--set", item]
+    return [doc for doc in yaml.safe_load_all(helm(*args).stdout) if doc]
+
+
+def render_values(
+    values: dict[str, Any], release: str = "demo", namespace: str = "fedcore-system"
+) -> list[dict[str, Any]]:
+    """``helm template`` with a values file (for values ``--set`` cannot spell)."""
+    with tempfile.NamedTemporaryFile("w", suffix=".yaml") as file:
+        yaml.safe_dump(values, file)
+        file.flush()
+        args = ["template", release, str(CHART), "--namespace", namespace, "-f", file.name]
+        return [doc for doc in yaml.safe_load_all(helm(*args).stdout) if doc]
+
+
 def by_kind(docs: list[dict[str, Any]]) -> dict[str, list[dict[str, Any]]]:
     result: dict[str, list[dict[str, Any]]] = {}
     for doc in docs:
@@ -74,6 +96,7 @@ def test_default_values_render_operator_rbac_webhook_and_dashboard() -> None:
         "Service",
         "Deployment",
         "ValidatingWebhookConfiguration",
+        "NetworkPolicy",
     }
     deployment = kinds["Deployment"][0]
     container = deployment["spec"]["template"]["spec"]["containers"][0]
@@ -89,12 +112,19 @@ def test_default_values_render_operator_rbac_webhook_and_dashboard() -> None:
     dashboard = kinds["ConfigMap"][0]
     assert dashboard["metadata"]["labels"]["grafana_dashboard"] == "1"
     assert dashboard["data"]["fedcore-runs.json"].lstrip().startswith("{")
-    # The runs ClusterRole never grants secrets beyond get/list/create, nor any wildcard.
-    for role in kinds["ClusterRole"]:
+    # No role grants secrets beyond get/list/create/delete (delete: moving a CA out of a
+    # run's namespace), nor any wildcard; and by default nothing is bound cluster-wide but
+    # the discovery reads: the runs role only in the release namespace.
+    for role in kinds["ClusterRole"] + kinds["Role"]:
         for rule in role["rules"]:
             assert "*" not in rule["verbs"] and "*" not in rule["resources"]
             if "secrets" in rule["resources"]:
-                assert set(rule["verbs"]) == {"get", "list", "create"}
+                assert set(rule["verbs"]) == {"get", "list", "create", "delete"}
+    assert [b["roleRef"]["name"] for b in kinds["ClusterRoleBinding"]] == ["demo-fedcore-discovery"]
+    runs_bindings = [b for b in kinds["RoleBinding"] if b["roleRef"]["kind"] == "ClusterRole"]
+    assert [b["metadata"]["namespace"] for b in runs_bindings] == ["fedcore-system"]
+    assert "--namespace=fedcore-system" in container["args"]
+    assert "--ca-namespace=$(POD_NAMESPACE)" in container["args"]
 
 
 def test_monitoring_values_add_service_monitor_pod_monitor_and_rules() -> None:
@@ -110,13 +140,135 @@ def test_monitoring_values_add_service_monitor_pod_monitor_and_rules() -> None:
 def test_watch_namespaces_bind_the_runs_role_only_there() -> None:
     kinds = by_kind(render("operator.watchNamespaces={team-a,team-b}", "webhook.enabled=false"))
     bindings = [b for b in kinds["RoleBinding"] if b["roleRef"]["kind"] == "ClusterRole"]
-    assert sorted(b["metadata"]["namespace"] for b in bindings) == ["team-a", "team-b"]
+    assert sorted(b["metadata"]["namespace"] for b in bindings) == [
+        "fedcore-system",
+        "team-a",
+        "team-b",
+    ]
     cluster_bindings = [b["metadata"]["name"] for b in kinds["ClusterRoleBinding"]]
     assert cluster_bindings == ["demo-fedcore-discovery"]
     container = kinds["Deployment"][0]["spec"]["template"]["spec"]["containers"][0]
-    assert "--namespace=team-a" in container["args"]
+    namespaces = [arg for arg in container["args"] if arg.startswith("--namespace=")]
+    assert namespaces == [
+        "--namespace=fedcore-system",
+        "--namespace=team-a",
+        "--namespace=team-b",
+    ]
     assert "ValidatingWebhookConfiguration" not in kinds
     assert not any(arg.startswith("--webhook") for arg in container["args"])
+    assert [p["metadata"]["name"] for p in kinds["NetworkPolicy"]] == ["demo-fedcore-operator"]
+
+
+def test_cluster_wide_is_asked_for_explicitly() -> None:
+    # Execute
+    kinds = by_kind(render("operator.clusterWide=true", "operator.watchNamespaces={team-a}"))
+
+    # Assert: one ClusterRoleBinding for the runs role, no per-namespace binding or flag.
+    cluster_bindings = sorted(b["roleRef"]["name"] for b in kinds["ClusterRoleBinding"])
+    assert cluster_bindings == ["demo-fedcore-discovery", "demo-fedcore-runs"]
+    assert not [b for b in kinds["RoleBinding"] if b["roleRef"]["kind"] == "ClusterRole"]
+    container = kinds["Deployment"][0]["spec"]["template"]["spec"]["containers"][0]
+    assert not [arg for arg in container["args"] if arg.startswith("--namespace=")]
+
+
+def operator_env(kinds: dict[str, list[dict[str, Any]]]) -> dict[str, str]:
+    container = kinds["Deployment"][0]["spec"]["template"]["spec"]["containers"][0]
+    return {item["name"]: item.get("value") for item in container["env"]}
+
+
+def test_network_policy_values_reach_the_operator_and_its_own_policies() -> None:
+    # Prepare
+    values = {
+        "networkPolicy": {
+            "metricsFrom": [{"podSelector": {"matchLabels": {"app": "vm-agent"}}}],
+            "dnsTo": [{"podSelector": {"matchLabels": {"k8s-app": "node-local-dns"}}}],
+            "apiServer": {"ports": [6443], "cidrs": ["10.0.0.1/32"]},
+            "s3To": [{"ipBlock": {"cidr": "52.216.0.0/15"}}],
+            "webhookFrom": [{"ipBlock": {"cidr": "10.0.0.0/24"}}],
+        }
+    }
+
+    # Execute
+    kinds = by_kind(render_values(values))
+    defaults = by_kind(render())
+
+    # Assert: the operator builds every run's policies from these (its settings)...
+    env = operator_env(kinds)
+    assert (
+        json.loads(env["FEDCORE_OPERATOR_METRICS_FROM"]) == values["networkPolicy"]["metricsFrom"]
+    )
+    assert json.loads(env["FEDCORE_OPERATOR_DNS_TO"]) == values["networkPolicy"]["dnsTo"]
+    assert json.loads(env["FEDCORE_OPERATOR_S3_TO"]) == values["networkPolicy"]["s3To"]
+    assert (env["FEDCORE_OPERATOR_API_PORTS"], env["FEDCORE_OPERATOR_API_CIDRS"]) == (
+        "6443",
+        "10.0.0.1/32",
+    )
+    settings = OperatorSettings.from_env({k: v for k, v in env.items() if v is not None})
+    assert settings.metrics_from == ({"podSelector": {"matchLabels": {"app": "vm-agent"}}},)
+    # ... and the chart's own policies for the operator's pod use them too.
+    policies = {p["metadata"]["name"]: p["spec"] for p in kinds["NetworkPolicy"]}
+    operator = policies["demo-fedcore-operator"]
+    assert operator["ingress"] == [
+        {
+            "from": values["networkPolicy"]["metricsFrom"],
+            "ports": [{"protocol": "TCP", "port": 8080}],
+        }
+    ]
+    assert operator["egress"] == [
+        {
+            "to": values["networkPolicy"]["dnsTo"],
+            "ports": [{"protocol": "UDP", "port": 53}, {"protocol": "TCP", "port": 53}],
+        },
+        {
+            "ports": [{"protocol": "TCP", "port": 6443}],
+            "to": [{"ipBlock": {"cidr": "10.0.0.1/32"}}],
+        },
+    ]
+    assert policies["demo-fedcore-webhook"]["ingress"] == [
+        {
+            "ports": [{"protocol": "TCP", "port": 9443}],
+            "from": values["networkPolicy"]["webhookFrom"],
+        }
+    ]
+    # By default the scraper is Prometheus in "monitoring" and DNS kube-dns in kube-system.
+    default_env = operator_env(defaults)
+    assert json.loads(default_env["FEDCORE_OPERATOR_METRICS_FROM"]) == [
+        {
+            "namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": "monitoring"}},
+            "podSelector": {"matchLabels": {"app.kubernetes.io/name": "prometheus"}},
+        }
+    ]
+    assert tuple(json.loads(default_env["FEDCORE_OPERATOR_DNS_TO"])) == CLUSTER_DNS
+
+
+def test_no_scraper_named_closes_metrics() -> None:
+    kinds = by_kind(render_values({"networkPolicy": {"metricsFrom": []}}))
+    assert json.loads(operator_env(kinds)["FEDCORE_OPERATOR_METRICS_FROM"]) == []
+    operator = next(
+        p for p in kinds["NetworkPolicy"] if p["metadata"]["name"].endswith("-operator")
+    )
+    assert operator["spec"]["ingress"] == []
+
+
+def test_pod_security_labels_only_the_run_namespaces_and_only_when_asked() -> None:
+    # Execute
+    labelled = by_kind(
+        render(
+            "operator.watchNamespaces={team-a,fedcore-system}",
+            "podSecurity.labelNamespaces=true",
+        )
+    )
+    unlabelled = by_kind(render("operator.watchNamespaces={team-a}"))
+
+    # Assert: the release namespace (made by --create-namespace, not the chart) is not one.
+    (namespace,) = labelled["Namespace"]
+    assert namespace["metadata"]["name"] == "team-a"
+    labels = namespace["metadata"]["labels"]
+    for mode in ("enforce", "audit", "warn"):
+        assert labels[f"pod-security.kubernetes.io/{mode}"] == "restricted"
+        assert labels[f"pod-security.kubernetes.io/{mode}-version"] == "latest"
+    assert namespace["metadata"]["annotations"] == {"helm.sh/resource-policy": "keep"}
+    assert "Namespace" not in unlabelled
 
 
 BAD_VALUES = [
@@ -127,6 +279,11 @@ BAD_VALUES = [
     (["webhook.existingSecret=mine"], "webhook.caBundle is required"),
     (["metrics.serviceMonitor.interval=often"], "metrics.serviceMonitor.interval"),
     (["webhook.failurePolicy=Maybe"], "webhook.failurePolicy"),
+    (["operator.clusterWide=yes"], "operator.clusterWide"),
+    (["podSecurity.level=strict"], "podSecurity.level"),
+    (["networkPolicy.apiServer.cidrs={everywhere}"], "networkPolicy.apiServer.cidrs"),
+    (["networkPolicy.dnsTo=null"], "dnsTo is required"),
+    (["networkPolicy.metricsFrom[0].hostNetwork=true"], "hostNetwork"),
 ]
 
 
@@ -140,6 +297,116 @@ def test_bad_values_are_refused_with_a_clear_message(sets: list[str], message: s
     assert message in result.stderr, result.stderr
 
 
+RBAC_KINDS = {"ServiceAccount", "ClusterRole", "ClusterRoleBinding", "Role", "RoleBinding"}
+
+
+def allowed(
+    plane: ControlPlane, account: tuple[str, str], verb: str, resource: str, namespace: str
+) -> bool:
+    """The API server's SubjectAccessReview of ``account`` (namespace, name); "" namespace:
+    across all namespaces."""
+    namespace_of, name = account
+    attributes = {"verb": verb, "resource": resource}
+    if namespace:
+        attributes["namespace"] = namespace
+    review = {
+        "apiVersion": "authorization.k8s.io/v1",
+        "kind": "SubjectAccessReview",
+        "spec": {
+            "user": f"system:serviceaccount:{namespace_of}:{name}",
+            "groups": [
+                "system:serviceaccounts",
+                f"system:serviceaccounts:{namespace_of}",
+                "system:authenticated",
+            ],
+            "resourceAttributes": attributes,
+        },
+    }
+    answer = request(
+        plane.api_client(),
+        "POST",
+        "/apis/authorization.k8s.io/v1/subjectaccessreviews",
+        body=review,
+    )
+    return bool(answer["status"].get("allowed"))
+
+
+RBAC_CASES = [
+    ("default", [], {"system"}),
+    ("watchNamespaces", ["operator.watchNamespaces={%(team)s}"], {"system", "team"}),
+    ("clusterWide", ["operator.clusterWide=true"], {"system", "team", "other", ""}),
+]
+
+
+@pytest.mark.parametrize(("case", "sets", "readable"), RBAC_CASES, ids=[c[0] for c in RBAC_CASES])
+def test_the_operator_reads_secrets_only_in_its_namespaces(
+    control_plane: ControlPlane, case: str, sets: list[str], readable: set[str]
+) -> None:
+    # Prepare: the chart's RBAC as `helm template` renders it, applied to the real API server
+    # (which authorizes with RBAC), for a release in "system", runs in "team", and "other".
+    release = f"rb{uuid.uuid4().hex[:6]}"
+    names = {key: f"{release}-{key}" for key in ("system", "team", "other")}
+    for namespace in names.values():
+        control_plane.create_namespace(namespace)
+    docs = render_sets(release, names["system"], *(item % names for item in sets))
+    rbac = [doc for doc in docs if doc["kind"] in RBAC_KINDS]
+    account = (names["system"], f"{release}-fedcore")
+    try:
+        control_plane.kubectl(
+            "apply",
+            "-f",
+            "-",
+            input=json.dumps({"apiVersion": "v1", "kind": "List", "items": rbac}),
+        )
+
+        # Execute: ask the API server what the operator's ServiceAccount may do where.
+        where = {"": "", **names}
+        verdicts = {
+            (verb, key): allowed(control_plane, account, verb, "secrets", where[key])
+            for verb in ("get", "list", "create")
+            for key in where
+        }
+        deletes = {
+            key: allowed(control_plane, account, "delete", "secrets", where[key]) for key in where
+        }
+        pods = {key: allowed(control_plane, account, "create", "pods", where[key]) for key in where}
+
+        # Assert
+        for (verb, key), verdict in verdicts.items():
+            assert verdict == (key in readable), (case, verb, key or "all namespaces")
+        assert deletes == {key: key in readable for key in where}, case
+        assert pods == {key: key in readable for key in where}, case
+        # Every case may keep CA keys in its own namespace (the ca-keys Role).
+        assert deletes["system"]
+    finally:
+        control_plane.kubectl(
+            "delete", "clusterrole,clusterrolebinding", "-l",
+            f"app.kubernetes.io/instance={release}", check=False,
+        )  # fmt: skip
+        for namespace in names.values():
+            control_plane.delete_namespace(namespace)
+
+
+def test_notes_warn_when_the_operator_may_read_every_secret(control_plane: ControlPlane) -> None:
+    # Execute
+    def notes(*sets: str) -> str:
+        args = ["install", "notes", str(CHART), f"--kubeconfig={control_plane.kubeconfig}"]
+        args += ["--namespace", "fedcore-notes", "--dry-run"]
+        for item in sets:
+            args += ["--set", item]
+        return helm(*args).stdout.split("NOTES:", 1)[1]
+
+    wide = notes("operator.clusterWide=true")
+    scoped = notes("operator.watchNamespaces={team-a}")
+
+    # Assert
+    assert "WARNING: operator.clusterWide is true" in wide
+    assert "Secrets in EVERY namespace" in wide
+    assert "WARNING" not in scoped
+    assert "watches FederatedRuns in fedcore-notes, team-a." in scoped
+    assert "kubectl apply -n team-a -f examples/digits-fedavg.yaml" in scoped
+
+
 def test_helm_install_runs_the_operator_with_the_charts_rbac_and_a_run_succeeds(
     control_plane: ControlPlane, kubelet: FakeKubelet, namespace: str
 ) -> None:
@@ -151,6 +418,7 @@ def test_helm_install_runs_the_operator_with_the_charts_rbac_and_a_run_succeeds(
         "install", release, str(CHART), kubeconfig, "--namespace", system,
         "--set", "webhook.enabled=false",  # the API server cannot call loopback Services
         "--set", "operator.resyncSeconds=3",
+        "--set", f"operator.watchNamespaces={{{namespace}}}",
         "--set", "dashboard.enabled=false",
     )  # fmt: skip
     try:
@@ -188,6 +456,12 @@ def test_helm_install_runs_the_operator_with_the_charts_rbac_and_a_run_succeeds(
         )
         assert run["status"]["phase"] == "Succeeded", (run["status"], operator_log())
         assert "Forbidden" not in operator_log()
+        # The run's CA key is in the release namespace, not the run's.
+        core = control_plane.core()
+        in_run = [s.metadata.name for s in core.list_namespaced_secret(namespace).items]
+        assert "via-helm-ca" not in in_run
+        kept = core.read_namespaced_secret(f"fedcore-ca.{namespace}.via-helm", system)
+        assert set(kept.data) == {"ca.crt", "ca.key"}
     finally:
         helm("uninstall", release, kubeconfig, "--namespace", system, check=False)
         control_plane.kubectl("delete", "clusterrolebinding", "-l",

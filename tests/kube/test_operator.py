@@ -6,6 +6,7 @@ and the cluster state is stable; tests/kube/test_operator_runs.py trains for rea
 
 from __future__ import annotations
 
+import base64
 import json
 import signal
 import time
@@ -15,6 +16,7 @@ from typing import Any
 
 import pytest
 import yaml
+from cryptography import x509
 from kubernetes.client import ApiClient, Configuration
 from kubernetes.client.exceptions import ApiException
 
@@ -32,9 +34,12 @@ from tests.kube._operator import (
     start_operator,
     wait_for_run,
 )
+from tests.kube.cluster import SA_TOKEN_TYPE as SA_TOKEN
 from tests.kube.cluster import ControlPlane
 
 ROOT = Path(__file__).resolve().parents[2]
+CA_NAMESPACE = "default"
+"""Where the test operator keeps the runs' CA Secrets (its lease namespace)."""
 OWNED_KINDS = (
     ("v1", "secrets"),
     ("v1", "configmaps"),
@@ -111,14 +116,41 @@ def expected_objects(run: str, clients: int, kdc: bool) -> set[tuple[str, str]]:
     roles = (["kdc"] if kdc else []) + ["server", "client"]
     return (
         {("secrets", f"{pod}-tls") for pod in pods}
+        | {("secrets", f"{run}-{role}-keys") for role in (["kdc"] if kdc else []) + ["server"]}
         | {("pods", pod) for pod in pods}
-        | {("secrets", f"{run}-ca"), ("configmaps", f"{run}-manifest")}
+        | {("configmaps", f"{run}-manifest")}
         | {("serviceaccounts", f"{run}-{role}") for role in roles}
         | {("services", f"{run}-server"), ("services", f"{run}-clients")}
         | ({("services", f"{run}-kdc")} if kdc else set())
         | {("networkpolicies", f"{run}-{role}") for role in roles}
         | {("roles", f"{run}-server-status"), ("rolebindings", f"{run}-server-status")}
     )
+
+
+def secret(plane: ControlPlane, namespace: str, name: str) -> dict[str, Any] | None:
+    """The Secret as JSON, or None."""
+    try:
+        result: dict[str, Any] = request(
+            plane.api_client(), "GET", f"/api/v1/namespaces/{namespace}/secrets/{name}"
+        )
+    except ApiException as exc:
+        if exc.status == 404:
+            return None
+        raise
+    return result
+
+
+def run_ca(plane: ControlPlane, namespace: str, run: str) -> dict[str, Any] | None:
+    """The run's CA Secret where the operator keeps it."""
+    return secret(plane, CA_NAMESPACE, objects.ca_secret_name(namespace, run))
+
+
+def wait_until(check: Any, what: str, timeout: float = 30, debug: Any = lambda: "") -> None:
+    deadline = time.monotonic() + timeout
+    while not check():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"no {what} after {timeout:.0f} s\n{debug()}")
+        time.sleep(0.3)
 
 
 def test_reconcile_creates_exactly_the_expected_objects_then_writes_nothing(
@@ -191,6 +223,142 @@ def test_deleting_a_run_removes_everything_it_owned(
         time.sleep(0.5)
     assert owned(control_plane, namespace, "gamma") == set()
     assert get_run(control_plane, namespace, "gamma") is None
+    # The CA Secret, out of reach of owner references in the operator's namespace, goes too.
+    wait_until(
+        lambda: run_ca(control_plane, namespace, "gamma") is None,
+        "deletion of the run's CA Secret",
+        debug=operator.tail,
+    )
+
+
+def test_the_run_ca_is_kept_out_of_the_runs_namespace_and_pods_get_their_tls(
+    control_plane: ControlPlane, operator: OperatorProcess, namespace: str
+) -> None:
+    # Prepare / Execute
+    apply(control_plane, namespace, run_manifest("keys"))
+    control_plane.wait_for_pod(
+        namespace, "keys-server", lambda p: p is not None, timeout=30, what="creation"
+    )
+
+    # Assert: only the pods' own Secrets and the server's key are in the run's namespace, none
+    # with a CA key.
+    listed = request(control_plane.api_client(), "GET", f"/api/v1/namespaces/{namespace}/secrets")[
+        "items"
+    ]
+    mine = {item["metadata"]["name"]: item for item in listed if item["type"] != SA_TOKEN}
+    key = base64.b64decode(mine.pop("keys-server-keys")["data"]["checkpoint.key"]).decode()
+    assert len(key) == 64 and bytes.fromhex(key).hex() == key  # 32 bytes as lowercase hex
+    pods = ["keys-server", *(f"keys-client-{index}" for index in range(3))]
+    assert set(mine) == {f"{pod}-tls" for pod in pods}
+    assert all("ca.key" not in item["data"] for item in mine.values())
+    # The CA is in the operator's namespace, labelled with its run, and signed every pod's.
+    run = get_run(control_plane, namespace, "keys")
+    ca = run_ca(control_plane, namespace, "keys")
+    assert run is not None and ca is not None
+    assert objects.ca_secret_is_for(ca, run["metadata"]["uid"])
+    assert "ownerReferences" not in ca["metadata"]
+    authority = x509.load_pem_x509_certificate(base64.b64decode(ca["data"]["ca.crt"]))
+    for item in mine.values():
+        assert item["data"]["ca.crt"] == ca["data"]["ca.crt"]
+        issued = x509.load_pem_x509_certificate(base64.b64decode(item["data"]["tls.crt"]))
+        issued.verify_directly_issued_by(authority)
+    server = control_plane.pod(namespace, "keys-server")
+    assert server is not None
+    assert [v["secret"]["secretName"] for v in server["spec"]["volumes"] if "secret" in v] == [
+        "keys-server-tls",
+        "keys-server-keys",
+    ]
+
+
+def test_a_ca_left_in_the_runs_namespace_is_moved_to_the_operators(
+    control_plane: ControlPlane, operator: OperatorProcess, namespace: str
+) -> None:
+    # Prepare: a run whose CA an operator before issue 19 kept as <run>-ca in its namespace.
+    apply(control_plane, namespace, run_manifest("old"))
+    wait_until(lambda: run_ca(control_plane, namespace, "old") is not None, "a CA Secret")
+    wait_until(
+        lambda: secret(control_plane, namespace, "old-client-2-tls") is not None,
+        "the pods' Secrets",
+    )
+    original = run_ca(control_plane, namespace, "old")
+    run = get_run(control_plane, namespace, "old")
+    assert original is not None and run is not None
+    api = control_plane.api_client()
+    request(
+        api, "DELETE", f"/api/v1/namespaces/{CA_NAMESPACE}/secrets/{original['metadata']['name']}"
+    )
+    legacy = {
+        "apiVersion": "v1",
+        "kind": "Secret",
+        "type": "Opaque",
+        "metadata": {
+            "name": "old-ca",
+            "labels": objects.run_labels("old"),
+            "ownerReferences": [
+                {
+                    "apiVersion": f"{GROUP}/{VERSION}",
+                    "kind": "FederatedRun",
+                    "name": "old",
+                    "uid": run["metadata"]["uid"],
+                }
+            ],
+        },
+        "data": original["data"],
+    }
+
+    # Execute: the next resync finds it.
+    request(api, "POST", f"/api/v1/namespaces/{namespace}/secrets", body=legacy)
+    wait_until(
+        lambda: secret(control_plane, namespace, "old-ca") is None,
+        "move of old-ca",
+        debug=operator.tail,
+    )
+
+    # Assert: the same CA, now in the operator's namespace; the pods' Secrets still chain to it.
+    moved = run_ca(control_plane, namespace, "old")
+    assert moved is not None
+    assert moved["data"] == original["data"]
+    assert objects.ca_secret_is_for(moved, run["metadata"]["uid"])
+    client = secret(control_plane, namespace, "old-client-2-tls")
+    assert client is not None and client["data"]["ca.crt"] == moved["data"]["ca.crt"]
+
+
+def test_ca_secrets_of_runs_that_are_gone_are_collected(
+    control_plane: ControlPlane, operator: OperatorProcess, namespace: str
+) -> None:
+    # Prepare: a CA Secret whose run was deleted while no operator watched, beside a live one.
+    apply(control_plane, namespace, run_manifest("live"))
+    wait_until(lambda: run_ca(control_plane, namespace, "live") is not None, "a CA Secret")
+    orphan = {
+        "apiVersion": "v1",
+        "kind": "Secret",
+        "metadata": {
+            "name": objects.ca_secret_name(namespace, "ghost"),
+            "labels": {
+                **objects.ca_labels(),
+                objects.CA_NAMESPACE_LABEL: namespace,
+                objects.CA_NAME_LABEL: "ghost",
+                objects.CA_UID_LABEL: "00000000-0000-0000-0000-000000000000",
+            },
+        },
+        "stringData": {"ca.crt": "x", "ca.key": "y"},
+    }
+
+    # Execute
+    request(
+        control_plane.api_client(),
+        "POST",
+        f"/api/v1/namespaces/{CA_NAMESPACE}/secrets",
+        body=orphan,
+    )
+
+    # Assert: collected within a few resyncs (3 s); the live run's is kept.
+    wait_until(
+        lambda: run_ca(control_plane, namespace, "ghost") is None,
+        "collection of the orphaned CA Secret",
+        debug=operator.tail,
+    )
+    assert run_ca(control_plane, namespace, "live") is not None
 
 
 INVALID = [

@@ -7,6 +7,7 @@ cluster: the operator's objects, the roles' mutual TLS, the server's status repo
 
 from __future__ import annotations
 
+import base64
 import json
 import signal
 import time
@@ -17,6 +18,7 @@ from typing import Any
 import pytest
 import yaml
 
+from fedcore_operator.kube import request
 from tests.integration._s3 import ACCESS_KEY, SECRET_KEY, S3Server, start_s3
 from tests.kube._operator import (
     OperatorProcess,
@@ -49,9 +51,9 @@ def debug(plane: ControlPlane, kubelet: FakeKubelet, op: OperatorProcess, ns: st
     def text() -> str:
         parts = [f"--- operator\n{op.tail(40)}"]
         failed = [
-            pod.metadata.name
-            for pod in plane.core().list_namespaced_pod(ns).items
-            if pod.status and pod.status.phase == "Failed"
+            pod["metadata"]["name"]
+            for pod in listed(plane, ns, "pods")
+            if (pod.get("status") or {}).get("phase") == "Failed"
         ]
         for pod in dict.fromkeys([f"{run}-server", f"{run}-client-0", *failed]):
             try:
@@ -135,6 +137,38 @@ def create_credentials(plane: ControlPlane, namespace: str) -> None:
     plane.kubectl("apply", "-n", namespace, "-f", "-", input=json.dumps(secret))
 
 
+def listed(plane: ControlPlane, namespace: str, resource: str) -> list[dict[str, Any]]:
+    """The namespace's ``pods`` or ``secrets`` as JSON."""
+    path = f"/api/v1/namespaces/{namespace}/{resource}"
+    items: list[dict[str, Any]] = request(plane.api_client(), "GET", path)["items"]
+    return items
+
+
+def run_keys(plane: ControlPlane, namespace: str, run: str) -> dict[str, tuple[str, bytes]]:
+    """The run's key Secrets in its namespace: name -> (uid, the key file's content)."""
+    found = {}
+    for secret in listed(plane, namespace, "secrets"):
+        meta = secret["metadata"]
+        if meta["name"] in (f"{run}-server-keys", f"{run}-kdc-keys"):
+            owners = [ref["name"] for ref in meta.get("ownerReferences") or []]
+            assert owners == [run], (meta["name"], owners)
+            (content,) = (secret.get("data") or {}).values()
+            found[meta["name"]] = (meta["uid"], base64.b64decode(content))
+    return found
+
+
+def key_mounts(plane: ControlPlane, namespace: str) -> dict[str, list[str]]:
+    """Per pod of the namespace, the key Secrets (``-keys``) its volumes name."""
+    return {
+        pod["metadata"]["name"]: [
+            volume["secret"]["secretName"]
+            for volume in pod["spec"].get("volumes") or []
+            if volume.get("secret", {}).get("secretName", "").endswith("-keys")
+        ]
+        for pod in listed(plane, namespace, "pods")
+    }
+
+
 def test_killed_server_pod_is_recreated_and_resumes_from_its_checkpoint(
     control_plane: ControlPlane,
     kubelet: FakeKubelet,
@@ -156,6 +190,8 @@ def test_killed_server_pod_is_recreated_and_resumes_from_its_checkpoint(
         what="a checkpoint of round 3",
         debug=show,
     )
+    keys = run_keys(control_plane, namespace, "phoenix")
+    assert list(keys) == ["phoenix-server-keys"]
     kubelet.kill(namespace, "phoenix-server", signal.SIGKILL)
     run = wait_for_run(
         control_plane,
@@ -173,6 +209,8 @@ def test_killed_server_pod_is_recreated_and_resumes_from_its_checkpoint(
     assert status["round"] == 30
     log = kubelet.log_of(namespace, "phoenix-server")
     assert "Resumed from the checkpoint of round" in log, log[-2000:]
+    # The recreated server read its checkpoints with the run's key: the same Secret, unchanged.
+    assert run_keys(control_plane, namespace, "phoenix") == keys
 
 
 def test_operator_killed_mid_run_comes_back_without_duplicates_or_lost_status(
@@ -217,8 +255,7 @@ def test_operator_killed_mid_run_comes_back_without_duplicates_or_lost_status(
             f"--- kubelet's view\n{kubelet.describe(namespace)}"
         )
     assert status["round"] == 15
-    pods = control_plane.core().list_namespaced_pod(namespace).items
-    names = sorted(pod.metadata.name for pod in pods)
+    names = sorted(pod["metadata"]["name"] for pod in listed(control_plane, namespace, "pods"))
     assert len(names) == len(set(names))
     assert all(name.startswith("sturdy-") for name in names)
 
@@ -257,6 +294,15 @@ def test_failed_client_pod_is_recreated_and_a_suspended_run_resumes(
         debug=show,
     )
     assert run["status"]["restarts"] == 1
+    # The server's key is a Secret of the run's namespace that only the server pod mounts.
+    keys = run_keys(control_plane, namespace, "pause")
+    assert list(keys) == ["pause-server-keys"]
+    (key,) = (content for _, content in keys.values())
+    assert len(key) == 64 and bytes.fromhex(key.decode()).hex().encode() == key  # lowercase hex
+    mounts = key_mounts(control_plane, namespace)
+    assert mounts.pop("pause-server") == ["pause-server-keys"], mounts
+    assert mounts and all(name.startswith("pause-client-") for name in mounts), mounts
+    assert all(found == [] for found in mounts.values()), mounts
     wait_for_run(control_plane, namespace, "pause", checkpoint_at_least(5), timeout=180,
                  what="a checkpoint of round 5", debug=show)  # fmt: skip
     patch = '{"spec": {"suspend": true}}'
@@ -280,6 +326,8 @@ def test_failed_client_pod_is_recreated_and_a_suspended_run_resumes(
     assert status["activeSeconds"] > 0
     log = kubelet.log_of(namespace, "pause-server")
     assert "Resumed from the checkpoint of round" in log, log[-2000:]
+    # Kept across the suspension: the same Secret (uid) and key.
+    assert run_keys(control_plane, namespace, "pause") == keys
 
 
 def test_lppa_clients_train_over_their_peer_links_through_the_headless_service_names(

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import hashlib
 import json
+import stat
 from pathlib import Path
 from typing import Any
 
@@ -10,17 +12,28 @@ import numpy as np
 import pytest
 
 from fedcore.checkpoint import (
+    CHECKPOINT_KEY_ENV,
+    KDC_STATE_KEY_ENV,
     Checkpointer,
+    CheckpointKeyError,
+    CheckpointRefused,
     LocalObjectStore,
     TensorFile,
+    ensure_key,
     join_tensors,
+    kdc_state_key,
+    read_key,
     read_tensors,
+    server_checkpoint_key,
     split_tensors,
 )
 from fedcore.errors import CheckpointError
 
 RUN = "digits"
 FINGERPRINT = "sha256:0123abcd"
+KEY = bytes(range(32))
+"""The run's checkpoint key in these tests (a key file holds it as 64 hex digits)."""
+OTHER_KEY = bytes(range(1, 33))
 
 
 def _state(seed: int) -> dict[str, Any]:
@@ -69,7 +82,8 @@ def _assert_same_tree(actual: Any, expected: Any, path: str = "") -> None:
 
 
 def _checkpointer(store: LocalObjectStore, *, keep_last: int = 5, **kwargs: Any) -> Checkpointer:
-    options = {"run": RUN, "fingerprint": FINGERPRINT, **kwargs}
+    """A signed checkpointer (``key=None``: the unsigned format of the decentralized clients)."""
+    options = {"run": RUN, "fingerprint": FINGERPRINT, "key": KEY, **kwargs}
     return Checkpointer(store, keep_last=keep_last, **options)
 
 
@@ -126,7 +140,7 @@ def test_checkpointer_rounds_lists_published_rounds_ascending(tmp_path: Path) ->
     checkpointer = _checkpointer(LocalObjectStore(tmp_path))
 
     # Execute
-    for round in (4, 1, 2):
+    for round in (1, 2, 4):
         checkpointer.save(round, _state(round))
 
     # Assert
@@ -180,9 +194,11 @@ def test_checkpointer_load_latest_ignores_checkpoint_without_manifest(tmp_path: 
     _assert_same_tree(latest[1], _state(2))
 
 
-def test_checkpointer_load_refuses_corrupted_part_and_latest_falls_back(tmp_path: Path) -> None:
-    # Prepare
-    checkpointer = _checkpointer(LocalObjectStore(tmp_path))
+def test_checkpointer_unsigned_load_refuses_corrupted_part_and_latest_falls_back(
+    tmp_path: Path,
+) -> None:
+    # Prepare: the unsigned format (decentralized clients' own checkpoints).
+    checkpointer = _checkpointer(LocalObjectStore(tmp_path), key=None)
     checkpointer.save(1, _state(1))
     checkpointer.save(2, _state(2))
     part = tmp_path / "round-00000002" / "tensors.safetensors"
@@ -201,6 +217,7 @@ def test_checkpointer_load_refuses_corrupted_part_and_latest_falls_back(tmp_path
     assert latest is not None
     assert latest[0] == 1
     _assert_same_tree(latest[1], _state(1))
+    assert json.loads((tmp_path / "round-00000001" / "MANIFEST.json").read_text())["version"] == 1
 
 
 @pytest.mark.parametrize(
@@ -217,14 +234,15 @@ def test_checkpointer_load_refuses_foreign_manifest_naming_run(
     checkpointer = _checkpointer(store)
 
     # Execute
-    with pytest.raises(CheckpointError) as excinfo:
+    with pytest.raises(CheckpointRefused) as excinfo:
         checkpointer.load(1)
-    latest = checkpointer.load_latest()
+    with pytest.raises(CheckpointRefused) as resumed:
+        checkpointer.load_latest()
 
     # Assert
     assert repr(run) in str(excinfo.value)
     assert repr(RUN) in str(excinfo.value)
-    assert latest is None
+    assert "latest-round record" in str(resumed.value) and repr(run) in str(resumed.value)
 
 
 def test_checkpointer_save_prunes_beyond_keep_last(tmp_path: Path) -> None:
@@ -267,7 +285,9 @@ def test_checkpointer_save_failing_manifest_keeps_previous_checkpoint(tmp_path: 
     assert latest[0] == 1
     _assert_same_tree(latest[1], _state(1))
     assert store.reads
-    assert all(key.startswith("round-00000001/") for key in store.reads)
+    assert all(
+        key.startswith("round-00000001/") or key == "latest-round.json" for key in store.reads
+    )
 
 
 @pytest.mark.parametrize("key", ["../escape", "round-1/../../escape", "/etc/passwd", "a/../b"])
@@ -469,7 +489,9 @@ def test_tensor_file_refuses_a_dtype_safetensors_cannot_hold_naming_it() -> None
     assert "'z'" in str(refused.value) and "complex128" in str(refused.value)
 
 
-def test_checkpointer_load_refuses_a_part_of_another_size_and_falls_back(tmp_path: Path) -> None:
+def test_checkpointer_load_refuses_a_part_of_another_size_and_resume_names_it(
+    tmp_path: Path,
+) -> None:
     # Prepare
     checkpointer = _checkpointer(LocalObjectStore(tmp_path))
     checkpointer.save(1, _state(1))
@@ -477,12 +499,14 @@ def test_checkpointer_load_refuses_a_part_of_another_size_and_falls_back(tmp_pat
     part = tmp_path / "round-00000002" / "tensors.safetensors"
     part.write_bytes(part.read_bytes() + b"extra")
     # Execute
-    with pytest.raises(CheckpointError) as refused:
+    with pytest.raises(CheckpointRefused) as refused:
         checkpointer.load(2)
-    latest = checkpointer.load_latest()
+    with pytest.raises(CheckpointRefused) as resumed:
+        checkpointer.load_latest()
     # Assert
     assert "tensors.safetensors" in str(refused.value) and "round 2" in str(refused.value)
-    assert latest is not None and latest[0] == 1
+    assert resumed.value.round == 2
+    assert "newest older checkpoint that verifies is round 1" in str(resumed.value)
 
 
 def test_checkpointer_load_refuses_a_manifest_moved_to_another_round(tmp_path: Path) -> None:
@@ -712,3 +736,545 @@ def test_s3_store_numbers_parts_in_stream_order_whatever_order_they_finish() -> 
     assert written == data.size
     assert sorted(client.parts) == list(range(1, 14))
     assert client.objects["p/k"] == data.tobytes()
+
+
+# ----------------------------------------------------------- signed checkpoints (issue 19)
+
+
+def _manifest(root: Path, round: int, series: str = "round") -> dict[str, Any]:
+    manifest: dict[str, Any] = json.loads(
+        (root / f"{series}-{round:08d}" / "MANIFEST.json").read_text(encoding="utf-8")
+    )
+    return manifest
+
+
+def _write_manifest(root: Path, round: int, manifest: dict[str, Any]) -> None:
+    path = root / f"round-{round:08d}" / "MANIFEST.json"
+    path.write_text(json.dumps(manifest, indent=1), encoding="utf-8")
+
+
+def test_signed_manifest_carries_run_fingerprint_round_sums_and_a_tag(tmp_path: Path) -> None:
+    # Prepare
+    checkpointer = _checkpointer(LocalObjectStore(tmp_path))
+    # Execute
+    checkpointer.save(1, _state(1))
+    checkpointer.save(2, _state(2))
+    first, second = _manifest(tmp_path, 1), _manifest(tmp_path, 2)
+    record = json.loads((tmp_path / "latest-round.json").read_text(encoding="utf-8"))
+    # Assert
+    assert second["version"] == 2 and second["run"] == RUN and second["round"] == 2
+    assert second["fingerprint"] == FINGERPRINT and second["series"] == "round"
+    assert set(second["parts"]) == {"state.json", "tensors.safetensors"}
+    assert len(second["tag"]) == 64 and second["key_id"] == checkpointer.key_id
+    assert second["encryption"] is None
+    assert first["previous"] is None
+    manifest_sha = hashlib.sha256(
+        (tmp_path / "round-00000001" / "MANIFEST.json").read_bytes()
+    ).hexdigest()
+    assert second["previous"] == {"round": 1, "manifest_sha256": manifest_sha}
+    assert record["round"] == 2 and len(record["tag"]) == 64
+    assert KEY.hex() not in json.dumps([first, second, record])
+
+
+def test_signed_checkpoint_with_a_replaced_state_object_of_the_same_size_is_refused(
+    tmp_path: Path,
+) -> None:
+    # Prepare: round 2's state.json replaced by bytes of the same length.
+    checkpointer = _checkpointer(LocalObjectStore(tmp_path))
+    checkpointer.save(1, _state(1))
+    checkpointer.save(2, _state(2))
+    part = tmp_path / "round-00000002" / "state.json"
+    part.write_bytes(part.read_bytes().replace(b'"fedavg"', b'"evilly"'))
+    # Execute
+    with pytest.raises(CheckpointRefused) as loaded:
+        checkpointer.load(2)
+    with pytest.raises(CheckpointRefused) as resumed:
+        _checkpointer(LocalObjectStore(tmp_path)).load_latest()
+    # Assert
+    assert loaded.value.round == 2
+    assert str(loaded.value) == (
+        f"The checkpoint of round 2 ({tmp_path / 'round-00000002'}) is refused: its part "
+        f"state.json fails its checksum (sha256): the object was replaced or damaged."
+    )
+    assert resumed.value.round == 2
+    assert "It is the checkpoint to resume from (the latest record names it)" in str(resumed.value)
+    assert "The newest older checkpoint that verifies is round 1" in str(resumed.value)
+
+
+def test_signed_checkpoint_whose_manifest_was_edited_to_match_replaced_parts_is_refused(
+    tmp_path: Path,
+) -> None:
+    # Prepare: the state replaced and the manifest's sum updated to match it, tag kept.
+    checkpointer = _checkpointer(LocalObjectStore(tmp_path))
+    checkpointer.save(1, _state(1))
+    forged = json.dumps({"round": 1, "protocol": "replaced"}).encode()
+    (tmp_path / "round-00000001" / "state.json").write_bytes(forged)
+    manifest = _manifest(tmp_path, 1)
+    manifest["parts"]["state.json"] = {
+        "sha256": hashlib.sha256(forged).hexdigest(),
+        "bytes": len(forged),
+    }
+    _write_manifest(tmp_path, 1, manifest)
+    # Execute
+    with pytest.raises(CheckpointRefused) as loaded:
+        checkpointer.load(1)
+    # Assert
+    assert loaded.value.round == 1
+    assert loaded.value.reason == (
+        "its manifest tag does not verify: the manifest was tampered with"
+    )
+
+
+def test_signed_checkpointer_refuses_a_manifest_without_its_tag_as_unsigned(
+    tmp_path: Path,
+) -> None:
+    # Prepare
+    checkpointer = _checkpointer(LocalObjectStore(tmp_path))
+    checkpointer.save(1, _state(1))
+    manifest = _manifest(tmp_path, 1)
+    del manifest["tag"]
+    _write_manifest(tmp_path, 1, manifest)
+    # Execute
+    with pytest.raises(CheckpointRefused) as loaded:
+        checkpointer.load(1)
+    # Assert
+    assert loaded.value.reason.startswith("it is unsigned")
+
+
+def test_signed_checkpoint_read_with_another_key_is_refused_naming_both_key_ids(
+    tmp_path: Path,
+) -> None:
+    # Prepare
+    writer = _checkpointer(LocalObjectStore(tmp_path))
+    writer.save(1, _state(1))
+    reader = _checkpointer(LocalObjectStore(tmp_path), key=OTHER_KEY)
+    # Execute
+    with pytest.raises(CheckpointRefused) as loaded:
+        reader.load(1)
+    with pytest.raises(CheckpointRefused) as resumed:
+        reader.load_latest()
+    # Assert
+    assert writer.key_id != reader.key_id
+    assert loaded.value.reason == (
+        f"its manifest tag does not verify: it was written with another key (key id "
+        f"{writer.key_id!r}; this role's key is {reader.key_id}) or tampered with"
+    )
+    assert resumed.value.round is None
+    assert "The latest-round record" in str(resumed.value) and "another key" in str(resumed.value)
+    assert "No older checkpoint verifies" in str(resumed.value)
+
+
+def test_deleting_the_newest_checkpoint_is_refused_not_silently_rolled_back(
+    tmp_path: Path,
+) -> None:
+    # Prepare
+    store = LocalObjectStore(tmp_path)
+    checkpointer = _checkpointer(store)
+    for round in (1, 2, 3):
+        checkpointer.save(round, _state(round))
+    store.delete([f"round-00000003/{name}" for name in ("MANIFEST.json", "state.json")])
+    store.delete(["round-00000003/tensors.safetensors"])
+    # Execute
+    with pytest.raises(CheckpointRefused) as resumed:
+        _checkpointer(store).load_latest()
+    # Assert
+    assert resumed.value.round == 3
+    assert resumed.value.reason == "the checkpoint the latest record names is missing"
+    assert "The newest older checkpoint that verifies is round 2" in str(resumed.value)
+    assert "`fedcore checkpoint rollback <manifest> 2 --yes`" in str(resumed.value)
+
+
+def test_deleting_the_newest_checkpoint_and_the_latest_record_is_refused(tmp_path: Path) -> None:
+    # Prepare
+    store = LocalObjectStore(tmp_path)
+    checkpointer = _checkpointer(store)
+    for round in (1, 2, 3):
+        checkpointer.save(round, _state(round))
+    store.delete(["latest-round.json", "round-00000003/MANIFEST.json"])
+    # Execute
+    with pytest.raises(CheckpointRefused) as resumed:
+        _checkpointer(store).load_latest()
+    # Assert
+    assert resumed.value.reason == "the latest record is missing"
+    assert "holds checkpoints of rounds [1, 2] but no latest-round record" in str(resumed.value)
+
+
+def test_an_older_latest_record_put_back_beside_newer_checkpoints_is_refused(
+    tmp_path: Path,
+) -> None:
+    # Prepare: the record of round 1 copied aside, then put back after rounds 2 and 3.
+    store = LocalObjectStore(tmp_path)
+    checkpointer = _checkpointer(store)
+    checkpointer.save(1, _state(1))
+    old_record = store.get("latest-round.json")
+    checkpointer.save(2, _state(2))
+    checkpointer.save(3, _state(3))
+    store.put("latest-round.json", old_record)
+    # Execute
+    with pytest.raises(CheckpointRefused) as resumed:
+        _checkpointer(store).load_latest()
+    # Assert
+    assert resumed.value.round == 3
+    assert "is newer than the latest record (round 1) and does not follow it" in str(resumed.value)
+
+
+def test_a_checkpoint_replaced_by_a_signed_older_copy_of_the_same_round_is_refused(
+    tmp_path: Path,
+) -> None:
+    # Prepare: a run writes round 2, a fresh start writes round 2 again; the first is put back.
+    store = LocalObjectStore(tmp_path)
+    _checkpointer(store).save(2, _state(2))
+    first = {name: store.get(f"round-00000002/{name}") for name in ("MANIFEST.json", "state.json")}
+    first["tensors.safetensors"] = store.get("round-00000002/tensors.safetensors")
+    _checkpointer(store).save(2, _state(7))
+    for name, data in first.items():
+        store.put(f"round-00000002/{name}", data)
+    # Execute
+    loaded = _checkpointer(store).load(2)
+    with pytest.raises(CheckpointRefused) as resumed:
+        _checkpointer(store).load_latest()
+    # Assert
+    assert loaded["round"] == 2
+    assert resumed.value.reason == "replaced by another checkpoint of the same round"
+
+
+def test_resume_takes_a_checkpoint_written_just_before_its_record_and_says_why(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    # Prepare: the writer stopped after round 2's manifest, before its record.
+    store = LocalObjectStore(tmp_path)
+    checkpointer = _checkpointer(store)
+    checkpointer.save(1, _state(1))
+    record_of_1 = store.get("latest-round.json")
+    checkpointer.save(2, _state(2))
+    store.put("latest-round.json", record_of_1)
+    caplog.set_level("INFO", logger="fedcore.checkpoint._checkpointer")
+    # Execute
+    latest = _checkpointer(store).load_latest()
+    # Assert
+    assert latest is not None and latest[0] == 2
+    _assert_same_tree(latest[1], _state(2))
+    assert "Taking the checkpoint of round 2" in caplog.text
+    assert "written right after round 1, which the latest record names" in caplog.text
+
+
+def test_resume_logs_which_checkpoint_it_takes_and_why(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    # Prepare
+    checkpointer = _checkpointer(LocalObjectStore(tmp_path))
+    checkpointer.save(1, _state(1))
+    checkpointer.save(2, _state(2))
+    caplog.set_level("INFO", logger="fedcore.checkpoint._checkpointer")
+    # Execute
+    latest = _checkpointer(LocalObjectStore(tmp_path)).load_latest()
+    # Assert
+    assert latest is not None and latest[0] == 2
+    assert (
+        f"Taking the checkpoint of round 2 from folder {tmp_path}: the latest record names it; "
+        f"it verifies (tag and checksums)." in caplog.text
+    )
+
+
+def test_rollback_takes_an_older_checkpoint_knowingly_and_resume_then_starts_there(
+    tmp_path: Path,
+) -> None:
+    # Prepare: round 3 tampered.
+    store = LocalObjectStore(tmp_path)
+    checkpointer = _checkpointer(store)
+    for round in (1, 2, 3):
+        checkpointer.save(round, _state(round))
+    part = tmp_path / "round-00000003" / "state.json"
+    part.write_bytes(part.read_bytes() + b" ")
+    # Execute
+    deleted = _checkpointer(store).rollback(2)
+    latest = _checkpointer(store).load_latest()
+    resumed = _checkpointer(store)
+    resumed.load_latest()
+    resumed.save(3, _state(30))
+    # Assert
+    assert deleted == [3]
+    assert latest is not None and latest[0] == 2
+    _assert_same_tree(latest[1], _state(2))
+    assert _manifest(tmp_path, 3)["previous"]["round"] == 2
+    assert resumed.load_latest() is not None
+
+
+def test_rollback_refuses_a_checkpoint_that_does_not_verify(tmp_path: Path) -> None:
+    # Prepare
+    store = LocalObjectStore(tmp_path)
+    checkpointer = _checkpointer(store)
+    checkpointer.save(1, _state(1))
+    checkpointer.save(2, _state(2))
+    (tmp_path / "round-00000001" / "state.json").write_bytes(b"{}")
+    # Execute
+    with pytest.raises(CheckpointRefused) as refused:
+        checkpointer.rollback(1)
+    # Assert
+    assert refused.value.round == 1
+    assert checkpointer.rounds() == [1, 2]
+
+
+def test_old_unsigned_checkpoints_are_refused_saying_how_to_adopt_them(tmp_path: Path) -> None:
+    # Prepare: checkpoints of a fedcore before signed manifests.
+    store = LocalObjectStore(tmp_path)
+    old = _checkpointer(store, key=None)
+    old.save(1, _state(1))
+    old.save(2, _state(2))
+    checkpointer = _checkpointer(store)
+    # Execute
+    with pytest.raises(CheckpointRefused) as refused:
+        checkpointer.load_latest()
+    with pytest.raises(CheckpointRefused):
+        checkpointer.rollback(2)
+    deleted = checkpointer.rollback(2, adopt_unsigned=True)
+    latest = _checkpointer(store).load_latest()
+    # Assert
+    assert "are unsigned" in str(refused.value)
+    assert "`fedcore checkpoint rollback <manifest> 2 --yes --adopt-unsigned`" in str(refused.value)
+    assert deleted == []
+    assert latest is not None and latest[0] == 2
+    _assert_same_tree(latest[1], _state(2))
+    assert _manifest(tmp_path, 2)["version"] == 2
+
+
+def test_an_unsigned_checkpointer_refuses_a_signed_checkpoint_saying_it_needs_the_key(
+    tmp_path: Path,
+) -> None:
+    # Prepare
+    _checkpointer(LocalObjectStore(tmp_path)).save(1, _state(1))
+    # Execute
+    with pytest.raises(CheckpointError) as refused:
+        _checkpointer(LocalObjectStore(tmp_path), key=None).load(1)
+    # Assert
+    assert str(refused.value) == "The checkpoint of round 1 is signed; reading it needs its key."
+
+
+def test_a_fresh_run_deletes_the_unmarked_newer_checkpoints_of_an_earlier_one(
+    tmp_path: Path,
+) -> None:
+    # Prepare: an earlier run wrote rounds 1-4 and marked 3.
+    store = LocalObjectStore(tmp_path)
+    earlier = _checkpointer(store, keep_last=3)
+    for round in (1, 2, 3, 4):
+        earlier.save(round, _state(round))
+    earlier.mark(3)
+    # Execute: a run started afresh (no resume) writes round 1.
+    _checkpointer(store, keep_last=3).save(1, _state(10))
+    rounds = _checkpointer(store).rounds()
+    # Assert
+    assert rounds == [1, 3]
+    with pytest.raises(CheckpointRefused) as resumed:
+        _checkpointer(store).load_latest()
+    assert "round 3 is newer than the latest record (round 1)" in str(resumed.value)
+
+
+# ------------------------------------------------------------------- the KDC's encrypted state
+
+
+def _kdc(store: LocalObjectStore, key: bytes = KEY) -> Checkpointer:
+    return _checkpointer(store.child("kdc"), series="version", key=key, encrypt=True)
+
+
+def test_kdc_state_round_trips_encrypted_and_no_object_holds_its_secret(tmp_path: Path) -> None:
+    # Prepare
+    secret = "5ec2e7" * 16
+    state = {"protocol": {"master": secret, "round": 3}, "noise": np.arange(4.0)}
+    store = LocalObjectStore(tmp_path)
+    # Execute
+    _kdc(store).save(1, state)
+    loaded = _kdc(store).load_latest()
+    stored = b"".join(path.read_bytes() for path in tmp_path.rglob("*") if path.is_file())
+    # Assert
+    assert loaded is not None and loaded[0] == 1
+    _assert_same_tree(loaded[1], state)
+    assert secret.encode() not in stored and b"master" not in stored
+    assert np.arange(4.0).tobytes() not in stored
+    assert _manifest(tmp_path / "kdc", 1, "version")["encryption"] == "AES-256-GCM"
+
+
+def test_kdc_state_with_tampered_ciphertext_is_refused(tmp_path: Path) -> None:
+    # Prepare
+    store = LocalObjectStore(tmp_path)
+    _kdc(store).save(1, {"protocol": {"master": "ab" * 32}})
+    part = tmp_path / "kdc" / "version-00000001" / "state.json"
+    data = bytearray(part.read_bytes())
+    data[20] ^= 0x01
+    part.write_bytes(bytes(data))
+    # Execute
+    with pytest.raises(CheckpointRefused) as resumed:
+        _kdc(store).load_latest()
+    # Assert
+    assert resumed.value.round == 1
+    assert "The checkpoint of version 1" in str(resumed.value)
+    assert "its part state.json fails its checksum" in str(resumed.value)
+    assert "`fedcore checkpoint rollback" not in str(resumed.value)
+
+
+def test_kdc_state_is_refused_under_another_key(tmp_path: Path) -> None:
+    # Prepare
+    store = LocalObjectStore(tmp_path)
+    _kdc(store).save(1, {"protocol": {"master": "ab" * 32}})
+    # Execute
+    with pytest.raises(CheckpointRefused) as loaded:
+        _kdc(store, OTHER_KEY).load(1)
+    # Assert
+    assert "written with another key" in loaded.value.reason
+
+
+def test_seal_key_aead_binds_its_associated_data_and_refuses_changed_ciphertext() -> None:
+    # Prepare
+    from fedcore.checkpoint._keys import SealKey
+
+    seal = SealKey(KEY, encrypt=True)
+    sealed = seal.encrypt(b"the master secret", b"run r, version 1")
+    flipped = sealed[:-1] + bytes([sealed[-1] ^ 1])
+    # Execute / Assert
+    assert seal.decrypt(sealed, b"run r, version 1") == b"the master secret"
+    assert sealed[:12] != seal.encrypt(b"the master secret", b"run r, version 1")[:12]
+    for data, associated in ((sealed, b"run r, version 2"), (flipped, b"run r, version 1")):
+        with pytest.raises(ValueError, match="AES-GCM tag does not verify"):
+            seal.decrypt(data, associated)
+    with pytest.raises(ValueError, match="AES-GCM tag does not verify"):
+        SealKey(OTHER_KEY, encrypt=True).decrypt(sealed, b"run r, version 1")
+
+
+# ------------------------------------------------------------------------------- key files
+
+
+def _mode(path: Path) -> int:
+    return stat.S_IMODE(path.stat().st_mode)
+
+
+def test_ensure_key_creates_a_0600_hex_key_in_a_0700_folder_once(tmp_path: Path) -> None:
+    # Prepare
+    path = tmp_path / "run" / "keys" / "checkpoint.key"
+    # Execute
+    key, created = ensure_key(path)
+    again, created_again = ensure_key(path)
+    # Assert
+    assert created is True and created_again is False
+    assert len(key) == 32 and again == key
+    assert path.read_text() == key.hex() + "\n"
+    assert _mode(path) == 0o600 and _mode(path.parent) == 0o700
+    assert [p.name for p in path.parent.iterdir()] == ["checkpoint.key"]
+
+
+def test_ensure_key_refuses_a_key_file_others_can_read(tmp_path: Path) -> None:
+    # Prepare
+    path = tmp_path / "keys" / "checkpoint.key"
+    ensure_key(path)
+    path.chmod(0o644)
+    # Execute
+    with pytest.raises(CheckpointKeyError) as refused:
+        ensure_key(path)
+    # Assert
+    assert f"The checkpoint key file {path} can be read or written by other users (mode 0644)" in (
+        str(refused.value)
+    )
+
+
+@pytest.mark.parametrize(
+    ("content", "why"),
+    [
+        (b"", "holds 0 hex digits, not 64"),
+        (b"ab" * 16 + b"\n", "holds 32 hex digits, not 64"),
+        (b"ab" * 33, "holds 66 hex digits, not 64"),
+        (b"zz" * 32 + b"\n", "holds characters other than hex digits"),
+        (b"ab" * 32 + b"\n\n", "holds characters other than hex digits"),
+        (bytes(range(32)) * 2, "holds characters other than hex digits"),
+    ],
+    ids=["empty", "short", "long", "not-hex", "two-newlines", "raw-bytes"],
+)
+def test_read_key_refuses_a_malformed_key_file_without_quoting_it(
+    tmp_path: Path, content: bytes, why: str
+) -> None:
+    # Prepare
+    path = tmp_path / "checkpoint.key"
+    path.write_bytes(content)
+    # Execute
+    with pytest.raises(CheckpointKeyError) as refused:
+        read_key(path)
+    # Assert
+    assert str(refused.value).startswith(f"The checkpoint key file {path} is malformed: it {why}")
+    if content.strip():
+        assert content.strip()[:8].decode("latin-1") not in str(refused.value)
+
+
+@pytest.mark.parametrize("ending", [b"", b"\n", b"\r\n"], ids=["bare", "newline", "crlf"])
+def test_read_key_reads_64_hex_digits_with_an_optional_newline(
+    tmp_path: Path, ending: bytes
+) -> None:
+    # Prepare
+    path = tmp_path / "k"
+    path.write_bytes(KEY.hex().upper().encode() + ending)
+    # Execute / Assert
+    assert read_key(path) == KEY
+
+
+def test_role_keys_come_from_their_variables_and_a_named_file_is_never_created(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Prepare
+    server_file = tmp_path / "secret" / "checkpoint.key"
+    server_file.parent.mkdir()
+    server_file.write_text(KEY.hex() + "\n")
+    monkeypatch.setenv(CHECKPOINT_KEY_ENV, str(server_file))
+    monkeypatch.setenv(KDC_STATE_KEY_ENV, str(tmp_path / "secret" / "missing.key"))
+    # Execute
+    server = server_checkpoint_key(tmp_path / "work")
+    with pytest.raises(CheckpointKeyError) as missing:
+        kdc_state_key(tmp_path / "work")
+    # Assert
+    assert server == KEY
+    assert str(missing.value).startswith(
+        f"The KDC state key ({KDC_STATE_KEY_ENV}) file {tmp_path / 'secret' / 'missing.key'} "
+        f"cannot be read: No such file or directory"
+    )
+    assert not (tmp_path / "work").exists()
+
+
+def test_role_keys_without_variables_are_distinct_files_made_in_the_workdir(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Prepare
+    monkeypatch.delenv(CHECKPOINT_KEY_ENV, raising=False)
+    monkeypatch.delenv(KDC_STATE_KEY_ENV, raising=False)
+    # Execute
+    server = server_checkpoint_key(tmp_path)
+    kdc = kdc_state_key(tmp_path)
+    # Assert
+    assert server != kdc
+    assert read_key(tmp_path / "keys" / "checkpoint.key") == server
+    assert read_key(tmp_path / "keys" / "kdc-state.key") == kdc
+    assert server_checkpoint_key(tmp_path) == server
+
+
+def test_local_run_gives_server_and_kdc_their_own_key_file_kept_across_starts(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Prepare
+    from fedcore.local.runner import LocalRun
+    from fedcore.spec import load_manifest
+
+    manifest = Path(__file__).resolve().parents[2] / "examples" / "digits-mpdp.yaml"
+    monkeypatch.setenv(CHECKPOINT_KEY_ENV, "/from/the/shell.key")
+    run = LocalRun(load_manifest(manifest), manifest, workdir=tmp_path / "run", metrics=False)
+    # Execute
+    run._prepare()
+    first = {name: read_key(tmp_path / "run" / "keys" / name) for name in KEY_NAMES}
+    run._prepare()  # a resume: same run folder
+    second = {name: read_key(tmp_path / "run" / "keys" / name) for name in KEY_NAMES}
+    envs = {role: run.role_env(role) for role in ("server", "kdc", "client-0")}
+    # Assert
+    assert first == second and first["checkpoint.key"] != first["kdc-state.key"]
+    assert _mode(tmp_path / "run" / "keys") == 0o700
+    assert all(_mode(tmp_path / "run" / "keys" / name) == 0o600 for name in KEY_NAMES)
+    keys = (tmp_path / "run" / "keys").absolute()
+    assert envs["server"][CHECKPOINT_KEY_ENV] == str(keys / "checkpoint.key")
+    assert envs["kdc"][KDC_STATE_KEY_ENV] == str(keys / "kdc-state.key")
+    assert KDC_STATE_KEY_ENV not in envs["server"] and CHECKPOINT_KEY_ENV not in envs["kdc"]
+    assert not {CHECKPOINT_KEY_ENV, KDC_STATE_KEY_ENV} & set(envs["client-0"])
+
+
+KEY_NAMES = ("checkpoint.key", "kdc-state.key")

@@ -151,7 +151,7 @@ def test_main_version_prints_package_version(cli: CliRunner) -> None:
     ("command", "own_options"),
     [
         ("server", ["--listen", "--resume"]),
-        ("client", ["--index", "--server", "--kdc", "--server-name"]),
+        ("client", ["--index", "--server", "--kdc", "--peer-listen"]),
         ("kdc", ["--listen"]),
     ],
 )
@@ -237,7 +237,7 @@ def test_client_with_another_clients_certificate_exits_1_naming_both(
 @pytest.fixture
 def checkpointed(tmp_path: Path) -> dict[str, Any]:
     """A manifest and its run folder holding server checkpoints of rounds 1-3 and one KDC state."""
-    from fedcore.checkpoint import kdc_checkpointer, open_store, server_checkpointer
+    from fedcore.checkpoint import ensure_key, kdc_checkpointer, open_store, server_checkpointer
     from fedcore.roles._common import spec_fingerprint
     from fedcore.spec import load_manifest
 
@@ -247,13 +247,15 @@ def checkpointed(tmp_path: Path) -> dict[str, Any]:
     work = tmp_path / "work"
     store = open_store(run.spec.checkpoint, name=run.metadata.name, workdir=work)
     fingerprint = spec_fingerprint(run)
+    server_key, _ = ensure_key(work / "keys" / "checkpoint.key")  # where the roles keep them
+    kdc_key, _ = ensure_key(work / "keys" / "kdc-state.key")
     server = server_checkpointer(
-        store, run.spec.checkpoint, run=run.metadata.name, fingerprint=fingerprint
+        store, run.spec.checkpoint, run=run.metadata.name, fingerprint=fingerprint, key=server_key
     )
     for round_ in (1, 2, 3):
         server.save(round_, {"w": np.full(4, float(round_))})
     kdc_checkpointer(
-        store, run.spec.checkpoint, run=run.metadata.name, fingerprint=fingerprint
+        store, run.spec.checkpoint, run=run.metadata.name, fingerprint=fingerprint, key=kdc_key
     ).save(1, {"protocol": {"session": "s"}})
     return {"manifest": manifest, "work": work, "folder": work / "checkpoints"}
 
@@ -321,9 +323,9 @@ def test_checkpoint_purge_lists_first_and_deletes_everything_with_yes(
     after_dry = sorted(p.name for p in checkpointed["folder"].rglob("*") if p.is_file())
     done = cli.invoke(main, ["checkpoint", "purge", *args, "--yes"])
     # Assert
-    assert "Would delete 12 objects" in dry.output
-    assert len(after_dry) == 12
-    assert "Deleted 12 objects" in done.output
+    assert "Would delete 14 objects" in dry.output  # with the two latest records
+    assert len(after_dry) == 14
+    assert "Deleted 14 objects" in done.output
     assert not any(p.is_file() for p in checkpointed["folder"].rglob("*"))
 
 

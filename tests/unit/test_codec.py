@@ -5,6 +5,7 @@ from __future__ import annotations
 import itertools
 import json
 import struct
+import tracemalloc
 from typing import Any
 
 import numpy as np
@@ -518,3 +519,132 @@ def test_codec_encode_accepts_longest_tensor_name() -> None:
 
     # Assert
     _assert_same_payload(decoded, payload)
+
+
+# ------------------------------------------------- hostile input: fuzzing and reservations
+
+
+def _feed_all(decoder: PayloadDecoder, chunks: list[bytes]) -> Payload | None:
+    """Feeds ``chunks``; returns the payload, or None when the decoder refused the bytes.
+
+    After every chunk the decoder may hold no more than what it was fed.
+    """
+    fed = 0
+    try:
+        for chunk in chunks:
+            decoder.feed(chunk)
+            fed += len(chunk)
+            assert decoder.buffered <= fed
+        return decoder.finish()
+    except MessageRejected:
+        return None
+
+
+def _split(data: bytes, cuts: list[int]) -> list[bytes]:
+    points = sorted({min(cut, len(data)) for cut in cuts})
+    bounds = [0, *points, len(data)]
+    return [data[start:end] for start, end in itertools.pairwise(bounds)]
+
+
+@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    data=st.binary(max_size=512),
+    cuts=st.lists(st.integers(min_value=0, max_value=512), max_size=8),
+    prefix=st.booleans(),
+)
+def test_codec_decoder_fuzz_arbitrary_bytes_only_rejects(
+    data: bytes, cuts: list[int], prefix: bool
+) -> None:
+    # Prepare: random bytes, half of them behind a valid magic and a plausible header length
+    raw = (b"FCM1" + struct.pack("<I", len(data) // 2) + data) if prefix else data
+    decoder = PayloadDecoder(max_message_bytes=LIMIT, max_header_bytes=4096)
+
+    # Execute
+    result = _feed_all(decoder, _split(raw, cuts))
+
+    # Assert: either a refusal (MessageRejected, nothing else) or a payload that re-encodes to
+    # exactly the bytes that were fed
+    if result is not None:
+        assert _encode(result) == raw
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    position=st.integers(min_value=0, max_value=10_000),
+    value=st.integers(min_value=0, max_value=255),
+    cut=st.integers(min_value=0, max_value=10_000),
+    mode=st.sampled_from(["flip", "truncate", "extend"]),
+    chunk=st.integers(min_value=1, max_value=64),
+)
+def test_codec_decoder_fuzz_mutated_message_only_rejects(
+    position: int, value: int, cut: int, mode: str, chunk: int
+) -> None:
+    # Prepare: a valid message, then one byte changed, a tail cut off, or bytes appended
+    payload = Payload(
+        meta={"round": 3, "kind": "upload"},
+        tensors={"w": np.arange(12, dtype=np.float32).reshape(3, 4), "n": np.array(7)},
+    )
+    message = bytearray(_encode(payload))
+    if mode == "flip":
+        message[position % len(message)] = value
+    elif mode == "truncate":
+        del message[cut % len(message) :]
+    else:
+        message += bytes([value]) * (1 + cut % 16)
+    chunks = [bytes(message[i : i + chunk]) for i in range(0, len(message), chunk)]
+    decoder = PayloadDecoder(max_message_bytes=LIMIT)
+
+    # Execute
+    result = _feed_all(decoder, chunks)
+
+    # Assert
+    if mode != "flip":
+        assert result is None  # a cut or a longer message is always refused
+    elif result is not None:
+        assert _encode(result) == bytes(message)
+
+
+def test_codec_decoder_reserves_nothing_before_the_body_arrives() -> None:
+    # Prepare: a header that announces 512 MiB (within the limit), followed by 16 bytes only
+    size = 512 << 20
+    header = {
+        "meta": {},
+        "tensors": [{"name": "w", "dtype": "uint8", "shape": [size], "offset": 0, "nbytes": size}],
+        "body_bytes": size,
+    }
+    decoder = PayloadDecoder(max_message_bytes=1 << 30)
+    tracemalloc.start()
+    try:
+        # Execute
+        decoder.feed(_message(header, b"\x01" * 16))
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+
+    # Assert: the decoder holds what arrived, not what was announced
+    assert not decoder.complete
+    assert decoder.buffered == 16
+    assert peak < 1 << 20
+    with pytest.raises(MessageRejected, match=f"announced {size} body bytes but only 16"):
+        decoder.finish()
+
+
+def test_codec_decoder_grows_its_body_as_chunks_arrive() -> None:
+    # Prepare
+    payload = Payload(tensors={"w": np.arange(4096, dtype=np.float64)})
+    chunks = list(encode_chunks(payload, chunk_bytes=4096))
+    decoder = PayloadDecoder(max_message_bytes=LIMIT)
+    held = []
+
+    # Execute
+    for chunk in chunks:
+        decoder.feed(chunk)
+        held.append(decoder.buffered)
+    decoded = decoder.finish()
+
+    # Assert: the body grows by one chunk at a time up to the announced 32768 bytes
+    assert held[-1] == 32768
+    assert all(later > earlier for earlier, later in itertools.pairwise(held[1:]))
+    assert np.array_equal(decoded.tensors["w"], payload.tensors["w"])
+    decoded.tensors["w"][0] = -1.0  # writable
+    assert decoded.tensors["w"][0] == -1.0

@@ -23,7 +23,7 @@ def exported_names(metrics: RoleMetrics) -> set[str]:
 def test_role_metrics_every_exported_name_is_documented() -> None:
     # Prepare
     metrics = RoleMetrics("run-a", "server")
-    metrics.rejected("malformed")
+    metrics.rejected("malformed", sender="client-0")
     # Execute
     names = exported_names(metrics) | {
         "fedcore_round_duration_seconds",
@@ -50,6 +50,25 @@ def test_role_metrics_labels_are_bounded_to_run_role_and_reason() -> None:
     }
     # Assert
     assert labels <= {"run", "role", "reason", "le", "version"}
+
+
+def test_a_sender_is_named_only_once_it_was_refused() -> None:
+    # Prepare
+    metrics = RoleMetrics("run-c", "server")
+    metrics.rejected("stale")  # no sender known
+    # Execute
+    before = generate_latest(metrics.registry).decode()
+    metrics.rejected("bound", sender="client-3")
+    metrics.rejected("bound", sender="client-3")
+    after = generate_latest(metrics.registry).decode()
+    # Assert
+    assert 'sender="' not in before
+    assert (
+        'fedcore_rejected_messages_by_sender_total{reason="bound",role="server",run="run-c",'
+        'sender="client-3"} 2.0'
+    ) in after
+    assert 'fedcore_rejected_messages_total{reason="bound",role="server",run="run-c"} 2.0' in after
+    assert after.count('sender="') == 2  # the counter and its _created sample, one sender
 
 
 def test_role_metrics_counts_bytes_and_rejections_in_exposition() -> None:

@@ -256,6 +256,38 @@ WEAKENING_TEMPLATES = [
         "spec.automountServiceAccountToken: may not be true: the clients role has no API access",
         id="token-for-a-client",
     ),
+    pytest.param(
+        {
+            "spec": {
+                "containers": [
+                    {
+                        "name": "fedcore",
+                        "env": [
+                            {"name": "A", "value": "1"},
+                            {
+                                "name": "KEY",
+                                "valueFrom": {
+                                    "secretKeyRef": {"name": "demo-server-keys", "key": "k"}
+                                },
+                            },
+                        ],
+                    }
+                ]
+            }
+        },
+        "spec.containers[0].env[1].valueFrom.secretKeyRef: may not be set",
+        id="env-from-another-roles-secret",
+    ),
+    pytest.param(
+        {"spec": {"initContainers": [{"name": "x", "envFrom": [{"secretRef": {"name": "s"}}]}]}},
+        "spec.initContainers[0].envFrom[0].secretRef: may not be set",
+        id="env-from-a-whole-secret",
+    ),
+    pytest.param(
+        {"spec": {"containers": [{"name": "fedcore", "ports": [{"hostPort": 22}]}]}},
+        "spec.containers[0].ports[0].hostPort: may not be set",
+        id="host-port",
+    ),
 ]
 
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import base64
 import copy
+import json
 from typing import Any
 
 import pytest
@@ -100,33 +101,92 @@ def test_mpdp_run_gets_a_kdc_that_only_clients_reach() -> None:
         {"podSelector": {"matchLabels": {objects.RUN_LABEL: "demo", objects.ROLE_LABEL: "client"}}}
     ]
     client_egress = policies["demo-client"]["spec"]["egress"]
-    targets = [
-        rule["to"][0]["podSelector"]["matchLabels"][objects.ROLE_LABEL]
-        for rule in client_egress
-        if "to" in rule
-    ]
-    assert sorted(targets) == ["kdc", "server"]
-    # Not decentralized: no client-to-client rule either way.
-    assert all("from" not in rule for rule in policies["demo-client"]["spec"]["ingress"])
 
-
-def test_server_egress_opens_the_s3_endpoint_port_only_with_s3_checkpoints() -> None:
-    local = context(manifest())
-    s3 = context(manifest(checkpoint={"s3": {"bucket": "runs", "endpoint": "http://minio:9000"}}))
-
-    def ports(ctx: objects.RunContext) -> set[int]:
-        server = [
-            p for p in objects.network_policies(ctx) if p["metadata"]["name"] == "demo-server"
-        ]
+    def to_role(role: str, port: int) -> dict[str, Any]:
+        labels = {objects.RUN_LABEL: "demo", objects.ROLE_LABEL: role}
         return {
-            port["port"]
-            for rule in server[0]["spec"]["egress"]
-            if "to" in rule
-            for port in rule["ports"]
+            "to": [{"podSelector": {"matchLabels": labels}}],
+            "ports": [{"protocol": "TCP", "port": port}],
         }
 
-    assert ports(local) == {443, 6443}
-    assert ports(s3) == {443, 6443, 9000}
+    assert client_egress == [CLUSTER_DNS_RULE, to_role("server", 7070), to_role("kdc", 7071)]
+    # Not decentralized: no client-to-client rule either way, and no scraper named: no ingress.
+    assert policies["demo-client"]["spec"]["ingress"] == []
+
+
+CLUSTER_DNS_RULE = {
+    "to": [
+        {
+            "namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": "kube-system"}},
+            "podSelector": {"matchLabels": {"k8s-app": "kube-dns"}},
+        }
+    ],
+    "ports": [{"protocol": "UDP", "port": 53}, {"protocol": "TCP", "port": 53}],
+}
+API_RULE = {
+    "to": [{"ipBlock": {"cidr": "0.0.0.0/0"}}, {"ipBlock": {"cidr": "::/0"}}],
+    "ports": [{"protocol": "TCP", "port": 443}, {"protocol": "TCP", "port": 6443}],
+}
+STORE = {"ipBlock": {"cidr": "192.0.2.0/24"}}
+ANY_ADDRESS = [{"ipBlock": {"cidr": "0.0.0.0/0"}}, {"ipBlock": {"cidr": "::/0"}}]
+S3_CASES = [
+    ("no S3", None, (), []),
+    ("IPv4 endpoint", "http://10.1.2.3:9000", (STORE,), [{"ipBlock": {"cidr": "10.1.2.3/32"}}]),
+    ("IPv6 endpoint", "https://[2001:db8::5]", (), [{"ipBlock": {"cidr": "2001:db8::5/128"}}]),
+    ("host name, peers named", "http://minio.store:9000", (STORE,), [STORE]),
+    ("host name, none named", "http://minio.store:9000", (), ANY_ADDRESS),
+    ("AWS default, peers named", "", (STORE,), [STORE]),
+]
+
+
+@pytest.mark.parametrize(
+    ("case", "endpoint", "s3_to", "to"), S3_CASES, ids=[case[0] for case in S3_CASES]
+)
+def test_server_reaches_dns_the_api_server_and_the_s3_endpoint_only(
+    case: str, endpoint: str | None, s3_to: tuple[dict[str, Any], ...], to: list[Any]
+) -> None:
+    # Prepare
+    spec: dict[str, Any] = {}
+    if endpoint is not None:
+        s3: dict[str, Any] = {"bucket": "runs"}
+        if endpoint:
+            s3["endpoint"] = endpoint
+        spec["checkpoint"] = {"s3": s3}
+    settings = OperatorSettings(s3_to=s3_to)
+    ctx = objects.RunContext(parse_manifest(manifest(**spec)), "team-a", "uid-1", settings)
+    port = 9000 if endpoint and ":9000" in endpoint else 443
+
+    # Execute
+    policies = {item["metadata"]["name"]: item["spec"] for item in objects.network_policies(ctx)}
+
+    # Assert
+    store = [{"to": to, "ports": [{"protocol": "TCP", "port": port}]}] if to else []
+    assert policies["demo-server"]["egress"] == [CLUSTER_DNS_RULE, API_RULE, *store]
+
+
+def test_metrics_are_open_to_the_named_scraper_only() -> None:
+    # Prepare
+    scraper = {
+        "namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": "monitoring"}},
+        "podSelector": {"matchLabels": {"app.kubernetes.io/name": "prometheus"}},
+    }
+    body = parse_manifest(manifest("mpdp"))
+    named = objects.RunContext(body, "team-a", "uid-1", OperatorSettings(metrics_from=(scraper,)))
+    unnamed = objects.RunContext(body, "team-a", "uid-1", OperatorSettings())
+
+    # Execute
+    with_scraper = objects.network_policies(named)
+    without = objects.network_policies(unnamed)
+
+    # Assert: one rule per role lets the scraper, and nothing else, reach port 9090.
+    for policy in with_scraper:
+        rules = [rule for rule in policy["spec"]["ingress"] if rule["ports"][0]["port"] == 9090]
+        assert rules == [{"from": [scraper], "ports": [{"protocol": "TCP", "port": 9090}]}]
+    for policy in without:
+        assert all(rule["ports"][0]["port"] != 9090 for rule in policy["spec"]["ingress"])
+        assert all("from" in rule for rule in policy["spec"]["ingress"])
+    for policy in [*with_scraper, *without]:
+        assert policy["spec"]["egress"][0] == CLUSTER_DNS_RULE
 
 
 def test_pods_are_non_root_read_only_and_carry_placement() -> None:
@@ -218,7 +278,11 @@ def test_pod_template_merges_but_cannot_weaken_security() -> None:
     for container in pod["spec"]["containers"]:
         assert container["securityContext"]["readOnlyRootFilesystem"] is True
         assert container["securityContext"]["privileged"] is False
-    assert pod["spec"]["containers"][0]["env"] == [{"name": "X", "value": "1"}]
+    # The template's env replaces the list; the key file variable is the operator's and stays.
+    assert pod["spec"]["containers"][0]["env"] == [
+        {"name": "X", "value": "1"},
+        {"name": "FEDCORE_CHECKPOINT_KEY_FILE", "value": "/etc/fedcore/keys/checkpoint.key"},
+    ]
 
 
 def test_template_leaves_the_built_pod_alone() -> None:
@@ -309,6 +373,445 @@ def test_ebscfl_server_gets_the_kdc_address_and_may_reach_it() -> None:
     server_targets = [
         rule["to"][0]["podSelector"]["matchLabels"][objects.ROLE_LABEL]
         for rule in policies["demo-server"]["egress"]
-        if "to" in rule and "podSelector" in rule["to"][0]
+        if objects.ROLE_LABEL in rule["to"][0].get("podSelector", {}).get("matchLabels", {})
     ]
     assert server_targets == ["kdc"]
+
+
+# ----------------------------------------------------------------- locks (issue 19, item 4)
+
+HOSTILE_TEMPLATE: dict[str, Any] = {
+    "metadata": {
+        "annotations": {
+            "container.apparmor.security.beta.kubernetes.io/fedcore": "unconfined",
+            "seccomp.security.alpha.kubernetes.io/pod": "unconfined",
+            "team": "x",
+        }
+    },
+    "spec": {
+        "hostPID": True,
+        "hostNetwork": True,
+        "hostIPC": True,
+        "nodeName": "node-7",
+        "serviceAccountName": "admin",
+        "serviceAccount": "admin",
+        "automountServiceAccountToken": True,
+        "restartPolicy": "Always",
+        "priorityClassName": "high",
+        "securityContext": {
+            "runAsUser": 0,
+            "runAsNonRoot": False,
+            "seccompProfile": {"type": "Unconfined"},
+            "sysctls": [{"name": "kernel.shm_rmid_forced", "value": "0"}],
+            "seLinuxOptions": {"type": "spc_t"},
+            "supplementalGroups": [0],
+        },
+        "initContainers": [
+            {
+                "name": "setup",
+                "image": "busybox",
+                "securityContext": {
+                    "privileged": True,
+                    "runAsUser": 0,
+                    "capabilities": {"add": ["SYS_ADMIN"]},
+                },
+                "volumeMounts": [{"name": "host", "mountPath": "/host"}],
+                "env": [
+                    {
+                        "name": "STOLEN",
+                        "valueFrom": {"secretKeyRef": {"name": "demo-ca", "key": "ca.key"}},
+                    }
+                ],
+            }
+        ],
+        "ephemeralContainers": [
+            {"name": "debug", "image": "busybox", "securityContext": {"privileged": True}}
+        ],
+        "containers": [
+            {
+                "name": "fedcore",
+                "securityContext": {
+                    "capabilities": {"add": ["SYS_ADMIN", "NET_ADMIN"]},
+                    "seccompProfile": {"type": "Unconfined"},
+                    "procMount": "Unmasked",
+                    "allowPrivilegeEscalation": True,
+                },
+                "ports": [{"name": "grpc", "containerPort": 7070, "hostPort": 7070}],
+                "volumeMounts": [{"name": "ca", "mountPath": "/etc/fedcore/tls"}],
+                "envFrom": [{"secretRef": {"name": "demo-client-0-tls"}}],
+            },
+            {
+                "name": "sidecar",
+                "image": "busybox",
+                "securityContext": {"runAsUser": 0, "readOnlyRootFilesystem": False},
+                "volumeMounts": [
+                    {"name": "host", "mountPath": "/host"},
+                    {"name": "scratch", "mountPath": "/scratch"},
+                    {"name": "tls", "mountPath": "/tls"},
+                ],
+            },
+        ],
+        "volumes": [
+            {"name": "host", "hostPath": {"path": "/"}},
+            {"name": "ca", "secret": {"secretName": "demo-ca"}},
+            {"name": "tls", "secret": {"secretName": "demo-ca"}},
+            {"name": "conf", "configMap": {"name": "other"}},
+            {"name": "token", "projected": {"sources": [{"serviceAccountToken": {"path": "t"}}]}},
+            {"name": "nfs", "nfs": {"server": "10.0.0.1", "path": "/"}},
+            {"name": "scratch", "emptyDir": {"medium": "Memory"}},
+        ],
+    },
+}
+
+
+def restricted_violations(pod: dict[str, Any]) -> list[str]:
+    """What Pod Security Admission's ``restricted`` level (v1.25+) would refuse in ``pod``."""
+    spec = pod["spec"]
+    problems = [key for key in ("hostNetwork", "hostPID", "hostIPC") if spec.get(key)]
+    allowed = {"configMap", "csi", "downwardAPI", "emptyDir", "ephemeral"}
+    allowed |= {"persistentVolumeClaim", "projected", "secret"}
+    for volume in spec.get("volumes") or []:
+        problems += [f"volume {key}" for key in set(volume) - {"name"} - allowed]
+    pod_security = spec.get("securityContext") or {}
+    if pod_security.get("sysctls"):
+        problems.append("sysctls")
+    for container in [*spec["containers"], *spec.get("initContainers", [])]:
+        security = container.get("securityContext") or {}
+        name = container["name"]
+        if security.get("privileged"):
+            problems.append(f"{name} privileged")
+        if security.get("allowPrivilegeEscalation") is not False:
+            problems.append(f"{name} allowPrivilegeEscalation")
+        if not (security.get("runAsNonRoot") or pod_security.get("runAsNonRoot")):
+            problems.append(f"{name} runAsNonRoot")
+        if security.get("runAsUser", pod_security.get("runAsUser")) == 0:
+            problems.append(f"{name} runAsUser 0")
+        capabilities = security.get("capabilities") or {}
+        if "ALL" not in (capabilities.get("drop") or []):
+            problems.append(f"{name} drop ALL")
+        if set(capabilities.get("add") or []) - {"NET_BIND_SERVICE"}:
+            problems.append(f"{name} capabilities.add")
+        seccomp = security.get("seccompProfile") or pod_security.get("seccompProfile") or {}
+        if seccomp.get("type") not in ("RuntimeDefault", "Localhost"):
+            problems.append(f"{name} seccomp")
+        if any(port.get("hostPort") for port in container.get("ports") or []):
+            problems.append(f"{name} hostPort")
+        if security.get("procMount") not in (None, "Default"):
+            problems.append(f"{name} procMount")
+        if security.get("seLinuxOptions") or pod_security.get("seLinuxOptions"):
+            problems.append(f"{name} seLinuxOptions")
+    for key, value in (pod["metadata"].get("annotations") or {}).items():
+        if "apparmor" in key or "seccomp" in key:
+            problems.append(f"annotation {key}={value}")
+    return problems
+
+
+def test_hostile_template_gets_none_of_what_it_asks_for() -> None:
+    # Prepare: a template that asks for everything validation refuses, applied directly (as if
+    # it had got past admission): the operator's merge must hold on its own.
+    ctx = context(manifest())
+    built = objects.server_pod(ctx, resume=False)
+
+    # Execute
+    pod = objects.apply_pod_template(built, copy.deepcopy(HOSTILE_TEMPLATE))
+
+    # Assert: pod level
+    spec = pod["spec"]
+    for key in ("hostPID", "hostNetwork", "hostIPC", "nodeName", "ephemeralContainers"):
+        assert key not in spec, key
+    assert spec["serviceAccountName"] == "demo-server" and "serviceAccount" not in spec
+    assert spec["restartPolicy"] == "Never"
+    assert spec["priorityClassName"] == "high"  # harmless choices are kept
+    assert spec["securityContext"] == built["spec"]["securityContext"]
+    # Volumes: the operator's own (its "tls" is the pod's Secret, not the CA's), plus the
+    # template's emptyDir; no host path, Secret, ConfigMap, projected token or NFS.
+    assert spec["volumes"] == [
+        *built["spec"]["volumes"],
+        {"name": "scratch", "emptyDir": {"medium": "Memory"}},
+    ]
+    assert {"name": "tls", "secret": {"secretName": "demo-server-tls", "defaultMode": 0o440}} in (
+        spec["volumes"]
+    )
+    # Containers, init containers and sidecars alike
+    main, sidecar = spec["containers"]
+    (init,) = spec["initContainers"]
+    locked = {**objects.LOCKED_CONTAINER_SECURITY, "capabilities": {"drop": ["ALL"]}}
+    for container in (main, sidecar, init):
+        assert container["securityContext"] == locked, container["name"]
+    assert main["ports"][0] == {"name": "grpc", "containerPort": 7070}
+    assert main["volumeMounts"] == built["spec"]["containers"][0]["volumeMounts"]
+    assert "envFrom" in main and main["envFrom"] == []  # another pod's Secret: dropped
+    assert init["volumeMounts"] == [] and init["env"] == []
+    assert sidecar["volumeMounts"] == [
+        {"name": "scratch", "mountPath": "/scratch"},
+        {"name": "tls", "mountPath": "/tls"},
+    ]
+    assert pod["metadata"]["annotations"]["team"] == "x"
+    assert restricted_violations(pod) == []
+
+
+def test_a_template_may_choose_harmless_security_settings() -> None:
+    # Prepare
+    template = {
+        "spec": {
+            "securityContext": {
+                "runAsUser": 2000,
+                "fsGroup": 3000,
+                "supplementalGroups": [4000],
+                "seccompProfile": {"type": "Localhost", "localhostProfile": "fedcore.json"},
+            },
+            "containers": [
+                {"name": "fedcore", "securityContext": {"runAsUser": 2001}},
+                {
+                    "name": "sidecar",
+                    "image": "busybox",
+                    "env": [
+                        {
+                            "name": "S3_KEY",
+                            "valueFrom": {"secretKeyRef": {"name": "s3-creds", "key": "k"}},
+                        }
+                    ],
+                },
+            ],
+        }
+    }
+    ctx = context(manifest(checkpoint={"s3": {"bucket": "runs", "credentialsSecret": "s3-creds"}}))
+
+    # Execute
+    pod = objects.apply_pod_template(objects.server_pod(ctx, resume=False), template)
+
+    # Assert
+    security = pod["spec"]["securityContext"]
+    assert security["runAsUser"] == 2000 and security["fsGroup"] == 3000
+    assert security["supplementalGroups"] == [4000] and security["runAsNonRoot"] is True
+    assert security["seccompProfile"]["type"] == "Localhost"
+    main, sidecar = pod["spec"]["containers"]
+    assert main["securityContext"]["runAsUser"] == 2001
+    assert main["envFrom"] == [{"secretRef": {"name": "s3-creds"}}]
+    # The run's own S3 Secret is one the server pod already has: a sidecar may read it.
+    assert sidecar["env"][0]["valueFrom"]["secretKeyRef"]["name"] == "s3-creds"
+    assert restricted_violations(pod) == []
+
+
+@pytest.mark.parametrize("protocol", ["fedavg", "mpdp", "lppa"])
+def test_locks_leave_every_built_pod_as_it_is_and_it_meets_restricted(protocol: str) -> None:
+    # Prepare
+    s3 = {"s3": {"bucket": "runs", "endpoint": "http://10.0.0.9:9000", "credentialsSecret": "c"}}
+    ctx = context(manifest(protocol, checkpoint=s3))
+    pods = [objects.server_pod(ctx, resume=True), objects.client_pod(ctx, 0)]
+    if ctx.needs_kdc:
+        pods.append(objects.kdc_pod(ctx, resume=False))
+
+    # Execute
+    locked = [objects.lock_pod(pod, pod) for pod in pods]
+
+    # Assert
+    assert locked == pods
+    for pod in pods:
+        assert restricted_violations(pod) == [], pod["metadata"]["name"]
+
+
+def test_the_run_ca_is_kept_in_the_operators_namespace_without_owner() -> None:
+    # Prepare
+    from fedcore.transport import RunCa
+
+    settings = OperatorSettings(ca_namespace="fedcore-system")
+    ctx = objects.RunContext(parse_manifest(manifest()), "team-a", "uid-1", settings)
+    ca = RunCa.generate("demo")
+
+    # Execute
+    secret = objects.ca_secret(ctx, ca)
+
+    # Assert
+    meta = secret["metadata"]
+    assert (meta["namespace"], meta["name"]) == ("fedcore-system", "fedcore-ca.team-a.demo")
+    assert "ownerReferences" not in meta
+    assert objects.RUN_LABEL not in meta["labels"]  # not listed among the run's own objects
+    assert meta["labels"][objects.CA_UID_LABEL] == "uid-1"
+    assert objects.ca_secret_is_for(secret, "uid-1")
+    assert not objects.ca_secret_is_for(secret, "uid-2")
+    assert objects.legacy_ca_secret_name("demo") == "demo-ca"
+    # No pod of the run refers to it.
+    for pod in (objects.server_pod(ctx, resume=False), objects.client_pod(ctx, 0)):
+        assert "fedcore-ca" not in json.dumps(pod)
+
+
+# ---------------------------------------------------------------------------- checkpoint keys
+
+KEY_ENVS = {"FEDCORE_CHECKPOINT_KEY_FILE", "FEDCORE_KDC_STATE_KEY_FILE"}
+
+
+def key_wiring(pod: dict[str, Any]) -> dict[str, Any]:
+    """What a pod gets of the run's keys: the key Secrets its volumes name (with their mode),
+    the mounts of those volumes in each container, and the key file variables set."""
+    volumes = {
+        volume["name"]: volume["secret"]
+        for volume in pod["spec"]["volumes"]
+        if "secret" in volume and volume["secret"]["secretName"].endswith("-keys")
+    }
+    containers = [*pod["spec"]["containers"], *pod["spec"].get("initContainers", [])]
+    return {
+        "secrets": {source["secretName"]: source.get("defaultMode") for source in volumes.values()},
+        "mounts": [
+            (container["name"], mount["mountPath"], mount.get("readOnly"))
+            for container in containers
+            for mount in container.get("volumeMounts") or []
+            if mount["name"] in volumes
+        ],
+        "env": {
+            item["name"]: item.get("value")
+            for container in containers
+            for item in container.get("env") or []
+            if item["name"] in KEY_ENVS or "-keys" in json.dumps(item)
+        },
+    }
+
+
+def test_server_and_kdc_pods_mount_only_their_own_key_and_clients_none() -> None:
+    # Prepare: a protocol with a KDC, and an S3 Secret every checkpointing pod is given.
+    s3 = {"s3": {"bucket": "runs", "credentialsSecret": "c"}}
+    ctx = context(manifest("mpdp", checkpoint=s3))
+
+    # Execute
+    server = key_wiring(objects.server_pod(ctx, resume=True))
+    kdc = key_wiring(objects.kdc_pod(ctx, resume=False))
+    clients = [key_wiring(objects.client_pod(ctx, index)) for index in range(3)]
+
+    # Assert
+    assert server == {
+        "secrets": {"demo-server-keys": 0o440},
+        "mounts": [("fedcore", "/etc/fedcore/keys", True)],
+        "env": {"FEDCORE_CHECKPOINT_KEY_FILE": "/etc/fedcore/keys/checkpoint.key"},
+    }
+    assert kdc == {
+        "secrets": {"demo-kdc-keys": 0o440},
+        "mounts": [("fedcore", "/etc/fedcore/keys", True)],
+        "env": {"FEDCORE_KDC_STATE_KEY_FILE": "/etc/fedcore/keys/state.key"},
+    }
+    assert clients == [{"secrets": {}, "mounts": [], "env": {}}] * 3
+
+
+def test_a_run_without_a_kdc_has_a_server_key_only() -> None:
+    ctx = context(manifest("fedavg"))
+    assert objects.key_roles(ctx) == ["server"]
+    assert objects.key_roles(context(manifest("mpdp"))) == ["kdc", "server"]
+    assert key_wiring(objects.server_pod(ctx, resume=False))["secrets"] == {
+        "demo-server-keys": 0o440
+    }
+
+
+def test_key_secret_holds_the_key_as_hex_and_is_owned_by_the_run() -> None:
+    # Prepare
+    ctx = context(manifest("mpdp"))
+    key = "0123456789abcdef" * 4
+
+    # Execute
+    server = objects.keys_secret(ctx, "server", key)
+    kdc = objects.keys_secret(ctx, "kdc", key)
+
+    # Assert
+    assert server["metadata"]["name"] == "demo-server-keys"
+    assert server["stringData"] == {"checkpoint.key": key}
+    assert kdc["metadata"]["name"] == "demo-kdc-keys"
+    assert kdc["stringData"] == {"state.key": key}
+    for secret in (server, kdc):
+        assert secret["kind"] == "Secret" and secret["type"] == "Opaque"
+        assert secret["metadata"]["namespace"] == "team-a"
+        assert secret["metadata"]["ownerReferences"] == [objects.owner_reference(ctx)]
+        assert secret["metadata"]["labels"][objects.RUN_LABEL] == "demo"
+    for bad_role, bad_key in (("client", key), ("server", key.upper()), ("server", key[:-2])):
+        with pytest.raises(ValueError):
+            objects.keys_secret(ctx, bad_role, bad_key)
+
+
+def test_key_secret_names_are_never_the_runs_longest() -> None:
+    longest = objects.longest_name("r" * 40, 1)
+    for role in ("server", "kdc"):
+        assert len(objects.keys_secret_name("r" * 40, role)) < len(longest)
+
+
+KEY_THIEF_TEMPLATE: dict[str, Any] = {
+    "spec": {
+        "initContainers": [
+            {
+                "name": "copy",
+                "image": "busybox",
+                "volumeMounts": [{"name": "keys", "mountPath": "/stolen"}],
+                "env": [
+                    {
+                        "name": "K",
+                        "valueFrom": {
+                            "secretKeyRef": {"name": "demo-server-keys", "key": "checkpoint.key"}
+                        },
+                    }
+                ],
+            }
+        ],
+        "containers": [
+            {
+                "name": "fedcore",
+                "env": [
+                    {"name": "FEDCORE_CHECKPOINT_KEY_FILE", "value": "/var/lib/fedcore/k"},
+                    {"name": "FEDCORE_KDC_STATE_KEY_FILE", "value": "/var/lib/fedcore/s"},
+                ],
+                "envFrom": [{"secretRef": {"name": "demo-kdc-keys"}}],
+                "volumeMounts": [{"name": "keys", "mountPath": "/etc/fedcore/keys"}],
+            }
+        ],
+        "volumes": [
+            {"name": "keys", "secret": {"secretName": "demo-server-keys"}},
+            {"name": "kdc", "secret": {"secretName": "demo-kdc-keys"}},
+            {"name": "both", "projected": {"sources": [{"secret": {"name": "demo-kdc-keys"}}]}},
+        ],
+    }
+}
+
+
+@pytest.mark.parametrize("role", ["client", "kdc", "server"])
+def test_a_template_gives_no_pod_another_roles_key(role: str) -> None:
+    # Prepare: a template (past validation) that asks for both keys and redirects the key
+    # variables into the work emptyDir.
+    ctx = context(manifest("mpdp"))
+    built = {
+        "client": objects.client_pod(ctx, 0),
+        "kdc": objects.kdc_pod(ctx, resume=False),
+        "server": objects.server_pod(ctx, resume=False),
+    }[role]
+
+    # Execute
+    pod = objects.apply_pod_template(built, copy.deepcopy(KEY_THIEF_TEMPLATE))
+
+    # Assert: exactly the key wiring the operator built, nothing from the template, except
+    # what refers to the pod's own key Secret (as a sidecar may read any Secret its pod was
+    # given): the server's init container keeps the variable drawn from demo-server-keys and
+    # mounts its "keys" volume, the KDC's fedcore container keeps envFrom demo-kdc-keys.
+    wiring = key_wiring(pod)
+    own = key_wiring(built)
+    assert wiring["secrets"] == own["secrets"]
+    assert [volume["name"] for volume in pod["spec"]["volumes"]] == [
+        volume["name"] for volume in built["spec"]["volumes"]
+    ]
+    fedcore_mounts = [mount for mount in wiring["mounts"] if mount[0] == "fedcore"]
+    assert fedcore_mounts == own["mounts"]
+    init_env = pod["spec"]["initContainers"][0]["env"]
+    main_env = {item["name"]: item["value"] for item in pod["spec"]["containers"][0]["env"]}
+    env_from = pod["spec"]["containers"][0]["envFrom"]
+    assert env_from == ([{"secretRef": {"name": "demo-kdc-keys"}}] if role == "kdc" else [])
+    if role == "server":
+        assert [item["name"] for item in init_env] == ["K"]
+        assert ("copy", "/stolen", None) in wiring["mounts"]
+        assert main_env == {
+            "FEDCORE_CHECKPOINT_KEY_FILE": "/etc/fedcore/keys/checkpoint.key",
+            "FEDCORE_KDC_STATE_KEY_FILE": "/var/lib/fedcore/s",
+        }
+    elif role == "kdc":
+        assert init_env == []
+        assert ("copy", "/stolen", None) in wiring["mounts"]
+        assert main_env == {
+            "FEDCORE_CHECKPOINT_KEY_FILE": "/var/lib/fedcore/k",
+            "FEDCORE_KDC_STATE_KEY_FILE": "/etc/fedcore/keys/state.key",
+        }
+    else:
+        assert init_env == [] and wiring["mounts"] == []
+        assert wiring["secrets"] == {}
+    assert restricted_violations(pod) == []

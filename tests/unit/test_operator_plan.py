@@ -21,12 +21,15 @@ from fedcore_operator.plan import (
     CreateObjects,
     DeletePod,
     IssueCertificates,
+    IssueKeys,
+    MoveCa,
     Note,
     Observed,
     PatchObject,
     Plan,
     Step,
     kinds_to_observe,
+    orphaned_ca_secrets,
     plan,
 )
 from fedcore_operator.settings import OperatorSettings
@@ -74,17 +77,57 @@ def context(body: Object) -> objects.RunContext:
 
 
 def owned(body: Object) -> dict[str, list[Object]]:
-    """Every Secret and static object of the run, as a pass after the first lists them."""
+    """Every Secret and static object of the run, as a pass after the first lists them (the
+    run's CA is not among them: it lives in the operator's namespace)."""
     ctx = context(body)
-    secrets = [{"kind": "Secret", "metadata": {"name": objects.ca_secret_name("demo")}}]
-    secrets += [
-        {"kind": "Secret", "metadata": {"name": objects.tls_secret_name(pod)}}
+    secrets: list[Object] = [
+        {"kind": "Secret", "metadata": {"name": objects.tls_secret_name(pod)}, "data": CA_DATA}
         for pod, _, _ in objects.pod_identities(ctx)
     ]
+    secrets += [keys_listed(ctx, role) for role in objects.key_roles(ctx)]
     listed: dict[str, list[Object]] = {"Secret": secrets}
     for obj in objects.static_objects(ctx):
         listed.setdefault(obj["kind"], []).append(copy.deepcopy(obj))
     return listed
+
+
+def keys_listed(ctx: objects.RunContext, role: str) -> Object:
+    """A role's key Secret as the API server lists it (base64 data, no stringData)."""
+    secret = objects.keys_secret(ctx, role, "ab" * 32)
+    data = {name: "YWJhYg==" for name in secret.pop("stringData")}
+    return {**secret, "data": data}
+
+
+def without_secret(observed: Observed, name: str) -> Observed:
+    """``observed`` with the Secret ``name`` no longer listed."""
+    listed = {kind: list(items) for kind, items in observed.owned.items()}
+    listed["Secret"] = [item for item in listed["Secret"] if item["metadata"]["name"] != name]
+    return replace(observed, owned=listed)
+
+
+CA_DATA = {"ca.crt": "Q0EgY2VydA=="}
+"""The ``ca.crt`` every issued pod Secret of run ``demo`` carries (base64, as listed)."""
+
+
+def legacy_ca(*, owner: str = "uid-1", ca_crt: str = "Q0EgY2VydA==") -> Object:
+    """``demo-ca`` in the run's namespace, as an operator before issue 19 left it."""
+    return {
+        "kind": "Secret",
+        "metadata": {
+            "name": "demo-ca",
+            "uid": "secret-uid",
+            "labels": objects.run_labels("demo"),
+            "ownerReferences": [{"kind": "FederatedRun", "name": "demo", "uid": owner}],
+        },
+        "data": {"ca.crt": ca_crt, "ca.key": "a2V5"},
+    }
+
+
+def with_secret(observed: Observed, secret: Object) -> Observed:
+    """``observed`` with one more Secret listed in the run's namespace."""
+    listed = {kind: list(items) for kind, items in observed.owned.items()}
+    listed.setdefault("Secret", []).append(secret)
+    return replace(observed, owned=listed)
 
 
 def pod(
@@ -171,8 +214,11 @@ def summary(steps: tuple[Step, ...]) -> list[tuple[Any, ...]]:
         elif isinstance(step, DeletePod):
             result.append(("delete", f"Pod/{step.name}", step.grace))
         elif isinstance(step, IssueCertificates):
-            ca = "with CA" if step.ca_secret is not None else "new CA"
-            result.append(("issue", ca, *(pod for pod, _, _ in step.identities)))
+            result.append(("issue", *(pod for pod, _, _ in step.identities)))
+        elif isinstance(step, IssueKeys):
+            result.append(("keys", *(f"demo-{role}-keys" for role in step.roles)))
+        elif isinstance(step, MoveCa):
+            result.append(("move CA", f"Secret/{step.legacy['metadata']['name']}"))
         elif isinstance(step, Note):
             result.append(("warn" if step.warning else "note", step.text))
     return result
@@ -280,7 +326,8 @@ def fresh_run() -> Situation:
     return Situation(
         observe(run_body(), fresh=True),
         steps=[
-            ("issue", "new CA", "demo-server", "demo-client-0", "demo-client-1", "demo-client-2"),
+            ("issue", "demo-server", "demo-client-0", "demo-client-1", "demo-client-2"),
+            ("keys", "demo-server-keys"),
             *STATIC_FEDAVG,
             ("create", "Pod/demo-server"),
         ],
@@ -308,13 +355,13 @@ def fresh_run_with_a_kdc() -> Situation:
         steps=[
             (
                 "issue",
-                "new CA",
                 "demo-kdc",
                 "demo-server",
                 "demo-client-0",
                 "demo-client-1",
                 "demo-client-2",
             ),
+            ("keys", "demo-kdc-keys", "demo-server-keys"),
             *STATIC_MPDP,
             ("create", "Pod/demo-kdc"),
         ],
@@ -706,7 +753,57 @@ def nothing_to_do() -> Situation:
     )
 
 
+def failed_server_whose_keys_are_missing() -> Situation:
+    """A run made by an operator before the key Secrets: the server's is made before the
+    recreated server pod that mounts it (in that pass's order)."""
+    situation = failed_server(None)()
+    observed = without_secret(situation.observed, "demo-server-keys")
+    return replace(
+        situation, observed=observed, steps=[("keys", "demo-server-keys"), *situation.steps]
+    )
+
+
+def legacy_ca_of_a_running_run(secret: Object, moved: bool) -> Callable[[], Situation]:
+    """A running run (nothing else to do) that lists ``demo-ca`` in its own namespace."""
+
+    def make() -> Situation:
+        situation = nothing_to_do()
+        return replace(
+            situation,
+            observed=with_secret(situation.observed, secret),
+            steps=[("move CA", "Secret/demo-ca")] if moved else [],
+        )
+
+    return make
+
+
+def legacy_ca_of_a_finished_run() -> Situation:
+    situation = succeeded_within_grace()
+    return replace(
+        situation,
+        observed=with_secret(situation.observed, legacy_ca()),
+        steps=[("move CA", "Secret/demo-ca")],
+    )
+
+
+def legacy_ca_of_a_new_run() -> Situation:
+    """Nothing is issued yet, so no ``demo-ca`` can be this run's CA: a new one is made."""
+    situation = fresh_run()
+    return replace(situation, observed=with_secret(situation.observed, legacy_ca()))
+
+
 SITUATIONS: dict[str, Callable[[], Situation]] = {
+    "legacy CA Secret in the run's namespace is moved": legacy_ca_of_a_running_run(
+        legacy_ca(), moved=True
+    ),
+    "legacy CA Secret of a finished run is moved": legacy_ca_of_a_finished_run,
+    "demo-ca owned by another run is not taken": legacy_ca_of_a_running_run(
+        legacy_ca(owner="uid-2"), moved=False
+    ),
+    "demo-ca that did not sign the pods' certificates is not taken": legacy_ca_of_a_running_run(
+        legacy_ca(ca_crt="T1RIRVI="), moved=False
+    ),
+    "demo-ca beside a run with no certificates is not taken": legacy_ca_of_a_new_run,
     "fresh run": fresh_run,
     "fresh run with a KDC": fresh_run_with_a_kdc,
     "KDC not ready: no server yet": kdc_not_ready,
@@ -719,6 +816,7 @@ SITUATIONS: dict[str, Callable[[], Situation]] = {
         {"phase": "Failed", "reason": "QuorumLost", "retriable": True}
     ),
     "failed server, no report (killed)": failed_server(None),
+    "failed server whose key Secret is missing": failed_server_whose_keys_are_missing,
     "failed server, not retriable (PeerLost)": server_failed_for_good,
     "backoffLimit exhausted": backoff_limit_exhausted,
     "suspend": suspend,
@@ -783,10 +881,53 @@ def test_plan_builds_the_pods_and_certificates_it_names() -> None:
     issue = next(step for step in result.steps if isinstance(step, IssueCertificates))
     assert issue.context == ctx
     assert issue.identities == tuple(objects.pod_identities(ctx))
-    assert issue.ca_secret is None
     clients = result.steps[-1]
     assert isinstance(clients, CreateObjects)
     assert list(clients.objects) == [objects.client_pod(ctx, index) for index in range(3)]
+
+
+@pytest.mark.parametrize("protocol", ["fedavg", "mpdp"])
+def test_key_secrets_are_planned_before_the_first_pod_and_never_again(protocol: str) -> None:
+    # Prepare: the first pass of a run, then passes over its life once its Secrets are listed:
+    # pods failed and recreated, suspended, resumed, finished.
+    body = run_body(protocol)
+    ctx = context(body)
+    kdc = ["kdc"] if protocol == "mpdp" else []
+    later = {
+        "running": observe(body, running(*kdc, "server", *ALL_CLIENTS)),
+        "server failed": observe(
+            run_body(protocol, status={"phase": "Running", "restarts": 0}),
+            [*running(*kdc), pod("server", "Failed", exit_code=137), *running(*ALL_CLIENTS)],
+        ),
+        "all pods gone": observe(run_body(protocol, status={"phase": "Running", "restarts": 1})),
+        "suspended": observe(run_body(protocol, suspend=True, status={"phase": "Running"})),
+        "resumed": observe(run_body(protocol, status={"phase": "Suspended", "restarts": 0})),
+        "succeeded": observe(run_body(protocol, status={"phase": "Succeeded"})),
+    }
+
+    # Execute
+    first = plan(observe(body, fresh=True))
+    afterwards = {name: plan(observed) for name, observed in later.items()}
+
+    # Assert: one IssueKeys, for the KDC (when there is one) and the server, before any pod.
+    issued = [step for step in first.steps if isinstance(step, IssueKeys)]
+    assert issued == [IssueKeys(ctx, (*kdc, "server"))]
+    first_pod = next(
+        index
+        for index, step in enumerate(first.steps)
+        if isinstance(step, CreateObjects) and step.objects[0]["kind"] == "Pod"
+    )
+    assert first.steps.index(issued[0]) < first_pod
+    for name, result in afterwards.items():
+        assert not [step for step in result.steps if isinstance(step, IssueKeys)], name
+    recreated = [
+        obj["metadata"]["name"]
+        for step in afterwards["all pods gone"].steps
+        if isinstance(step, CreateObjects)
+        for obj in step.objects
+        if obj["kind"] == "Pod"
+    ]
+    assert recreated == [f"demo-{kdc[0] if kdc else 'server'}"]
 
 
 @pytest.mark.parametrize(
@@ -794,9 +935,9 @@ def test_plan_builds_the_pods_and_certificates_it_names() -> None:
     [
         (run_body(), ("Pod", "Secret", *STATIC_KINDS)),
         (run_body(status={"phase": "Suspended"}), ("Pod", "Secret", *STATIC_KINDS)),
-        (run_body(suspend=True), ("Pod",)),
-        (run_body(status={"phase": "Succeeded"}), ("Pod",)),
-        (run_body(status={"phase": "Failed"}), ("Pod",)),
+        (run_body(suspend=True), ("Pod", "Secret")),
+        (run_body(status={"phase": "Succeeded"}), ("Pod", "Secret")),
+        (run_body(status={"phase": "Failed"}), ("Pod", "Secret")),
         (run_body(rounds=0), ()),
     ],
     ids=["going on", "unsuspended", "suspended", "succeeded", "failed", "invalid"],
@@ -805,3 +946,103 @@ def test_kinds_to_observe_lists_only_what_the_plan_reads(
     body: Object, kinds: tuple[str, ...]
 ) -> None:
     assert kinds_to_observe(body) == kinds
+
+
+def test_plan_moves_the_legacy_ca_before_issuing_with_it() -> None:
+    # Prepare: the run's CA is still in its namespace, and one client's Secret is missing.
+    observed = settled(observe(run_body(), running("server", *ALL_CLIENTS)))
+    listed = {kind: list(items) for kind, items in observed.owned.items()}
+    listed["Secret"] = [
+        secret for secret in listed["Secret"] if secret["metadata"]["name"] != "demo-client-2-tls"
+    ]
+    observed = with_secret(replace(observed, owned=listed), legacy_ca())
+
+    # Execute
+    result = plan(observed)
+
+    # Assert: moved first, so the applier finds the CA in the operator's namespace.
+    assert summary(result.steps)[:2] == [
+        ("move CA", "Secret/demo-ca"),
+        ("issue", "demo-client-2"),
+    ]
+    move = result.steps[0]
+    assert isinstance(move, MoveCa)
+    assert move.legacy["data"]["ca.key"] == "a2V5"
+
+
+def ca_secret_listed(namespace: str, name: str, uid: str) -> Object:
+    ctx = objects.RunContext(
+        parse_manifest(
+            {
+                "apiVersion": "fedcore.dev/v1alpha1",
+                "kind": "FederatedRun",
+                "metadata": {"name": name, "namespace": namespace},
+                "spec": {"protocol": {"name": "fedavg"}, "clients": {"count": 3}, "rounds": 2},
+            }
+        ),
+        namespace,
+        uid,
+        replace(SETTINGS, ca_namespace="fedcore-system"),
+    )
+    secret = objects.ca_secret_from(ctx, {"ca.crt": "c", "ca.key": "k"})
+    assert secret["metadata"]["namespace"] == "fedcore-system"
+    return secret
+
+
+def run_listed(name: str, uid: str) -> Object:
+    return {"metadata": {"name": name, "uid": uid}}
+
+
+def test_orphaned_ca_secrets_are_those_whose_run_is_gone_or_was_made_again() -> None:
+    # Prepare
+    secrets = [
+        ca_secret_listed("team-a", "alive", "u1"),
+        ca_secret_listed("team-a", "deleted", "u2"),
+        ca_secret_listed("team-a", "made-again", "u3"),
+        ca_secret_listed("team-b", "b-run", "u4"),
+        ca_secret_listed("unlisted", "x", "u5"),
+    ]
+    runs = {
+        "team-a": [run_listed("alive", "u1"), run_listed("made-again", "u9")],
+        "team-b": [],
+    }
+
+    # Execute
+    orphans = orphaned_ca_secrets(secrets, runs)
+
+    # Assert: a namespace whose runs could not be listed keeps its Secrets.
+    assert orphans == [
+        "fedcore-ca.team-a.deleted",
+        "fedcore-ca.team-a.made-again",
+        "fedcore-ca.team-b.b-run",
+    ]
+
+
+def test_a_policy_with_no_ingress_is_not_drift_once_the_api_server_omits_the_empty_list() -> None:
+    # Prepare: a client policy with no ingress rule (no scraper named, not decentralized), as
+    # the API server returns it (empty lists omitted), and one with the old open metrics rule.
+    body = run_body()
+    settled_run = settled(observe(body, running("server", *ALL_CLIENTS)))
+    stored = observe(settled_run.body, running("server", *ALL_CLIENTS), at=5)
+    old = observe(settled_run.body, running("server", *ALL_CLIENTS), at=5)
+    for observed in (stored, old):
+        client = next(
+            item
+            for item in observed.owned["NetworkPolicy"]
+            if item["metadata"]["name"] == "demo-client"
+        )
+        assert client["spec"]["ingress"] == []
+        del client["spec"]["ingress"]
+    old_client = next(
+        item for item in old.owned["NetworkPolicy"] if item["metadata"]["name"] == "demo-client"
+    )
+    old_client["spec"]["ingress"] = [{"ports": [{"protocol": "TCP", "port": 9090}]}]
+
+    # Execute
+    quiet = plan(stored)
+    upgraded = plan(old)
+
+    # Assert: nothing to write; the old rule is replaced by the empty list (merge patch).
+    assert summary(quiet.steps) == []
+    patches = [step for step in upgraded.steps if isinstance(step, PatchObject)]
+    assert [(step.name, step.patch["spec"]["ingress"]) for step in patches] == [("demo-client", [])]

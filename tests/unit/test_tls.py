@@ -6,6 +6,7 @@ import ipaddress
 import stat
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -19,7 +20,18 @@ from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 from cryptography.x509.verification import DNSName, PolicyBuilder, Store
 
 from fedcore.errors import TransportError
-from fedcore.transport import Identity, RunCa, TlsBundle, issue_run_bundles
+from fedcore.transport import (
+    CallContext,
+    Identity,
+    Limits,
+    Payload,
+    RemoteError,
+    RpcClient,
+    RpcServer,
+    RunCa,
+    TlsBundle,
+    issue_run_bundles,
+)
 
 SERVICE = "fedcore.test.Echo"
 METHOD = f"/{SERVICE}/WhoAmI"
@@ -127,11 +139,17 @@ def test_run_ca_issue_leaf_extensions(run_ca: RunCa) -> None:
 
     # Assert
     assert _common_name(certificate) == "server"
-    assert san.get_values_for_type(x509.DNSName) == ["localhost", "run-server.ns.svc"]
+    assert san.get_values_for_type(x509.DNSName) == [
+        "server.fedcore.invalid",
+        "run-server.ns.svc",
+        "localhost",
+    ]
     assert san.get_values_for_type(x509.IPAddress) == [
-        ipaddress.ip_address("127.0.0.1"),
         ipaddress.ip_address("10.0.0.5"),
         ipaddress.ip_address("::1"),
+    ]
+    assert san.get_values_for_type(x509.UniformResourceIdentifier) == [
+        "spiffe://fedcore.invalid/server"
     ]
     assert set(eku) == {ExtendedKeyUsageOID.SERVER_AUTH, ExtendedKeyUsageOID.CLIENT_AUTH}
     assert constraints.critical
@@ -145,16 +163,93 @@ def test_run_ca_issue_leaf_extensions(run_ca: RunCa) -> None:
     assert key.public_key().public_numbers() == public_key.public_numbers()
 
 
-def test_run_ca_issue_default_sans(run_ca: RunCa) -> None:
+def test_run_ca_issue_default_sans_name_only_the_party(run_ca: RunCa) -> None:
     # Prepare
     certificate = _cert(run_ca.issue("kdc").cert_pem)
 
     # Execute
     san = certificate.extensions.get_extension_for_class(x509.SubjectAlternativeName).value
 
+    # Assert: no localhost, no 127.0.0.1: nothing any other certificate also carries
+    assert san.get_values_for_type(x509.DNSName) == ["kdc.fedcore.invalid"]
+    assert san.get_values_for_type(x509.IPAddress) == []
+    assert san.get_values_for_type(x509.UniformResourceIdentifier) == [
+        "spiffe://fedcore.invalid/kdc"
+    ]
+
+
+def test_run_ca_issue_outsider_gets_no_party_names(run_ca: RunCa) -> None:
+    # Prepare / Execute
+    plain = _cert(run_ca.issue("admin").cert_pem)
+    webhook = _cert(run_ca.issue("fedcore-operator", ip_addresses=["127.0.0.1"]).cert_pem)
+
     # Assert
-    assert san.get_values_for_type(x509.DNSName) == ["localhost"]
+    with pytest.raises(x509.ExtensionNotFound):
+        plain.extensions.get_extension_for_class(x509.SubjectAlternativeName)
+    san = webhook.extensions.get_extension_for_class(x509.SubjectAlternativeName).value
+    assert san.get_values_for_type(x509.DNSName) == []
+    assert san.get_values_for_type(x509.UniformResourceIdentifier) == []
     assert san.get_values_for_type(x509.IPAddress) == [ipaddress.ip_address("127.0.0.1")]
+
+
+@pytest.mark.parametrize(
+    ("common_name", "dns_name"),
+    [
+        ("client-3", "server.fedcore.invalid"),
+        ("client-3", "Server.Fedcore.Invalid"),
+        ("client-3", "fedcore.invalid"),
+        ("admin", "kdc.fedcore.invalid"),
+    ],
+)
+def test_run_ca_issue_refuses_another_partys_role_name(
+    run_ca: RunCa, common_name: str, dns_name: str
+) -> None:
+    # Execute / Assert
+    with pytest.raises(TransportError, match="not its own role name"):
+        run_ca.issue(common_name, dns_names=[dns_name])
+
+
+def test_identity_names(run_ca: RunCa) -> None:
+    # Prepare
+    identity = Identity("client", 12)
+
+    # Execute
+    read = Identity.from_certificate(run_ca.issue("client-12").cert_pem)
+
+    # Assert
+    assert identity.dns_name == "client-12.fedcore.invalid"
+    assert identity.uri == "spiffe://fedcore.invalid/client-12"
+    assert read == identity
+
+
+def test_identity_from_certificate_refuses_names_that_disagree(run_ca: RunCa) -> None:
+    # Prepare: a certificate without URI names (as issued before role names) and one built
+    # by hand whose URI names another party than its common name
+    plain = run_ca.issue("admin").cert_pem
+    key = ec.generate_private_key(ec.SECP256R1())
+    mismatched = (
+        x509.CertificateBuilder()
+        .subject_name(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "client-1")]))
+        .issuer_name(_cert(run_ca.cert_pem).subject)
+        .public_key(key.public_key())
+        .serial_number(x509.random_serial_number())
+        .not_valid_before(_cert(run_ca.cert_pem).not_valid_before_utc)
+        .not_valid_after(_cert(run_ca.cert_pem).not_valid_after_utc)
+        .add_extension(
+            x509.SubjectAlternativeName(
+                [x509.UniformResourceIdentifier("spiffe://fedcore.invalid/server")]
+            ),
+            critical=False,
+        )
+        .sign(key, hashes.SHA256())
+        .public_bytes(serialization.Encoding.PEM)
+    )
+
+    # Execute / Assert
+    with pytest.raises(TransportError, match="not a fedcore identity"):
+        Identity.from_certificate(plain)
+    with pytest.raises(TransportError, match=r"spiffe://fedcore\.invalid/server.*disagree"):
+        Identity.from_certificate(mismatched)
 
 
 @pytest.mark.parametrize(
@@ -304,7 +399,13 @@ def test_issue_run_bundles_identities_and_hosts() -> None:
         assert _common_name(certificate) == common_name
         assert Identity.parse(common_name).common_name == common_name
         san = certificate.extensions.get_extension_for_class(x509.SubjectAlternativeName).value
-        assert san.get_values_for_type(x509.DNSName) == ["localhost", *hosts.get(common_name, [])]
+        assert san.get_values_for_type(x509.DNSName) == [
+            f"{common_name}.fedcore.invalid",
+            *hosts.get(common_name, []),
+        ]
+        assert san.get_values_for_type(x509.UniformResourceIdentifier) == [
+            f"spiffe://fedcore.invalid/{common_name}"
+        ]
     assert len({bundle.key_pem for bundle in bundles.values()}) == 6
 
 
@@ -397,8 +498,11 @@ def mtls_port(run_ca: RunCa) -> Iterator[int]:
         server.stop(None).wait()
 
 
-def _call(port: int, credentials: grpc.ChannelCredentials) -> bytes:
-    with grpc.secure_channel(f"localhost:{port}", credentials) as channel:
+def _call(
+    port: int, credentials: grpc.ChannelCredentials, name: str = "server.fedcore.invalid"
+) -> bytes:
+    options = [("grpc.ssl_target_name_override", name)]
+    with grpc.secure_channel(f"127.0.0.1:{port}", credentials, options=options) as channel:
         response: bytes = channel.unary_unary(METHOD)(b"", timeout=10)
         return response
 
@@ -471,3 +575,176 @@ def test_tls_bundle_identity_reads_the_certificates_common_name() -> None:
     assert identities["client-1"] == Identity("client", 1)
     assert identities["server"] == Identity("server")
     assert identities["runner"].role == "runner"
+
+
+# ------------------------------------------------------- identity on every link (RpcServer)
+
+LIMITS = Limits(chunk_bytes=64 * 1024, max_message_bytes=1 << 20)
+
+
+def _whoami(peer: Identity, request: Payload, ctx: CallContext) -> Payload:
+    return Payload(meta={"caller": peer.common_name})
+
+
+@pytest.fixture(scope="module")
+def run_pki() -> tuple[RunCa, dict[str, TlsBundle]]:
+    return issue_run_bundles("links", num_clients=2)
+
+
+@contextmanager
+def _serving(bundle: TlsBundle, **kwargs: Any) -> Iterator[RpcServer]:
+    rejected: list[tuple[str, str, str | None]] = []
+    server = RpcServer(
+        "127.0.0.1:0",
+        bundle,
+        {"WhoAmI": _whoami, "Admin": _whoami},
+        service="Server",
+        limits=LIMITS,
+        max_workers=4,
+        on_rejected=lambda method, reason, sender: rejected.append((method, reason, sender)),
+        **kwargs,
+    )
+    server.rejected = rejected  # type: ignore[attr-defined]
+    server.start()
+    try:
+        yield server
+    finally:
+        server.stop(grace=0)
+
+
+def _ask(port: int, bundle: TlsBundle, *, peer: Identity | None = None) -> Payload:
+    with RpcClient(
+        f"127.0.0.1:{port}", bundle, service="Server", limits=LIMITS, peer=peer
+    ) as client:
+        return client.call("WhoAmI", Payload(), timeout=10, retry=False)
+
+
+@pytest.mark.parametrize("impostor", ["client-1", "kdc", "runner"])
+def test_rpc_client_refuses_another_partys_certificate_as_the_server(
+    run_pki: tuple[RunCa, dict[str, TlsBundle]], impostor: str
+) -> None:
+    # Prepare: another party of the same run serves on loopback, posing as the server
+    _, bundles = run_pki
+    # Execute / Assert
+    with _serving(bundles[impostor]) as fake, pytest.raises(RemoteError) as caught:
+        _ask(fake.port, bundles["client-0"])
+    assert caught.value.code == "UNAVAILABLE"
+    assert "Hostname Verification Check failed" in str(caught.value)
+
+
+def test_rpc_client_refuses_a_localhost_certificate_as_the_server(
+    run_pki: tuple[RunCa, dict[str, TlsBundle]],
+) -> None:
+    # Prepare: the observed attack: a run certificate naming localhost and 127.0.0.1 (as every
+    # certificate did), served at 127.0.0.1, used to pass as the server or the KDC
+    ca, bundles = run_pki
+    posing = ca.issue("client-1", dns_names=["localhost"], ip_addresses=["127.0.0.1"])
+    with _serving(posing) as fake:
+        # Execute / Assert
+        for expected in (Identity("server"), Identity("kdc")):
+            with pytest.raises(RemoteError) as caught:
+                _ask(fake.port, bundles["client-0"], peer=expected)
+            assert caught.value.code == "UNAVAILABLE"
+
+
+def test_rpc_client_reaches_the_real_server_by_its_role_name(
+    run_pki: tuple[RunCa, dict[str, TlsBundle]],
+) -> None:
+    # Prepare
+    _, bundles = run_pki
+    with _serving(bundles["server"]) as real:
+        # Execute
+        answer = _ask(real.port, bundles["client-1"])
+    # Assert
+    assert answer.meta == {"caller": "client-1"}
+
+
+def test_rpc_client_without_peer_needs_a_service_named_after_a_role(
+    run_pki: tuple[RunCa, dict[str, TlsBundle]],
+) -> None:
+    # Prepare
+    _, bundles = run_pki
+    # Execute / Assert
+    with pytest.raises(TransportError, match="'Echo' is not named after a role"):
+        RpcClient("127.0.0.1:1", bundles["client-0"], service="Echo", limits=LIMITS)
+
+
+def test_rpc_server_refuses_a_certificate_whose_uri_disagrees(
+    run_pki: tuple[RunCa, dict[str, TlsBundle]],
+) -> None:
+    # Prepare: signed by the run's CA, common name client-0, URI naming the server
+    ca, bundles = run_pki
+    ca_cert, ca_key_pem = ca.to_pem()
+    ca_key = serialization.load_pem_private_key(ca_key_pem, password=None)
+    assert isinstance(ca_key, ec.EllipticCurvePrivateKey)
+    key = ec.generate_private_key(ec.SECP256R1())
+    forged = (
+        x509.CertificateBuilder()
+        .subject_name(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "client-0")]))
+        .issuer_name(_cert(ca_cert).subject)
+        .public_key(key.public_key())
+        .serial_number(x509.random_serial_number())
+        .not_valid_before(_cert(ca_cert).not_valid_before_utc)
+        .not_valid_after(_cert(ca_cert).not_valid_after_utc)
+        .add_extension(
+            x509.SubjectAlternativeName(
+                [x509.UniformResourceIdentifier("spiffe://fedcore.invalid/server")]
+            ),
+            critical=False,
+        )
+        .sign(ca_key, hashes.SHA256())
+    )
+    bundle = TlsBundle(
+        ca_pem=ca_cert,
+        cert_pem=forged.public_bytes(serialization.Encoding.PEM),
+        key_pem=key.private_bytes(
+            serialization.Encoding.PEM,
+            serialization.PrivateFormat.PKCS8,
+            serialization.NoEncryption(),
+        ),
+    )
+    with _serving(bundles["server"]) as real:
+        # Execute
+        with pytest.raises(RemoteError) as caught:
+            _ask(real.port, bundle)
+        # Assert
+        assert caught.value.code == "PERMISSION_DENIED"
+        assert "spiffe://fedcore.invalid/server" in str(caught.value)
+        assert real.rejected == [("WhoAmI", "identity", None)]  # type: ignore[attr-defined]
+
+
+def test_rpc_server_refuses_a_role_a_method_does_not_take(
+    run_pki: tuple[RunCa, dict[str, TlsBundle]],
+) -> None:
+    # Prepare: Admin takes calls from the runner only
+    _, bundles = run_pki
+    with _serving(bundles["server"], callers={"Admin": ["runner"]}) as real:
+        with RpcClient(
+            f"127.0.0.1:{real.port}", bundles["client-0"], service="Server", limits=LIMITS
+        ) as client:
+            # Execute
+            with pytest.raises(RemoteError) as caught:
+                client.call("Admin", Payload(), timeout=10, retry=False)
+            allowed = client.call("WhoAmI", Payload(), timeout=10, retry=False)
+        # Assert
+        assert caught.value.code == "PERMISSION_DENIED"
+        assert "takes calls from ['runner'] only, not from 'client-0'" in str(caught.value)
+        assert allowed.meta == {"caller": "client-0"}
+        assert real.rejected == [("Admin", "identity", "client-0")]  # type: ignore[attr-defined]
+
+
+def test_rpc_server_refuses_callers_for_a_method_it_does_not_serve(
+    run_pki: tuple[RunCa, dict[str, TlsBundle]],
+) -> None:
+    # Prepare
+    _, bundles = run_pki
+    # Execute / Assert
+    with pytest.raises(TransportError, match=r"callers names \['Nope'\]"):
+        RpcServer(
+            "127.0.0.1:0",
+            bundles["server"],
+            {"WhoAmI": _whoami},
+            service="Server",
+            limits=LIMITS,
+            callers={"Nope": ["client"]},
+        )

@@ -32,3 +32,13 @@ app.kubernetes.io/component: operator
 {{- define "fedcore.webhookSecret" -}}
 {{- default (printf "%s-webhook-tls" (include "fedcore.fullname" .)) .Values.webhook.existingSecret -}}
 {{- end -}}
+
+{{/* The namespaces the operator reconciles and holds RBAC in (JSON list): the release
+namespace and operator.watchNamespaces; none with operator.clusterWide (all of them). */}}
+{{- define "fedcore.namespaces" -}}
+{{- if .Values.operator.clusterWide -}}
+[]
+{{- else -}}
+{{- uniq (prepend .Values.operator.watchNamespaces .Release.Namespace) | toJson -}}
+{{- end -}}
+{{- end -}}

@@ -6,6 +6,7 @@ from fedcore.learning.data._partition import (
     client_dataset,
     dataset_info,
     partition_indices,
+    shard_sizes,
     test_dataset,
 )
 from fedcore.learning.data._sources import ArrayDataset, load_client_file, load_split
@@ -20,5 +21,6 @@ __all__ = [
     "load_split",
     "partition_indices",
     "root_shards",
+    "shard_sizes",
     "test_dataset",
 ]

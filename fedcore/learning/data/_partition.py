@@ -155,6 +155,19 @@ def client_dataset(spec: FederatedRunSpec, index: int) -> ArrayDataset:
     return experiment_shard(spec, index, train.subset(_shards(spec.data, count, spec.seed)[index]))
 
 
+def shard_sizes(spec: FederatedRunSpec) -> tuple[int, ...] | None:
+    """Returns every client's shard size, by index, when the spec decides the partition.
+
+    None with kind ByFile: each client reads its own file, which the server cannot count.
+
+    Raises:
+        DataError: if the data cannot be loaded or the partition is refused.
+    """
+    if spec.data.partition.kind == "ByFile":
+        return None
+    return tuple(len(shard) for shard in _shards(spec.data, spec.clients.count, spec.seed))
+
+
 def test_dataset(spec: FederatedRunSpec) -> ArrayDataset:
     """Returns the held-out test split the server evaluates on.
 

@@ -34,6 +34,7 @@ from fedcore.errors import ProtocolError
 from fedcore.learning.training import LocalLearner
 from fedcore.protocols._base import ClientProtocol, Protocol, RoundResult, ServerProtocol, Weights
 from fedcore.protocols._batches import BATCH_STREAM, batch_gradient, batch_rows, clipped_gradient
+from fedcore.protocols._bounds import UploadBounds
 from fedcore.protocols.adaptive.maths import (
     dp_laplace_scale,
     learn_distortion,
@@ -233,7 +234,7 @@ class Adaptive(Protocol):
     name = "adaptive"
 
     def create_server(self, spec: FederatedRunSpec, initial: Weights) -> ServerProtocol:
-        return AdaptiveServer(initial, weighting="ShardSize")
+        return AdaptiveServer(initial, weighting="ShardSize", bounds=UploadBounds.of(spec, initial))
 
     def create_client(self, spec: FederatedRunSpec, index: int) -> ClientProtocol:
         return AdaptiveClient(spec, index)

@@ -17,10 +17,15 @@ from fedcore.protocols._base import (
     ServerProtocol,
     Weights,
 )
+from fedcore.protocols._bounds import (
+    BoundedServer,
+    UploadBounds,
+    default_update_norm,
+    step_norm,
+)
 from fedcore.protocols._maths import (
     check_like,
     copy_weights,
-    example_count,
     mean_loss,
     restore_weights,
     weighted_mean,
@@ -29,45 +34,70 @@ from fedcore.spec import FederatedRunSpec
 from fedcore.transport import Payload
 
 
-class ModelAveragingServer(ServerProtocol):
+class ModelAveragingServer(BoundedServer, ServerProtocol):
     """Sends the global model; replaces it with the weighted mean of what comes back.
 
+    Every upload is checked against the run's bounds (``fedcore.protocols._bounds``) before it
+    is accepted, and the new model against them before it is applied.
+
     Args:
-        kind: the state's tag (the protocol's name).
         initial: the initial global model.
         weighting: ``ShardSize`` or ``Uniform``.
+        bounds: the run's upload bounds (``UploadBounds.of(spec, initial)``); None: the
+            default step bound of the model and capped example claims.
     """
 
     kind = "fedavg"
 
-    def __init__(self, initial: Weights, *, weighting: str) -> None:
+    def __init__(
+        self, initial: Weights, *, weighting: str, bounds: UploadBounds | None = None
+    ) -> None:
         self._weights = copy_weights(initial)
         self._weighting = weighting
+        self._bounds = bounds or UploadBounds(default_update_norm(initial))
 
     def plan_round(self, round: int, clients: Sequence[int]) -> Mapping[int, Payload]:
         instruction = Payload(meta={"round": round}, tensors=self._weights)
         return {client: instruction for client in clients}
 
     def check_upload(self, round: int, client: int, upload: Payload) -> None:
-        """Refuses an upload that does not look like this model (see ``check_like``)."""
-        check_like(self._weights, upload, what=f"upload of client {client} in round {round}")
-        example_count(upload, what=f"upload of client {client} in round {round}")
+        """Refuses an upload that does not look like this model (see ``check_like``), claims
+        another example count than the client's shard, or steps past the run's bound.
+
+        Raises:
+            ProtocolError: the upload is malformed.
+            UploadRefused: it passes one of the run's bounds.
+        """
+        what = f"upload of client {client} in round {round}"
+        check_like(self._weights, upload, what=what)
+        self._bounds.check_examples(client, upload, what=what)
+        self._bounds.check_step(self._step_norm(upload), what=what)
+
+    def _step_norm(self, upload: Payload) -> float:
+        """The norm of the change ``upload`` asks of the model (here: upload - model)."""
+        return step_norm(upload.tensors, self._weights)
 
     def combine(
         self, round: int, uploads: Mapping[int, Payload], failures: Sequence[int]
     ) -> RoundResult | None:
+        """Applies the weighted mean of the uploads.
+
+        Raises:
+            AggregateRefused: the new model would not be finite or moves past the bound;
+                the previous model is kept.
+        """
         if not uploads:
             return None
         order = sorted(uploads)
-        weights = {
-            k: float(example_count(uploads[k], what=f"upload of client {k}"))
-            if self._weighting == "ShardSize"
-            else 1.0
-            for k in order
-        }
-        self._weights = self._apply(
+        if self._weighting == "ShardSize":
+            weights = self._bounds.example_weights(uploads)
+        else:
+            weights = dict.fromkeys(order, 1.0)
+        updated = self._apply(
             weighted_mean([uploads[k].tensors for k in order], [weights[k] for k in order])
         )
+        self._bounds.check_aggregate(round, self._weights, updated)
+        self._weights = updated
         return RoundResult(participants=len(order), train_loss=mean_loss(uploads, weights))
 
     def _apply(self, mean: Weights) -> Weights:
@@ -104,19 +134,23 @@ class FedAvg(Protocol):
 
     def create_server(self, spec: FederatedRunSpec, initial: Weights) -> ServerProtocol:
         options = spec.protocol.fedavg
+        bounds = UploadBounds.of(spec, initial)
         if options.aggregator == "Mean" and options.clusters == 1:
-            return ModelAveragingServer(initial, weighting=options.weighting)
+            return ModelAveragingServer(initial, weighting=options.weighting, bounds=bounds)
         from fedcore.protocols.fedavg.robust import RobustAveragingServer, root_learner
 
         fltrust = options.aggregator == "FLTrust"
         root = root_learner(spec, options.root_examples) if fltrust else None
-        return RobustAveragingServer(initial, options=options, root=root, seed=spec.seed)
+        return RobustAveragingServer(
+            initial, options=options, root=root, seed=spec.seed, bounds=bounds
+        )
 
     def create_client(self, spec: FederatedRunSpec, index: int) -> ClientProtocol:
         from fedcore.learning.poisoning import attack_of
 
         attack = attack_of(spec, index)
-        if spec.protocol.fedavg.clusters == 1 and attack not in {"SignFlip", "Scale"}:
+        poisons = {"SignFlip", "Scale", "Overflow", "InflateExamples"}
+        if spec.protocol.fedavg.clusters == 1 and attack not in poisons:
             return LocalTrainingClient()
         from fedcore.protocols.fedavg.robust import RobustTrainingClient
 

@@ -25,11 +25,16 @@ from fedcore.protocols._base import (
     ServerProtocol,
     Weights,
 )
+from fedcore.protocols._bounds import (
+    BoundedServer,
+    UploadBounds,
+    default_update_norm,
+    step_norm,
+)
 from fedcore.protocols._cluster_models import ClusterModels
 from fedcore.protocols._maths import (
     check_like,
     cluster_name,
-    example_count,
     flatten,
     mean_loss,
     unflatten,
@@ -42,7 +47,7 @@ from fedcore.transport import Payload
 log = logging.getLogger(__name__)
 
 
-class RobustAveragingServer(ClusterModels, ServerProtocol):
+class RobustAveragingServer(ClusterModels, BoundedServer, ServerProtocol):
     """fedavg's server with a robust rule and/or IFCA's cluster models.
 
     Args:
@@ -50,6 +55,8 @@ class RobustAveragingServer(ClusterModels, ServerProtocol):
         options: ``spec.protocol.fedavg``.
         root: FLTrust's learner on the server's root data (None for the other rules).
         seed: ``spec.seed`` (IFCA's models start from different seeds' perturbations).
+        bounds: the run's upload bounds (``fedcore.protocols._bounds``); None: the model's
+            default step bound and capped example claims.
     """
 
     kind = "fedavg-robust"
@@ -61,8 +68,10 @@ class RobustAveragingServer(ClusterModels, ServerProtocol):
         options: FedAvgOptions,
         root: LocalLearner | None = None,
         seed: int = 0,
+        bounds: UploadBounds | None = None,
     ) -> None:
         self._like = {n: np.asarray(w) for n, w in initial.items()}
+        self._bounds = bounds or UploadBounds(default_update_norm(initial))
         self._names = list(initial)
         self._options = options
         self._root = root
@@ -91,16 +100,22 @@ class RobustAveragingServer(ClusterModels, ServerProtocol):
         return {client: instruction for client in clients}
 
     def check_upload(self, round: int, client: int, upload: Payload) -> None:
-        """Refuses an upload unlike the model, or (IFCA) naming no cluster."""
+        """Refuses an upload unlike the model, (IFCA) naming no cluster, claiming another
+        example count than the client's shard, or stepping past the run's bound from its
+        cluster's model."""
         what = f"upload of client {client} in round {round}"
         check_like(self._like, upload, what=what)
-        example_count(upload, what=what)
+        self._bounds.check_examples(client, upload, what=what)
+        cluster: object = 0
         if self._options.clusters > 1:
             cluster = upload.meta.get("cluster")
             if isinstance(cluster, bool) or not isinstance(cluster, int):
                 raise ProtocolError(f"The {what} names no cluster (IFCA).")
             if not 0 <= cluster < self._options.clusters:
                 raise ProtocolError(f"The {what} names cluster {cluster}, not one of the models.")
+        assert isinstance(cluster, int)
+        model = unflatten(self._theta[cluster], self._like)
+        self._bounds.check_step(step_norm(upload.tensors, model), what=what)
 
     def combine(
         self, round: int, uploads: Mapping[int, Payload], failures: Sequence[int]
@@ -109,13 +124,12 @@ class RobustAveragingServer(ClusterModels, ServerProtocol):
             return None
         options = self._options
         order = sorted(uploads)
-        weights = {
-            k: float(example_count(uploads[k], what=f"upload of client {k}"))
-            if options.weighting == "ShardSize"
-            else 1.0
-            for k in order
-        }
+        if options.weighting == "ShardSize":
+            weights = self._bounds.example_weights(uploads)
+        else:
+            weights = dict.fromkeys(order, 1.0)
         metrics: dict[str, float] = {}
+        steps: dict[int, np.ndarray] = {}
         for j in range(options.clusters):
             members = [k for k in order if int(uploads[k].meta.get("cluster", 0)) == j]
             if not members:
@@ -139,7 +153,7 @@ class RobustAveragingServer(ClusterModels, ServerProtocol):
                     options.krum_byzantine,
                 )
                 rule = "Median"
-            self._theta[j] = self._theta[j] + aggregators.aggregate(
+            steps[j] = aggregators.aggregate(
                 rule,
                 updates,
                 weights=[weights[k] for k in members],
@@ -148,6 +162,10 @@ class RobustAveragingServer(ClusterModels, ServerProtocol):
                 server_update=server_update,
             )
             metrics[f"cluster_{j}_clients"] = float(len(members))
+        for step in steps.values():  # all checked before any is applied
+            self._bounds.check_aggregate_step(round, step)
+        for j, step in steps.items():
+            self._theta[j] = self._theta[j] + step
         return RoundResult(
             participants=len(order), train_loss=mean_loss(uploads, weights), metrics=metrics
         )
@@ -157,7 +175,8 @@ class RobustTrainingClient(ClientProtocol):
     """A fedavg client that (IFCA) picks its model, and (as an attacker) poisons its update.
 
     Args:
-        attack: this client's update attack (SignFlip, Scale) or None.
+        attack: this client's attack on its upload (SignFlip, Scale, Overflow,
+            InflateExamples) or None.
         scale: the attack's scale.
     """
 
@@ -191,8 +210,18 @@ class RobustTrainingClient(ClientProtocol):
                 flatten(trained, names) - flatten(start, names), self._attack, self._scale
             )
             trained = unflatten(flatten(start, names) + update, start)
+        if self._attack == "Overflow":  # finite, so it passes a finiteness check
+            trained = {
+                n: np.full_like(v, np.finfo(v.dtype).max)
+                if np.issubdtype(v.dtype, np.floating)
+                else v
+                for n, v in trained.items()
+            }
+        claimed = stats.num_examples
+        if self._attack == "InflateExamples":
+            claimed = max(1, int(self._scale * stats.num_examples))
         meta: dict[str, Any] = {
-            "num_examples": stats.num_examples,
+            "num_examples": claimed,
             "loss": stats.loss,
             "steps": stats.steps,
         }

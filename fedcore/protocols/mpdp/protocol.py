@@ -41,7 +41,8 @@ from fedcore.protocols._base import (
     Weights,
     check_state_kind,
 )
-from fedcore.protocols._maths import copy_weights, example_count, restore_weights
+from fedcore.protocols._bounds import BoundedServer, UploadBounds, default_update_norm
+from fedcore.protocols._maths import copy_weights, restore_weights
 from fedcore.protocols.mpdp import keys as keys_
 from fedcore.protocols.mpdp import maths
 from fedcore.spec import FederatedRunSpec
@@ -109,7 +110,7 @@ class _Attempt:
     fingerprint: str | None = None
 
 
-class MpdpServer(ServerProtocol):
+class MpdpServer(BoundedServer, ServerProtocol):
     """MP_Server and MU_Server: perturbs the model each round, recovers the mean gradient.
 
     Args:
@@ -117,6 +118,8 @@ class MpdpServer(ServerProtocol):
         options: ``spec.protocol.mpdp``.
         learning_rate: the server's SGD step size xi.
         rng: the source of the server's secret noise (default: seeded from the OS CSPRNG).
+        bounds: the run's upload bounds: mpdp's server sees only the unmasked mean, so it
+            checks the claimed example counts and refuses an aggregate past the step bound.
 
     Raises:
         ProtocolError: the model is not a chain of at least two 2-D weight matrices.
@@ -131,7 +134,9 @@ class MpdpServer(ServerProtocol):
         options: MpdpOptions,
         learning_rate: float,
         rng: np.random.Generator | None = None,
+        bounds: UploadBounds | None = None,
     ) -> None:
+        self._bounds = bounds or UploadBounds(default_update_norm(initial))
         self._names = list(initial)
         self._widths = _widths_of(initial)
         self._weights = {
@@ -206,7 +211,7 @@ class MpdpServer(ServerProtocol):
                 f"The {what} belongs to attempt {meta.get('attempt')!r}, not to the open "
                 f"attempt {attempt.number} (its masks pair with other participants)."
             )
-        example_count(upload, what=what)
+        self._bounds.check_examples(client, upload, what=what)
         _check_tensors(self._layout, upload, what=what)
         fingerprint = meta.get("keys")
         if not isinstance(fingerprint, str) or len(fingerprint) != 64:
@@ -270,10 +275,13 @@ class MpdpServer(ServerProtocol):
             secret,
         )
         step = self._learning_rate
-        self._weights = {
+        updated = {
             name: self._weights[name] - step * gradient
             for name, gradient in zip(self._names, gradients, strict=True)
         }
+        # The masks hide who sent what: a bad aggregate can be refused, not traced.
+        self._bounds.check_aggregate(round, self._weights, updated)
+        self._weights = updated
         loss = maths.recover_loss(means["terms"], secret)
         with self._lock:
             self._secrets = None  # discarded: the next round draws fresh ones
@@ -600,6 +608,7 @@ class Mpdp(Protocol):
             initial,
             options=spec.protocol.mpdp,
             learning_rate=spec.training.optimizer.learning_rate,
+            bounds=UploadBounds.of(spec, initial),
         )
 
     def create_client(self, spec: FederatedRunSpec, index: int) -> ClientProtocol:

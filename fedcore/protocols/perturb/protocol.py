@@ -31,11 +31,12 @@ from collections.abc import Mapping, Sequence
 import numpy as np
 import torch
 
-from fedcore.errors import ProtocolError, RecoveryError
+from fedcore.errors import ProtocolError, RecoveryError, UploadRefused
 from fedcore.learning.training import LocalLearner
 from fedcore.privacy import noise_generator
 from fedcore.protocols import _relu_mlp
 from fedcore.protocols._base import ClientProtocol, Protocol, RoundResult, ServerProtocol, Weights
+from fedcore.protocols._bounds import UploadBounds
 from fedcore.protocols._maths import check_like, example_count
 from fedcore.protocols.fedsgd import GradientStepServer
 from fedcore.protocols.perturb.maths import (
@@ -121,6 +122,7 @@ class PerturbServer(GradientStepServer):
         output_scale: float,
         secure_secrets: bool,
         seed: int,
+        bounds: UploadBounds | None = None,
     ) -> None:
         widths = _layer_widths(initial)
         outputs = widths[-1]
@@ -131,7 +133,7 @@ class PerturbServer(GradientStepServer):
             )
         if not (math.isfinite(residual_bound) and residual_bound > 0):
             raise ProtocolError(f"The residual bound must be positive, got {residual_bound}.")
-        super().__init__(initial, weighting="ShardSize", learning_rate=learning_rate)
+        super().__init__(initial, weighting="ShardSize", learning_rate=learning_rate, bounds=bounds)
         self._widths = widths
         self._cells = outputs if cells is None else cells
         self._residual_bound = float(residual_bound)
@@ -206,7 +208,7 @@ class PerturbServer(GradientStepServer):
         if client not in planned.clients:
             raise ProtocolError(f"The {what} comes from a client that was not planned.")
         _check_tensors(self._upload_template, upload, what=what)
-        example_count(upload, what=what)
+        self._bounds.check_examples(client, upload, what=what)
         _finite(upload.meta.get("loss"), f"The {what} reports loss")
         _finite(upload.meta.get("beta_value"), f"The {what} reports beta_value")
         values = upload.meta.get("cell_values")
@@ -323,10 +325,23 @@ class PerturbServer(GradientStepServer):
             recovered, worst = self.recover(round, uploads)
         finally:
             self._discard()
-        result = super().combine(round, recovered, failures)
+        # Only a recovered gradient shows the step an upload asks: bounded here, not on arrival.
+        refused: dict[int, str] = {}
+        for client in sorted(recovered):
+            try:
+                self._bounds.check_step(
+                    self._step_norm(recovered[client]),
+                    what=f"recovered gradient of client {client} in round {round}",
+                )
+            except UploadRefused as exc:
+                refused[client] = str(exc)
+        accepted = {k: v for k, v in recovered.items() if k not in refused}
+        result = super().combine(round, accepted, [*failures, *refused])
         if result is None:
-            return None
-        return dataclasses.replace(result, metrics={**result.metrics, "recovery_residual": worst})
+            return RoundResult(participants=0, refused=refused) if refused else None
+        return dataclasses.replace(
+            result, metrics={**result.metrics, "recovery_residual": worst}, refused=refused
+        )
 
     def _discard(self) -> None:
         """Zeroises and forgets the open round's secrets."""
@@ -404,6 +419,7 @@ class Perturb(Protocol):
             output_scale=options.output_scale,
             secure_secrets=options.secure_secrets,
             seed=spec.seed,
+            bounds=UploadBounds.of(spec, initial),
         )
 
     def create_client(self, spec: FederatedRunSpec, index: int) -> ClientProtocol:
