@@ -11,6 +11,7 @@ from __future__ import annotations
 import numpy as np
 
 from fedcore.spec import FederatedRunSpec
+from fedcore.transport import Payload
 
 _ATTACKER_TAG = 0xA77AC4
 """Separates the attacker draw from every other use of the attack's seed."""
@@ -46,6 +47,19 @@ def poison_update(update: np.ndarray, kind: str | None, scale: float) -> np.ndar
     if kind == "Scale":
         return scale * update
     return update
+
+
+def overflow_upload(upload: Payload) -> Payload:
+    """Overflow: every floating-point tensor of an upload at its dtype's largest finite value
+    (finite, so only a bound on the upload, not a finiteness check, refuses it). Any protocol's
+    client runtime applies it to its own upload (``spec.attack.kind`` Overflow)."""
+    tensors = {
+        name: np.full_like(value, np.finfo(value.dtype).max)
+        if np.issubdtype(value.dtype, np.floating)
+        else value
+        for name, value in upload.tensors.items()
+    }
+    return Payload(meta=dict(upload.meta), tensors=tensors)
 
 
 def tamper(upload: np.ndarray, scale: float, seed: int, round: int, client: int) -> np.ndarray:

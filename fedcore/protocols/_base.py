@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from fedcore.errors import ProtocolError
 from fedcore.spec import FederatedRunSpec, ProtocolFacts
 from fedcore.transport import Identity, Payload
 
@@ -33,14 +34,15 @@ class RoundResult:
         train_loss: the clients' mean local training loss (weighted as the protocol weighs).
         metrics: further protocol-specific numbers (JSON-able), e.g. a recovery residual.
         refused: uploads the protocol could judge only while combining (e.g. perturb's,
-            once recovered) and left out of the new state, with why, by client index; the
-            server role counts and logs them as it does uploads refused on arrival.
+            once recovered) and left out of the new state, with the error that refused each,
+            by client index; the server role counts and logs them as it does uploads refused
+            on arrival.
     """
 
     participants: int
     train_loss: float | None = None
     metrics: dict[str, float] = field(default_factory=dict)
-    refused: dict[int, str] = field(default_factory=dict)
+    refused: dict[int, ProtocolError] = field(default_factory=dict)
 
 
 class ServerProtocol(ABC):

@@ -65,6 +65,11 @@ def step_norm(tensors: Weights, reference: Weights | None = None, *, scale: floa
     return abs(scale) * math.sqrt(total)
 
 
+AGGREGATE_SLACK = 1e-6
+"""Relative room for the aggregate over ``max_update_norm``: a mean of steps within the bound,
+computed in float64 and stored in float32, may round past it by up to 2^-24 of it."""
+
+
 @dataclass(frozen=True)
 class UploadBounds:
     """The bounds on one client's upload (see the module docstring).
@@ -175,7 +180,7 @@ class UploadBounds:
         self._check_aggregate_norm(round, math.sqrt(float(np.dot(flat, flat))))
 
     def _check_aggregate_norm(self, round: int, norm: float) -> None:
-        if not norm <= self.max_update_norm:
+        if not norm <= self.max_update_norm * (1 + AGGREGATE_SLACK):
             raise AggregateRefused(
                 f"Round {round}'s aggregate moves the model by {norm:.4g} (L2), past the bound "
                 f"{self.max_update_norm:.4g} (spec.uploads.maxUpdateNorm); the previous model "

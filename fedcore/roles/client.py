@@ -10,6 +10,7 @@ from typing import Any
 from fedcore.errors import FedcoreError
 from fedcore.learning.data import client_dataset
 from fedcore.learning.models import build_model
+from fedcore.learning.poisoning import attack_of, overflow_upload
 from fedcore.learning.training import LocalLearner
 from fedcore.local.threads import limit_threads
 from fedcore.observe.metrics import RoleMetrics
@@ -77,6 +78,7 @@ class Client:
         self.run = run
         self.spec = spec
         self.index = index
+        self.overflow = attack_of(spec, index) == "Overflow"
         self.config = config
         self.metrics = RoleMetrics(run.metadata.name, "client")
         data = client_dataset(spec, index)
@@ -203,6 +205,8 @@ class Client:
             self.duties.before(round_, instruction)
         with self.metrics.round_duration.time():
             upload = self.protocol.compute_upload(round_, instruction, self.learner, keys)
+        if self.overflow:  # an experiment's attacker (spec.attack Overflow)
+            upload = overflow_upload(upload)
         if self.duties is not None:
             upload = self.duties.after(round_, instruction, upload)
         self.metrics.rounds_completed.inc()

@@ -369,12 +369,12 @@ class Server:
             board.cond.notify_all()
         return status
 
-    def _count_refused(self, index: int, round_: int, exc: ProtocolError | str) -> None:
+    def _count_refused(self, index: int, round_: int, exc: ProtocolError) -> None:
         """Counts and logs one refused upload with its sender (reason encoding, bound or
         upload)."""
         if isinstance(exc, EncodingRejected):
             reason = "encoding"
-        elif isinstance(exc, UploadRefused | str):
+        elif isinstance(exc, UploadRefused):
             reason = "bound"
         else:
             reason = "upload"

@@ -20,6 +20,7 @@ from typing import Any
 from fedcore.errors import ProtocolError
 from fedcore.learning.data import client_dataset, dataset_info, shard_sizes, test_dataset
 from fedcore.learning.models import build_model, get_weights
+from fedcore.learning.poisoning import attack_of, overflow_upload
 from fedcore.learning.training import Evaluator, LocalLearner
 from fedcore.local.threads import ROLE_THREADS, threads_limited
 from fedcore.privacy import PrivacyLedger
@@ -190,6 +191,8 @@ def _simulate(
             if observer is not None and keys is not None:
                 observer.on_keys(round_, Identity("client", index), keys)
             upload = clients[index].compute_upload(round_, instruction, learner(index), keys)
+            if attack_of(spec, index) == "Overflow":  # as the client role applies it
+                upload = overflow_upload(upload)
             if observer is not None:
                 observer.on_upload(round_, index, upload)
             try:

@@ -23,9 +23,6 @@ UPDATE_ATTACKS = frozenset({"SignFlip", "Scale"})
 UPDATE_ATTACK_PROTOCOLS = frozenset({"fedavg", "ebscfl"})
 """The protocols whose clients apply SignFlip and Scale."""
 
-INSIDER_ATTACKS = frozenset({"Overflow", "InflateExamples"})
-"""Attacks on the server's upload checks (spec.uploads), which fedavg's clients apply."""
-
 
 class DataClustersSpec(SpecModel):
     """A ground-truth cluster structure of the clients' data (for clustered protocols)."""
@@ -56,10 +53,11 @@ class AttackSpec(SpecModel):
         description="kind of attack. LabelFlip: the attackers train on labels y -> classes-1-y. "
         "SignFlip: they upload -scale times their honest update. Scale: scale times it. "
         "MalformedEncoding (ebscfl only): they add noise to their encoded upload, which the "
-        "server's verification must reject. Overflow (fedavg only): they upload a model of "
-        "finite float32-max values. InflateExamples (fedavg only): they claim scale times "
-        "their shard's example count. The server's upload bounds (spec.uploads) must refuse "
-        "the last two. Required."
+        "server's verification must reject. Overflow (every protocol but lppa, whose clients "
+        "upload no tensors): they set every tensor of their upload to its type's largest "
+        "finite value. InflateExamples (fedavg only): they claim scale times their shard's "
+        "example count. The server's checks (spec.uploads) must refuse the last two. "
+        "Required."
     )
     fraction: float = Field(
         0.2,
@@ -108,13 +106,21 @@ def attack_issues(
                     f"or ebscfl).",
                 )
             )
-        if attack.kind in INSIDER_ATTACKS and name != "fedavg":
+        if attack.kind == "InflateExamples" and name != "fedavg":
             issues.append(
                 SpecIssue(
                     "spec.attack.kind",
-                    f"{attack.kind!r} is applied by fedavg's clients; protocol {name!r}'s do "
-                    f"not apply it. Allowed here: 'LabelFlip'"
+                    f"'InflateExamples' is applied by fedavg's clients; protocol {name!r}'s do "
+                    f"not apply it. Allowed here: 'LabelFlip', 'Overflow'"
                     + (", 'SignFlip', 'Scale'." if name in UPDATE_ATTACK_PROTOCOLS else "."),
+                )
+            )
+        if attack.kind == "Overflow" and name == "lppa":
+            issues.append(
+                SpecIssue(
+                    "spec.attack.kind",
+                    "'Overflow' sets the tensors of an upload, and lppa's clients upload none "
+                    "(their models go to their peers). Allowed here: 'LabelFlip'.",
                 )
             )
         if attack.kind == "MalformedEncoding" and name != "ebscfl":

@@ -9,18 +9,21 @@ gives in one process, where the same uploads are refused.
 
 from __future__ import annotations
 
+import json
 import re
 from pathlib import Path
 
 import numpy as np
 import pytest
+import yaml
 from safetensors.numpy import load_file
 
+from fedcore.errors import RunAborted
 from fedcore.learning.poisoning import attackers
 from fedcore.local.runner import LocalRun
 from fedcore.simulation import simulate
 from fedcore.spec import load_manifest
-from tests.integration._runs import ServerHold, write_manifest
+from tests.integration._runs import BASE, ServerHold, write_manifest
 from tests.integration.test_ebscfl_run import events_of
 from tests.integration.test_local_run import scrape, wait_for_event
 
@@ -90,3 +93,84 @@ def test_a_hostile_upload_is_refused_counted_logged_and_the_run_keeps_the_honest
     for name, weights in reference.items():
         assert np.all(np.isfinite(released[name]))
         np.testing.assert_array_equal(released[name], weights)
+
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def protocol_manifest(path: Path, protocol: str) -> Path:
+    """A small run of ``protocol`` (its example where there is one) whose client 2 of four
+    uploads Overflow: every tensor at its type's largest finite value."""
+    if protocol == "ebscfl":
+        from tests.integration.test_ebscfl_run import EBSCFL_SPEC
+
+        manifest = json.loads(json.dumps(BASE))
+        manifest["spec"].update(EBSCFL_SPEC)
+    elif protocol == "fedsgd":
+        manifest = json.loads(json.dumps(BASE))
+        manifest["spec"]["protocol"] = {"name": "fedsgd"}
+    else:
+        name = protocol.replace("-", "")
+        manifest = yaml.safe_load((ROOT / "examples" / f"digits-{name}.yaml").read_text())
+    spec = manifest["spec"]
+    spec["clients"] = {"count": 4, "quorum": 3}
+    spec["rounds"] = 2
+    spec["checkpoint"] = {"everyRounds": 0}
+    spec["evaluation"] = {"everyRounds": 0}
+    spec["attack"] = {"kind": "Overflow", "fraction": 0.25}
+    spec.pop("privacy", None)
+    options = spec["protocol"].get({"dp-fedavg": "dpFedavg"}.get(protocol, protocol), {})
+    for reproducible in ("secureNoise", "secureSecrets"):
+        if reproducible in options:
+            options[reproducible] = False  # so the one-process run draws the same noise
+    manifest["metadata"]["name"] = "e2e"
+    path.write_text(yaml.safe_dump(manifest), encoding="utf-8")
+    return path
+
+
+# What each protocol's server can do with an Overflow upload, by what it sees of it.
+OVERFLOW_OUTCOMES = {
+    "fedsgd": ("Succeeded", "bound"),  # the step at the learning rate is past the bound
+    "dp-fedavg": ("Succeeded", "bound"),  # refused before it is clipped
+    "adaptive": ("Succeeded", "bound"),
+    "ebscfl": ("Succeeded", "encoding"),  # the encoding fails its norm check
+    "perturb": ("Succeeded", "upload"),  # its recovered gradient fails the residual check
+    "mpdp": ("Failed", "AggregateRefused"),  # masked: the aggregate is refused, not traced
+}
+
+
+@pytest.mark.parametrize("protocol", sorted(OVERFLOW_OUTCOMES))
+def test_an_overflowing_upload_is_refused_by_every_protocol_that_can_see_it(
+    tmp_path: Path, protocol: str
+) -> None:
+    # Prepare
+    manifest = protocol_manifest(tmp_path / "run.yaml", protocol)
+    run_spec = load_manifest(manifest)
+    (bad,) = attackers(run_spec.spec)
+    work = tmp_path / "work"
+    expected_phase, expected = OVERFLOW_OUTCOMES[protocol]
+    run = LocalRun(run_spec, manifest, workdir=work)
+    run.start()
+    try:
+        # Execute
+        if expected_phase == "Failed":
+            with pytest.raises(RunAborted) as failed:
+                run.wait()
+        else:
+            result = run.wait()
+    finally:
+        run.stop()
+    # Assert
+    log = (work / "logs" / "server.log").read_text(encoding="utf-8")
+    if expected_phase == "Failed":
+        assert failed.value.reason == expected and failed.value.round == 1
+        assert "the previous model is kept" in str(failed.value)
+        return
+    assert result.phase == "Succeeded"
+    assert f"(sender client-{bad}, reason {expected})" in log
+    released = load_file(str(work / "model.safetensors"))
+    reference = simulate(load_manifest(manifest)).weights
+    assert sorted(released) == sorted(reference)
+    for name, weights in reference.items():
+        assert np.all(np.isfinite(released[name]))
+        np.testing.assert_allclose(released[name], weights, rtol=0, atol=1e-5)

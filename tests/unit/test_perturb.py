@@ -549,9 +549,10 @@ def test_perturb_combine_with_tampered_cell_scale_raises_recovery_error() -> Non
     assert caught.value.round == 2 and caught.value.residual > 1e-3
 
 
-def test_perturb_combine_with_garbage_upload_of_the_right_shape_raises_recovery_error() -> None:
-    # Prepare
+def test_perturb_combine_leaves_out_a_garbage_upload_of_the_right_shape() -> None:
+    # Prepare: client 1's upload is well formed but recovers to no gradient
     server, _, uploads = one_round(spec_for().spec, [30, 20, 10], round_=3)
+    honest, _, again = one_round(spec_for().spec, [30, 20, 10], round_=3)
     rng = np.random.default_rng(0)
     garbage = Payload(
         meta=dict(uploads[1].meta),
@@ -559,12 +560,41 @@ def test_perturb_combine_with_garbage_upload_of_the_right_shape_raises_recovery_
     )
     server.check_upload(3, 1, garbage)  # well formed: the checks of form accept it
     # Execute
+    result = server.combine(3, {**uploads, 1: garbage}, [])
+    reference = honest.combine(3, {0: again[0], 2: again[2]}, [1])
+    # Assert: refused with the round, client and residual; the round is the other two's
+    assert result is not None and reference is not None
+    assert result.participants == 2 and sorted(result.refused) == [1]
+    refusal = result.refused[1]
+    assert isinstance(refusal, RecoveryError)
+    assert refusal.round == 3 and "client 1" in str(refusal) and refusal.residual > 1e-3
+    for name, value in reference_weights(honest).items():
+        np.testing.assert_allclose(server.global_weights()[name], value, rtol=0, atol=1e-12)
+
+
+def test_perturb_combine_stops_when_no_upload_recovers() -> None:
+    # Prepare: every upload is garbage: the server's secrets, not one client, are suspect
+    server, _, uploads = one_round(spec_for().spec, [30, 20], round_=2)
+    rng = np.random.default_rng(1)
+    garbage = {
+        k: Payload(
+            meta=dict(u.meta),
+            tensors={name: rng.normal(size=t.shape) for name, t in u.tensors.items()},
+        )
+        for k, u in uploads.items()
+    }
+    before = {k: np.array(v, copy=True) for k, v in server.global_weights().items()}
+    # Execute
     with pytest.raises(RecoveryError) as caught:
-        server.combine(3, {**uploads, 1: garbage}, [])
+        server.combine(2, garbage, [])
     # Assert
-    assert caught.value.round == 3
-    assert "client 1" in str(caught.value)
-    assert caught.value.residual > 1e-3
+    assert caught.value.round == 2 and caught.value.residual > 1e-3
+    for name, value in server.global_weights().items():
+        np.testing.assert_array_equal(value, before[name])
+
+
+def reference_weights(server: PerturbServer) -> dict[str, np.ndarray]:
+    return {k: np.array(v, copy=True) for k, v in server.global_weights().items()}
 
 
 def test_perturb_combine_without_uploads_keeps_state_and_discards_secrets() -> None:

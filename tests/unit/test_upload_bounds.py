@@ -10,6 +10,9 @@ import math
 
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from hypothesis.extra import numpy as hnp
 
 from fedcore.errors import AggregateRefused, ProtocolError, UploadRefused
 from fedcore.learning.data import client_dataset, shard_sizes
@@ -230,3 +233,45 @@ def test_the_spec_bound_reaches_every_plaintext_server() -> None:
     # Assert
     assert isinstance(server, ModelAveragingServer)
     assert server._bounds == UploadBounds(0.25, None, 77)
+
+
+FLOAT32 = hnp.arrays(
+    np.float32,
+    (3,),
+    elements=st.floats(allow_nan=False, allow_infinity=False, width=32),
+)
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    uploads=st.lists(
+        st.tuples(FLOAT32, st.integers(min_value=-5, max_value=10**12)), min_size=1, max_size=6
+    ),
+    bound=st.floats(min_value=1e-3, max_value=1e6),
+)
+def test_whatever_clients_upload_the_accepted_ones_keep_the_model_finite_and_bounded(
+    uploads: list[tuple[np.ndarray, int]], bound: float
+) -> None:
+    # Prepare: any finite float32 values and any claimed counts, from up to six clients
+    # whose shards hold 100 examples each
+    initial = {"w": np.zeros(3, np.float32)}
+    server = ModelAveragingServer(initial, weighting="ShardSize", bounds=UploadBounds(bound))
+    server.set_shard_sizes([100] * len(uploads))
+    accepted: dict[int, Payload] = {}
+    # Execute
+    for client, (values, claim) in enumerate(uploads):
+        payload = upload({"w": values}, claim)
+        try:
+            server.check_upload(1, client, payload)
+        except ProtocolError:
+            continue
+        accepted[client] = payload
+    if accepted:
+        server.combine(1, accepted, failures=[])
+    # Assert: every accepted upload was within its bounds, and so is the new model
+    model = server.global_weights()["w"]
+    for payload in accepted.values():
+        assert 1 <= payload.meta["num_examples"] <= 100
+        assert step_norm(payload.tensors, initial) <= bound
+    assert np.all(np.isfinite(model))
+    assert step_norm({"w": model}, initial) <= bound * (1 + 1e-6)

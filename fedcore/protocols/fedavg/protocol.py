@@ -149,7 +149,7 @@ class FedAvg(Protocol):
         from fedcore.learning.poisoning import attack_of
 
         attack = attack_of(spec, index)
-        poisons = {"SignFlip", "Scale", "Overflow", "InflateExamples"}
+        poisons = {"SignFlip", "Scale", "InflateExamples"}
         if spec.protocol.fedavg.clusters == 1 and attack not in poisons:
             return LocalTrainingClient()
         from fedcore.protocols.fedavg.robust import RobustTrainingClient

@@ -175,8 +175,8 @@ class RobustTrainingClient(ClientProtocol):
     """A fedavg client that (IFCA) picks its model, and (as an attacker) poisons its update.
 
     Args:
-        attack: this client's attack on its upload (SignFlip, Scale, Overflow,
-            InflateExamples) or None.
+        attack: this client's attack on its upload (SignFlip, Scale, InflateExamples) or
+            None (Overflow is applied by the client runtime, to any protocol's upload).
         scale: the attack's scale.
     """
 
@@ -210,13 +210,6 @@ class RobustTrainingClient(ClientProtocol):
                 flatten(trained, names) - flatten(start, names), self._attack, self._scale
             )
             trained = unflatten(flatten(start, names) + update, start)
-        if self._attack == "Overflow":  # finite, so it passes a finiteness check
-            trained = {
-                n: np.full_like(v, np.finfo(v.dtype).max)
-                if np.issubdtype(v.dtype, np.floating)
-                else v
-                for n, v in trained.items()
-            }
         claimed = stats.num_examples
         if self._attack == "InflateExamples":
             claimed = max(1, int(self._scale * stats.num_examples))

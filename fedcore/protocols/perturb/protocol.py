@@ -223,13 +223,21 @@ class PerturbServer(GradientStepServer):
     # -------------------------------------------------------------------------- combine
 
     def recover(
-        self, round: int, uploads: Mapping[int, Payload]
+        self,
+        round: int,
+        uploads: Mapping[int, Payload],
+        *,
+        refused: dict[int, ProtocolError] | None = None,
     ) -> tuple[dict[int, Payload], float]:
         """Removes the noise from each upload and checks each recovered gradient.
 
         Args:
             round: the round the uploads answer.
             uploads: checked uploads, by client.
+            refused: if given, an upload whose recovered gradient fails its check is left out
+                and recorded here (client -> its error) instead of raising, unless none recovers:
+                one client's bad upload cannot stop the run, while a server whose secrets are
+                wrong still stops it.
 
         Returns:
             Per client, what a fedsgd client would have uploaded (the true full-shard gradient
@@ -252,15 +260,25 @@ class PerturbServer(GradientStepServer):
         recovered: dict[int, Payload] = {}
         worst = 0.0
         factors = planned.secrets.scale_factors()  # secret too: zeroised below
+        failure: RecoveryError | None = None
         try:
             for client in sorted(uploads):
-                recovered[client], residual = self._recover_one(
-                    round, client, uploads[client], true, factors
-                )
+                try:
+                    recovered[client], residual = self._recover_one(
+                        round, client, uploads[client], true, factors
+                    )
+                except RecoveryError as exc:
+                    if refused is None:
+                        raise
+                    refused[client] = exc
+                    failure = exc
+                    continue
                 worst = max(worst, residual)
         finally:
             for factor in factors:
                 factor.fill(0.0)
+        if failure is not None and not recovered:
+            raise failure
         return recovered, worst
 
     def _recover_one(
@@ -317,16 +335,18 @@ class PerturbServer(GradientStepServer):
 
         Raises:
             ProtocolError: the round was not planned or an upload is of an unplanned client.
-            RecoveryError: a recovered gradient fails the residual check; the model is kept.
+            RecoveryError: every recovered gradient fails the residual check (the server's
+                secrets, not one client, are wrong); the model is kept. One that fails alone
+                is left out of the round and reported in ``RoundResult.refused``.
         """
         try:
             if not uploads:
                 return None
-            recovered, worst = self.recover(round, uploads)
+            refused: dict[int, ProtocolError] = {}
+            recovered, worst = self.recover(round, uploads, refused=refused)
         finally:
             self._discard()
         # Only a recovered gradient shows the step an upload asks: bounded here, not on arrival.
-        refused: dict[int, str] = {}
         for client in sorted(recovered):
             try:
                 self._bounds.check_step(
@@ -334,7 +354,7 @@ class PerturbServer(GradientStepServer):
                     what=f"recovered gradient of client {client} in round {round}",
                 )
             except UploadRefused as exc:
-                refused[client] = str(exc)
+                refused[client] = exc
         accepted = {k: v for k, v in recovered.items() if k not in refused}
         result = super().combine(round, accepted, [*failures, *refused])
         if result is None:
