@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Literal
 
@@ -11,6 +12,7 @@ from sklearn.datasets import load_digits
 from sklearn.model_selection import train_test_split
 
 from fedcore.learning import data as fd
+from fedcore.learning.data import _cache, _partition, _sources
 from fedcore.spec import (
     ClientsSpec,
     DataSourceSpec,
@@ -41,6 +43,29 @@ spec:
   rounds: 1
   seed: 11
 """
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _cold_cache(tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]:
+    """The module's sources are parsed into a cache folder of its own, empty at its start (no
+    test depends on a warm machine cache, and none leaves entries in ~/.cache)."""
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv(_cache.CACHE_ENV, str(tmp_path_factory.mktemp("data-cache")))
+        _forget()
+        yield
+    _forget()
+
+
+def _forget() -> None:
+    """Drops this process's caches of sources, splits and partitions."""
+    for cached in (
+        _sources._stored,
+        _sources._split,
+        _sources._test_split,
+        _sources._load_split,
+        _partition._shards,
+    ):
+        cached.cache_clear()
 
 
 def _run_spec(data: DataSpec, *, count: int, seed: int = 0) -> FederatedRunSpec:
@@ -529,6 +554,31 @@ def test_dataset_info_digits() -> None:
 
     # Assert
     assert info == ((1, 8, 8), 10)
+
+
+def test_dataset_info_refuses_more_clusters_than_classes() -> None:
+    # Prepare
+    data = DataSpec.model_validate({"clusters": {"count": 11}})
+    spec = _run_spec(data, count=11)
+
+    # Execute / Assert
+    with pytest.raises(ValueError, match=r"clusters\.count 11 exceeds the 10 classes"):
+        fd.dataset_info(spec)
+
+
+def test_root_shards_are_the_seeded_rows_of_the_train_split() -> None:
+    # Prepare
+    spec = _run_spec(DataSpec(), count=2, seed=3)
+    train, _ = fd.load_split(spec.data)
+    chosen = np.random.default_rng([3, 0x5007]).choice(len(train), size=50, replace=False)
+
+    # Execute
+    shards = fd.root_shards(spec, 50)
+
+    # Assert
+    assert [cluster for cluster, _ in shards] == [0]
+    np.testing.assert_array_equal(shards[0][1].x, train.x[chosen])
+    np.testing.assert_array_equal(shards[0][1].y, train.y[chosen])
 
 
 def test_data_exports_match_all() -> None:

