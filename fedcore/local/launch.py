@@ -75,8 +75,7 @@ class ExecRole:
     ) -> None:
         with log_path.open("wb") as log:
             self._process = subprocess.Popen(
-                [sys.executable, "-m", entry.module, *args],
-                preexec_fn=die_with_parent,
+                dying_with_parent([sys.executable, "-m", entry.module, *args]),
                 stdout=log,
                 stderr=subprocess.STDOUT,
                 stdin=subprocess.DEVNULL,
@@ -137,6 +136,26 @@ def start_role(
         multiprocessing.set_forkserver_preload([*PRELOAD, entry.main_module])
         return ForkedRole(entry, args, log_path, env)
     return ExecRole(entry, args, log_path, env)
+
+
+_DEATH_SHIM = (
+    "import ctypes, os, signal, sys; "
+    "ctypes.CDLL(None).prctl(1, signal.SIGTERM); "  # PR_SET_PDEATHSIG
+    "os.execv(sys.argv[1], sys.argv[1:])"
+)
+
+
+def dying_with_parent(argv: Sequence[str]) -> list[str]:
+    """``argv`` behind a shim that asks Linux to SIGTERM the process when its parent dies, then
+    execs ``argv`` in place (same PID); ``argv`` itself elsewhere.
+
+    A shim rather than ``preexec_fn``: Popen runs a ``preexec_fn`` between fork and exec, where
+    a parent with gRPC threads running (an embedding program, a test process) can have gRPC's
+    fork handlers abort the child. Without it, Popen starts the child with vfork.
+    """
+    if not sys.platform.startswith("linux"):
+        return list(argv)
+    return [sys.executable, "-I", "-S", "-c", _DEATH_SHIM, *argv]
 
 
 def die_with_parent() -> None:

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import base64
 import contextlib
-import ctypes
 import datetime as dt
 import http.client
 import ipaddress
@@ -25,6 +24,7 @@ import shutil
 import signal
 import ssl
 import subprocess
+import sys
 import tempfile
 import threading
 import time
@@ -240,12 +240,23 @@ def write_kubeconfig(path: Path, server: str, pki: Pki) -> None:
 # ---------------------------------------------------------------------------- processes
 
 
-_PRCTL = ctypes.CDLL(None).prctl  # resolved here: a forked child must not load libraries
+_DEATH_SHIM = (
+    "import ctypes, os, signal, sys; "
+    "ctypes.CDLL(None).prctl(1, signal.SIGKILL); "  # PR_SET_PDEATHSIG
+    "os.execvp(sys.argv[1], sys.argv[1:])"
+)
 
 
-def die_with_parent() -> None:
-    """preexec_fn: the child gets SIGKILL when the thread that started it dies."""
-    _PRCTL(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+def dying_with_parent(args: Sequence[str]) -> list[str]:
+    """``args`` behind a shim that asks for SIGKILL when the thread that started it dies, then
+    execs them (same PID).
+
+    A shim, not ``preexec_fn``: Popen runs a ``preexec_fn`` between fork and exec, and in a
+    test process where gRPC's poller threads run, gRPC's fork handlers can abort that child
+    (a control-plane component died so, with SIGABRT, in a full run). Without ``preexec_fn``
+    Popen starts the child with vfork, which runs no fork handlers.
+    """
+    return [sys.executable, "-I", "-S", "-c", _DEATH_SHIM, *args]
 
 
 @dataclass
@@ -379,12 +390,11 @@ class ControlPlane:
         log = logs / f"{name}.log"
         with log.open("ab") as out:
             process = subprocess.Popen(
-                args,
+                dying_with_parent(args),
                 stdin=subprocess.DEVNULL,
                 stdout=out,
                 stderr=subprocess.STDOUT,
                 cwd=self.workdir,
-                preexec_fn=die_with_parent,
             )
         component = Component(name, args, log, process)
         self.components.append(component)

@@ -65,7 +65,7 @@ from typing import Any, TypeVar
 import kubernetes
 from kubernetes.client.rest import ApiException
 
-from tests.kube.cluster import ControlPlane, die_with_parent, now_rfc3339, read_json
+from tests.kube.cluster import ControlPlane, dying_with_parent, now_rfc3339, read_json
 from tests.kube.dns import DnsServer, NoSuchName
 
 LOG = logging.getLogger("fedcore.tests.kubelet")
@@ -820,16 +820,15 @@ class _PodWorker(threading.Thread):
             log.flush()
             try:
                 process = subprocess.Popen(
-                    argv,
+                    # This worker thread outlives its processes; should pytest itself be
+                    # killed, they go with it instead of lingering on a shared machine.
+                    dying_with_parent(argv),
                     env=env,
                     cwd=cwd,
                     stdin=subprocess.DEVNULL,
                     stdout=log,
                     stderr=subprocess.STDOUT,
                     start_new_session=True,
-                    # This worker thread outlives its processes; should pytest itself be
-                    # killed, they go with it instead of lingering on a shared machine.
-                    preexec_fn=die_with_parent,
                 )
             except OSError as exc:
                 container.exit_code = 128
