@@ -117,11 +117,12 @@ def aggregation(repeats: int, clients: int = 10, size: int = 100 * MB) -> dict[s
         for k, u in enumerate(uploads)
     }
 
+    server = ModelAveragingServer(initial, weighting="ShardSize")
+    server.set_shard_sizes([100 + k for k in range(clients)])
+
     def checked_round() -> None:
         """What the server runs per round: each upload checked (shape, finiteness, examples,
         step norm), then the mean and the aggregate check."""
-        server = ModelAveragingServer(initial, weighting="ShardSize")
-        server.set_shard_sizes([100 + k for k in range(clients)])
         for k, payload in payloads.items():
             server.check_upload(1, k, payload)
         server.combine(1, payloads, failures=[])
@@ -266,7 +267,7 @@ def transport_once(
     """Returns a function that sends ``payload`` once over ``kind`` (connection set up inside)."""
     import grpc
 
-    from fedcore.transport import Limits, RpcClient, encode_chunks
+    from fedcore.transport import Identity, Limits, RpcClient, encode_chunks
 
     if kind in ("raw TCP socket", "raw TLS socket"):
         flat = b"".join(encode_chunks(payload, chunk_bytes=CHUNK))
@@ -308,6 +309,7 @@ def transport_once(
             client_bundle,
             service="Bench",
             limits=Limits(chunk_bytes=CHUNK),
+            peer=Identity("server"),
         ) as client:
             client.call("Sink", payload, timeout=600)
 

@@ -55,14 +55,29 @@ def step_norm(tensors: Weights, reference: Weights | None = None, *, scale: floa
     """The L2 norm of ``scale * (tensors - reference)`` (of ``scale * tensors`` without a
     reference) over the floating-point tensors, in float64, one tensor at a time."""
     total = 0.0
+    acc = np.empty(_BLOCK, dtype=np.float64)
+    other = np.empty(_BLOCK, dtype=np.float64)
     for name, value in tensors.items():
         if not np.issubdtype(value.dtype, np.floating):
             continue
-        flat = np.asarray(value, dtype=np.float64).reshape(-1)
-        if reference is not None:
-            flat = flat - np.asarray(reference[name], dtype=np.float64).reshape(-1)
-        total += float(np.dot(flat, flat))
+        flat = np.ascontiguousarray(value).reshape(-1)
+        ref = None if reference is None else np.ascontiguousarray(reference[name]).reshape(-1)
+        # Block by block in float64 scratch that stays in cache (as weighted_mean does): no
+        # whole-tensor float64 temporaries, each input read once.
+        for start in range(0, flat.size, _BLOCK):
+            stop = min(start + _BLOCK, flat.size)
+            a = acc[: stop - start]
+            np.copyto(a, flat[start:stop], casting="unsafe")
+            if ref is not None:
+                b = other[: stop - start]
+                np.copyto(b, ref[start:stop], casting="unsafe")
+                np.subtract(a, b, out=a)
+            total += float(np.dot(a, a))
     return abs(scale) * math.sqrt(total)
+
+
+_BLOCK = 1 << 15
+"""Elements per block of step_norm: 2 x 256 KiB of float64 scratch."""
 
 
 AGGREGATE_SLACK = 1e-6
