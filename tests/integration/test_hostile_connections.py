@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import re
 import threading
-import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -30,6 +29,7 @@ from fedcore.observe.events import read_events
 from fedcore.spec import load_manifest
 from fedcore.transport import Identity, Limits, Payload, RpcClient, TlsBundle
 from tests.integration._runs import ServerHold, write_manifest
+from tests.integration.test_local_run import wait_for_event
 
 pytestmark = pytest.mark.integration
 
@@ -78,22 +78,6 @@ class IdleStreams:
         self.channel.close()
 
 
-def wait_for(run: LocalRun, kind: str, **match: object) -> dict[str, Any]:
-    """Waits (bounded) for the server's first event of ``kind`` with the fields ``match``."""
-    deadline = time.monotonic() + WAIT
-    offset = 0
-    while time.monotonic() < deadline:
-        events, offset = read_events(run.events_path, offset)
-        for event in events:
-            if event["event"] == kind and all(event.get(k) == v for k, v in match.items()):
-                return event
-        server = run.children.get("server")
-        if server is not None and server.process.poll() is not None:
-            raise AssertionError(f"the server exited early:\n{server.tail()}")
-        time.sleep(0.05)
-    raise AssertionError(f"no {kind} event {match} within {WAIT} s")
-
-
 def events_of(run: LocalRun, kind: str) -> list[dict[str, Any]]:
     return [event for event in read_events(run.events_path, 0)[0] if event["event"] == kind]
 
@@ -119,8 +103,8 @@ def test_idle_streams_of_one_client_do_not_keep_the_others_out(tmp_path: Path) -
     try:
         run.start(on_event=attack_once_ready)
         idle: IdleStreams = attack["idle"]
-        first = wait_for(run, "connected", client=0)
-        second = wait_for(run, "connected", client=1)
+        first = wait_for_event(run, "connected", timeout=WAIT, client=0)
+        second = wait_for_event(run, "connected", timeout=WAIT, client=1)
         held_while_honest_connected = idle.open_count()
         idle.close()  # the insider stops; its own client process then gets its session
         result = run.wait()
@@ -155,8 +139,8 @@ def test_a_second_session_of_the_same_client_replaces_the_first(
     ended: list[Payload | None] = []
     try:
         run.start()
-        ready = wait_for(run, "ready")
-        wait_for(run, "held", round=1)
+        ready = wait_for_event(run, "ready", timeout=WAIT)
+        wait_for_event(run, "held", timeout=WAIT, round=1)
         insider = TlsBundle.load(tmp_path / "work" / "pki" / "client-1")
         with RpcClient(
             f"127.0.0.1:{ready['port']}", insider, service="Server", limits=Limits()

@@ -51,12 +51,12 @@ def _cold_cache(tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]:
     test depends on a warm machine cache, and none leaves entries in ~/.cache)."""
     with pytest.MonkeyPatch.context() as patch:
         patch.setenv(_cache.CACHE_ENV, str(tmp_path_factory.mktemp("data-cache")))
-        _forget()
+        forget_data_caches()
         yield
-    _forget()
+    forget_data_caches()
 
 
-def _forget() -> None:
+def forget_data_caches() -> None:
     """Drops this process's caches of sources, splits and partitions."""
     for cached in (
         _sources._stored,

@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 
 from fedcore.learning import data as fd
-from fedcore.learning.data import _cache, _partition, _sources
+from fedcore.learning.data import _cache, _sources
 from fedcore.spec import (
     ClientsSpec,
     DataSourceSpec,
@@ -26,6 +26,7 @@ from fedcore.spec import (
     PartitionSpec,
     ProtocolSpec,
 )
+from tests.unit.test_data import forget_data_caches as _forget
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -45,18 +46,6 @@ train, test = load_split(DataSpec(source=DataSourceSpec(kind=kind)))
 digest = hashlib.sha256(train.x.tobytes() + train.y.tobytes() + test.x.tobytes()).hexdigest()
 print(json.dumps({"parses": parse_count(), "digest": digest}))
 """
-
-
-def _forget() -> None:
-    """Drops this process's caches of sources, splits and partitions."""
-    for cached in (
-        _sources._stored,
-        _sources._split,
-        _sources._test_split,
-        _sources._load_split,
-        _partition._shards,
-    ):
-        cached.cache_clear()
 
 
 @pytest.fixture(autouse=True)
