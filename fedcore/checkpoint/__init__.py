@@ -1,5 +1,7 @@
 """Checkpoints: one format over pluggable object stores (a local folder, S3)."""
 
+from typing import TYPE_CHECKING, Any
+
 from fedcore.checkpoint._checkpointer import (
     Checkpointer,
     CheckpointInfo,
@@ -23,8 +25,20 @@ from fedcore.checkpoint._keys import (
 )
 from fedcore.checkpoint._objects import LocalObjectStore, ObjectStore
 from fedcore.checkpoint._open import KDC_FOLDER, kdc_checkpointer, open_store, server_checkpointer
-from fedcore.checkpoint._s3 import S3ObjectStore
 from fedcore.checkpoint._tensors import TensorFile, read_tensors
+
+if TYPE_CHECKING:
+    from fedcore.checkpoint._s3 import S3ObjectStore
+
+
+def __getattr__(name: str) -> Any:
+    """``S3ObjectStore`` is imported on first use: boto3 costs a role's start-up a quarter of a
+    second, and only runs that keep checkpoints in S3 need it."""
+    if name == "S3ObjectStore":
+        from fedcore.checkpoint._s3 import S3ObjectStore
+
+        return S3ObjectStore
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 __all__ = [
     "CHECKPOINT_KEY_ENV",

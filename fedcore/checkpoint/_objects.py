@@ -72,6 +72,15 @@ class ObjectStore(ABC):
         """Returns where ``key`` lives as one string (a path or an ``s3://`` URL)."""
         return f"{self.describe()}/{key}"
 
+    def check(self) -> None:
+        """Checks, before a run starts, that the store can be reached with its credentials;
+        a remote store overrides it (a local folder is created on first write).
+
+        Raises:
+            CheckpointError: naming the store and the reason.
+        """
+        return None
+
     @abstractmethod
     def child(self, name: str) -> ObjectStore:
         """Returns the store of the keys under ``name/`` (e.g. the KDC's ``kdc/``)."""

@@ -7,7 +7,6 @@ from pathlib import Path
 
 from fedcore.checkpoint._checkpointer import Checkpointer
 from fedcore.checkpoint._objects import LocalObjectStore, ObjectStore
-from fedcore.checkpoint._s3 import S3ObjectStore
 from fedcore.spec import CheckpointSpec
 
 KDC_FOLDER = "kdc"
@@ -31,6 +30,8 @@ def open_store(
     """
     if spec.s3 is not None:
         s3 = spec.s3
+        from fedcore.checkpoint._s3 import S3ObjectStore  # boto3: only runs that use S3
+
         return S3ObjectStore(
             s3.bucket,
             prefix=s3.prefix.replace("{name}", name),

@@ -345,6 +345,10 @@ def run(
     simulate: bool,
 ) -> None:
     """Runs MANIFEST on this machine: KDC, server and clients as processes over mutual TLS."""
+    if not simulate:
+        from fedcore.local.launch import warm_up
+
+        warm_up("exec" if spawn == "exec" else "fork")  # its imports overlap this process's
     from fedcore.cli.progress import RunProgress
     from fedcore.local.runner import LocalRun
     from fedcore.spec import load_manifest

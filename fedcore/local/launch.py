@@ -124,6 +124,18 @@ class ForkedRole:
         return code
 
 
+def warm_up(mode: SpawnMode, entry: RoleEntry = FEDCORE_ROLES) -> None:
+    """Starts the forkserver now, when roles will be forked from it (``mode`` fork): it
+    imports torch and fedcore (seconds) while the caller does its own work (reading the
+    manifest, issuing certificates), instead of when the first role is started. Idempotent."""
+    if mode != "fork":
+        return
+    from multiprocessing import forkserver
+
+    multiprocessing.set_forkserver_preload([*PRELOAD, entry.main_module])
+    forkserver.ensure_running()
+
+
 def start_role(
     mode: SpawnMode,
     entry: RoleEntry,

@@ -43,7 +43,14 @@ from fedcore.checkpoint import (
     ensure_key,
 )
 from fedcore.errors import RoleFailed, RunAborted
-from fedcore.local.launch import FEDCORE_ROLES, RoleEntry, RoleProcess, SpawnMode, start_role
+from fedcore.local.launch import (
+    FEDCORE_ROLES,
+    RoleEntry,
+    RoleProcess,
+    SpawnMode,
+    start_role,
+    warm_up,
+)
 from fedcore.local.ports import LOOPBACK, free_port
 from fedcore.local.threads import ROLE_THREADS
 from fedcore.observe.events import EventLog, read_events
@@ -192,6 +199,7 @@ class LocalRun:
         """How many events ``start`` handed to its callback (``wait`` does not repeat them)."""
         self._started = time.monotonic()
         self._started_wall = time.time()
+        warm_up(spawn, entry)
 
     # ------------------------------------------------------------------------- set-up
 

@@ -14,15 +14,18 @@ import functools
 import logging
 import math
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from fractions import Fraction
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
-import dp_accounting
 import numpy as np
-from dp_accounting import pld, rdp
-from dp_accounting.pld.privacy_loss_distribution import PrivacyLossDistribution as _Pld
 
+if TYPE_CHECKING:
+    import dp_accounting
+    from dp_accounting.pld.privacy_loss_distribution import PrivacyLossDistribution as _Pld
+
+# dp-accounting (and the SciPy under it, 2 s of a process's start-up) is imported where an
+# epsilon is computed, not with this module: a client role never needs it.
 # dp-accounting logs a warning for every RDP order it cannot evaluate; they are excluded from
 # the minimum, which is the documented behaviour, so the noise is dropped.
 logging.getLogger("absl").setLevel(logging.ERROR)
@@ -147,6 +150,8 @@ def _check(noise_multiplier: float, sample_rate: float, steps: int) -> None:
 def _event(
     noise_multiplier: float, sample_rate: float, steps: int, sampling: Sampling = "poisson"
 ) -> dp_accounting.DpEvent:
+    import dp_accounting
+
     gaussian = dp_accounting.GaussianDpEvent(noise_multiplier)
     one: dp_accounting.DpEvent
     if sample_rate == 1:
@@ -165,6 +170,8 @@ def _event(
 
 def _relation(sampling: Sampling) -> dp_accounting.NeighboringRelation:
     """The neighbouring relation a sampling scheme's amplification holds under."""
+    import dp_accounting
+
     if sampling == "poisson":
         return dp_accounting.NeighboringRelation.ADD_OR_REMOVE_ONE
     return dp_accounting.NeighboringRelation.REPLACE_ONE
@@ -173,10 +180,12 @@ def _relation(sampling: Sampling) -> dp_accounting.NeighboringRelation:
 class _DpAccountingAccountant(Accountant):
     """Composes the history with one of dp-accounting's accountants (``_library``)."""
 
-    _library: Callable[..., dp_accounting.PrivacyAccountant]
+    @abstractmethod
+    def _library(self) -> dp_accounting.PrivacyAccountant:
+        """A fresh dp-accounting accountant of this kind, for this sampling's adjacency."""
 
     def _epsilon(self, history: History, delta: float) -> float:
-        accountant = self._library(neighboring_relation=_relation(self.sampling))
+        accountant = self._library()
         for z, q, n in history:
             accountant.compose(_event(z, q, n, self.sampling))
         return float(accountant.get_epsilon(delta))
@@ -193,26 +202,38 @@ class RdpAccountant(_DpAccountingAccountant):
     replacement is composed the same way, from dp-accounting's replace-one curve.
     """
 
-    _library = rdp.RdpAccountant
+    def _library(self) -> dp_accounting.PrivacyAccountant:
+        from dp_accounting import rdp
+
+        return rdp.RdpAccountant(neighboring_relation=_relation(self.sampling))
 
     @classmethod
     def mechanism(cls) -> str:
         return "RDP"
 
     def _epsilon(self, history: History, delta: float) -> float:
-        total = np.zeros_like(_RDP_ORDERS)
+        from dp_accounting import rdp
+
+        orders = _rdp_orders()
+        total = np.zeros_like(orders)
         for z, q, n in history:
             total += n * _rdp_round(z, q, self.sampling)
-        return float(rdp.rdp_privacy_accountant.compute_epsilon(_RDP_ORDERS, total, delta)[0])
+        return float(rdp.rdp_privacy_accountant.compute_epsilon(orders, total, delta)[0])
 
 
-_RDP_ORDERS = rdp.RdpAccountant().orders
-"""The orders dp-accounting's RDP accountant evaluates (its defaults)."""
+@functools.cache
+def _rdp_orders() -> Any:
+    """The orders dp-accounting's RDP accountant evaluates (its defaults)."""
+    from dp_accounting import rdp
+
+    return rdp.RdpAccountant().orders
 
 
 @functools.lru_cache(maxsize=64)
 def _rdp_round(noise_multiplier: float, sample_rate: float, sampling: Sampling) -> np.ndarray:
     """One round's RDP at every order, as dp-accounting composes it (read-only, cached)."""
+    from dp_accounting import rdp
+
     accountant = rdp.RdpAccountant(neighboring_relation=_relation(sampling))
     accountant.compose(_event(noise_multiplier, sample_rate, 1, sampling))
     curve = accountant.rdp
@@ -246,9 +267,13 @@ class PldAccountant(_DpAccountingAccountant):
     sampled and full-participation rounds goes through the library unchanged.
     """
 
-    _library = functools.partial(
-        pld.PLDAccountant, value_discretization_interval=PLD_DISCRETIZATION
-    )
+    def _library(self) -> dp_accounting.PrivacyAccountant:
+        from dp_accounting import pld
+
+        return pld.PLDAccountant(
+            neighboring_relation=_relation(self.sampling),
+            value_discretization_interval=PLD_DISCRETIZATION,
+        )
 
     def __init__(self, sampling: Sampling = "poisson") -> None:
         if sampling == "without-replacement":
@@ -267,6 +292,8 @@ class PldAccountant(_DpAccountingAccountant):
             return gaussian_epsilon(history, delta)
         if any(q == 1 for _, q, _ in history):
             return super()._epsilon(history, delta)
+        from dp_accounting import pld
+
         total = pld.privacy_loss_distribution.identity(
             value_discretization_interval=PLD_DISCRETIZATION
         )
@@ -286,6 +313,8 @@ def gaussian_epsilon(history: History, delta: float) -> float:
     """
     if any(q != 1 for _, q, _ in history):
         raise ValueError("Only unsampled (rate 1) Gaussian rounds compose into one Gaussian.")
+    import dp_accounting
+
     precision = math.fsum(n / z**2 for z, _, n in history)
     return float(dp_accounting.get_epsilon_gaussian(1 / math.sqrt(precision), delta))
 
@@ -294,6 +323,9 @@ def gaussian_epsilon(history: History, delta: float) -> float:
 def _pld_round(noise_multiplier: float, sample_rate: float) -> _Pld:
     """One Poisson-sampled Gaussian round's PLD, as dp-accounting builds it (cached; PLDs are
     immutable: composing makes new ones)."""
+    import dp_accounting
+    from dp_accounting import pld
+
     return pld.privacy_loss_distribution.from_gaussian_mechanism(
         standard_deviation=noise_multiplier,
         value_discretization_interval=PLD_DISCRETIZATION,

@@ -25,7 +25,6 @@ from typing import Any
 from fedcore.checkpoint import (
     Checkpointer,
     CheckpointRefused,
-    S3ObjectStore,
     kdc_checkpointer,
     kdc_state_key,
     split_tensors,
@@ -153,8 +152,7 @@ class Kdc:
         if checkpointer is None:
             return
         try:
-            if isinstance(checkpointer.store, S3ObjectStore):
-                checkpointer.store.check()
+            checkpointer.store.check()
             found = checkpointer.load_latest() if self.resume else None
             existing = checkpointer.rounds()
         except CheckpointRefused as exc:

@@ -20,7 +20,6 @@ from safetensors.numpy import save_file
 
 from fedcore.checkpoint import (
     Checkpointer,
-    S3ObjectStore,
     server_checkpoint_key,
     server_checkpointer,
 )
@@ -601,7 +600,7 @@ class Server:
     def _check_store(self) -> None:
         """Fails the run before round 1 when the checkpoint store cannot be used."""
         store = None if self.checkpointer is None else self.checkpointer.store
-        if isinstance(store, S3ObjectStore):
+        if store is not None:
             try:
                 store.check()
             except CheckpointError as exc:

@@ -8,6 +8,8 @@ from typing import Literal
 
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from sklearn.datasets import load_digits
 from sklearn.model_selection import train_test_split
 
@@ -174,6 +176,29 @@ def test_load_split_digits_matches_train_test_split_exactly() -> None:
     np.testing.assert_array_equal(train.y, y_train)
     np.testing.assert_array_equal(test.x, x_test)
     np.testing.assert_array_equal(test.y, y_test)
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    rows=st.integers(min_value=2, max_value=5000),
+    fraction=st.floats(min_value=0.001, max_value=0.999),
+    seed=st.integers(min_value=0, max_value=2**32 - 1),
+)
+def test_shuffle_split_gives_train_test_splits_rows(rows: int, fraction: float, seed: int) -> None:
+    # Prepare
+    every = np.arange(rows, dtype=np.int64)
+    if rows - int(np.ceil(fraction * rows)) == 0:
+        with pytest.raises(ValueError):
+            train_test_split(every, test_size=fraction, random_state=seed)
+        return
+    expected_train, expected_test = train_test_split(every, test_size=fraction, random_state=seed)
+
+    # Execute
+    train, test = _sources.shuffle_split(rows, fraction, seed)
+
+    # Assert
+    np.testing.assert_array_equal(train, expected_train)
+    np.testing.assert_array_equal(test, expected_test)
 
 
 def test_load_split_cached_arrays_are_read_only() -> None:

