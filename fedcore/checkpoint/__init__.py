@@ -40,6 +40,7 @@ def __getattr__(name: str) -> Any:
         return S3ObjectStore
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
+
 __all__ = [
     "CHECKPOINT_KEY_ENV",
     "CHECKPOINT_KEY_NAME",

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
 import logging
 import math
@@ -29,22 +30,22 @@ from fedcore.local.threads import ROLE_THREADS
 
 stderr = Console(stderr=True)
 
-ROLE_OPTIONS = [
-    click.option(
+ROLE_OPTIONS = {
+    "manifest": click.option(
         "--manifest",
         type=click.Path(exists=True, dir_okay=False, path_type=Path),
         required=True,
         envvar="FEDCORE_MANIFEST",
         help="The FederatedRun manifest file.",
     ),
-    click.option(
+    "tls-dir": click.option(
         "--tls-dir",
         type=click.Path(file_okay=False, path_type=Path),
         required=True,
         envvar="FEDCORE_TLS_DIR",
         help="The folder holding this role's ca.crt, tls.crt and tls.key.",
     ),
-    click.option(
+    "workdir": click.option(
         "--workdir",
         type=click.Path(file_okay=False, path_type=Path),
         default=Path("."),
@@ -52,27 +53,27 @@ ROLE_OPTIONS = [
         show_default=True,
         help="The run's folder for checkpoints and the final model.",
     ),
-    click.option(
+    "metrics-port": click.option(
         "--metrics-port",
         type=click.IntRange(0, 65535),
         default=0,
         envvar="FEDCORE_METRICS_PORT",
         help="Serve Prometheus /metrics on this port (0: do not serve).",
     ),
-    click.option(
+    "metrics-address": click.option(
         "--metrics-address",
         default="127.0.0.1",
         envvar="FEDCORE_METRICS_ADDRESS",
         show_default=True,
         help="The address /metrics binds to.",
     ),
-    click.option(
+    "events": click.option(
         "--events",
         type=click.Path(dir_okay=False, path_type=Path),
         default=None,
         help="Append progress events as JSON lines to this file.",
     ),
-    click.option(
+    "threads": click.option(
         "--threads",
         type=click.IntRange(1, 1024),
         default=1,
@@ -80,20 +81,21 @@ ROLE_OPTIONS = [
         show_default=True,
         help="Torch threads in this process.",
     ),
-    click.option(
+    "log-level": click.option(
         "--log-level",
         type=click.Choice(["DEBUG", "INFO", "WARNING", "ERROR"]),
         default="INFO",
         show_default=True,
         help="How much the role logs.",
     ),
-]
+}
 
 
-def role_options(func: Any) -> Any:
-    """Adds the options every role command shares."""
-    for option in reversed(ROLE_OPTIONS):
-        func = option(func)
+def role_options(func: Any, *, without: tuple[str, ...] = ()) -> Any:
+    """Adds the options every role command shares (but those named in ``without``)."""
+    for name, option in reversed(ROLE_OPTIONS.items()):
+        if name not in without:
+            func = option(func)
     return func
 
 
@@ -328,6 +330,14 @@ def json_safe(value: Any) -> Any:
     "`python -m fedcore <role>` command, as in a pod.",
 )
 @click.option(
+    "--clients-per-process",
+    default="auto",
+    show_default=True,
+    metavar="N|auto",
+    help="Clients that share one process (a thread each, each with its own key, data and "
+    "metrics). auto: one each up to 8 clients per core, then about 2 processes per core.",
+)
+@click.option(
     "--simulate",
     is_flag=True,
     help="Run the protocol's maths in this one process (no network, no roles, no "
@@ -342,6 +352,7 @@ def run(
     threads: int,
     quiet: bool,
     spawn: str,
+    clients_per_process: str,
     simulate: bool,
 ) -> None:
     """Runs MANIFEST on this machine: KDC, server and clients as processes over mutual TLS."""
@@ -384,6 +395,7 @@ def run(
         metrics=not no_metrics,
         threads=threads,
         spawn="exec" if spawn == "exec" else "fork",
+        clients_per_process=_per_process(clients_per_process),
     )
     signal.signal(signal.SIGTERM, _raise_interrupt)
     progress = RunProgress(stderr, spec_run, enabled=not quiet)
@@ -520,6 +532,17 @@ def audit(
     stderr.print(escape(f"Report: {report.markdown}"), highlight=False, soft_wrap=True)
 
 
+def _per_process(value: str) -> int | None:
+    """``--clients-per-process``: a positive count, or None for auto."""
+    if value == "auto":
+        return None
+    if not value.isdigit() or int(value) < 1:
+        raise click.BadParameter(
+            f"{value!r} is neither a positive number nor auto.", param_hint="--clients-per-process"
+        )
+    return int(value)
+
+
 def _raise_interrupt(*_: Any) -> None:
     raise KeyboardInterrupt
 
@@ -633,6 +656,75 @@ def client(
             server=server_address,
             kdc=kdc_address,
             peers=peers,
+        )
+
+
+def _member(text: str) -> Any:
+    """Parses ``INDEX`` or ``INDEX:METRICS_PORT`` of ``fedcore clients --member``."""
+    from fedcore.roles.client_group import Member
+
+    index, _, port = text.partition(":")
+    if not index.isdigit() or (port and not port.isdigit()) or int(port or 0) > 65535:
+        raise click.BadParameter(
+            f"{text!r} is not INDEX or INDEX:METRICS_PORT.", param_hint="--member"
+        )
+    return Member(int(index), int(port or 0))
+
+
+@main.command()
+@functools.partial(role_options, without=("tls-dir", "metrics-port", "events"))
+@click.option(
+    "--tls-dir",
+    required=True,
+    envvar="FEDCORE_TLS_DIR",
+    help="Each client's bundle folder, with {index} (e.g. pki/client-{index}).",
+)
+@click.option(
+    "--member",
+    "members",
+    multiple=True,
+    required=True,
+    metavar="INDEX[:METRICS_PORT]",
+    help="A client of this process, and where it serves /metrics (repeat per client).",
+)
+@click.option(
+    "--server",
+    "server_address",
+    required=True,
+    envvar="FEDCORE_SERVER",
+    help="host:port of the server.",
+)
+@click.option(
+    "--kdc",
+    "kdc_address",
+    default=None,
+    envvar="FEDCORE_KDC",
+    help="host:port of the KDC, for protocols that need one.",
+)
+def clients(
+    tls_dir: str,
+    members: tuple[str, ...],
+    server_address: str,
+    kdc_address: str | None,
+    **options: Any,
+) -> None:
+    """Runs several client roles of one run in this process, a thread each, each with its own
+    key, certificate, data and metrics (fedcore run uses it for many clients on few cores)."""
+    from fedcore.roles import RoleConfig
+    from fedcore.roles._common import configure_logging
+    from fedcore.roles.client_group import run_client_group
+
+    configure_logging("%(threadName)s", options["log_level"])
+    with role_errors("clients"):
+        config = RoleConfig(
+            manifest=options["manifest"],
+            tls_dir=Path(tls_dir),
+            workdir=options["workdir"],
+            metrics_address=options["metrics_address"],
+            threads=options["threads"],
+        )
+        run_client_group(
+            config, [_member(item) for item in members], server=server_address, kdc=kdc_address
         )
 
 

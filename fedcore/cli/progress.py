@@ -31,7 +31,9 @@ def phase_text(event: dict[str, Any]) -> str | None:
             return "starting the server (model, held-out data)"
         if phase == "clients":
             clients = event.get("clients", "?")
-            return f"starting {clients} clients (each loads its data): 0/{clients} connected"
+            processes = event.get("processes", clients)
+            where = "" if processes == clients else f" in {processes} processes"
+            return f"starting {clients} clients{where} (each loads its data): 0/{clients} connected"
         return f"starting: {phase}"
     if kind == "connected":
         return (

@@ -43,6 +43,7 @@ from fedcore.checkpoint import (
     ensure_key,
 )
 from fedcore.errors import RoleFailed, RunAborted
+from fedcore.local import groups
 from fedcore.local.launch import (
     FEDCORE_ROLES,
     RoleEntry,
@@ -163,6 +164,8 @@ class LocalRun:
         threads: torch threads per role process.
         spawn: ``fork`` roles from a warm forkserver (fast) or ``exec`` each as a command.
         entry: what a role process runs (default: the ``fedcore`` command's roles).
+        clients_per_process: clients that share one process (``fedcore clients``); None: as
+            ``fedcore.local.groups.clients_per_process`` decides (1 for small runs).
     """
 
     def __init__(
@@ -176,6 +179,7 @@ class LocalRun:
         threads: int = ROLE_THREADS,
         spawn: SpawnMode = "fork",
         entry: RoleEntry = FEDCORE_ROLES,
+        clients_per_process: int | None = None,
     ) -> None:
         self.run = run
         self.manifest = manifest
@@ -185,6 +189,19 @@ class LocalRun:
         self.threads = threads
         self.spawn: SpawnMode = spawn
         self.entry = entry
+        decentralized = protocol_facts(run.spec.protocol.name).decentralized
+        if clients_per_process is None:
+            clients_per_process = groups.clients_per_process(
+                run.spec.clients.count, decentralized=decentralized
+            )
+        elif clients_per_process > 1 and decentralized:
+            raise RunAborted(
+                f"Protocol {run.spec.protocol.name!r} is decentralized: each client serves "
+                f"peer links in a process of its own, so --clients-per-process must be 1.",
+                reason="InvalidOptions",
+            )
+        self.client_groups = groups.client_groups(run.spec.clients.count, clients_per_process)
+        """The clients of each client process (one each, unless grouped)."""
         self.children: dict[str, Child] = {}
         self.events_path = workdir / "events.jsonl"
         self.kdc_events_path = workdir / "kdc-events.jsonl"
@@ -340,14 +357,42 @@ class LocalRun:
         self._ports["server"], _ = self._wait_ready(server, self.events_path)
         server_address = f"{LOOPBACK}:{self._ports['server']}"
         peers = peer_arguments(spec) if protocol_facts(spec.protocol.name).decentralized else {}
-        self._announce(on_event, "clients", clients=spec.clients.count)
-        for index in range(spec.clients.count):
-            args, port = self._role_args("client", f"client-{index}", None)
-            args += ["--index", str(index), "--server", server_address]
+        self._announce(
+            on_event, "clients", clients=spec.clients.count, processes=len(self.client_groups)
+        )
+        for group in self.client_groups:
+            if len(group) == 1:
+                (index,) = group
+                args, port = self._role_args("client", f"client-{index}", None)
+                args += ["--index", str(index), "--server", server_address]
+                args += peers.get(index, [])
+            else:
+                args, port = self._group_args(group)
+                args += ["--server", server_address]
             if kdc_address:
                 args += ["--kdc", kdc_address]
-            args += peers.get(index, [])
-            self._spawn(f"client-{index}", args, port)
+            self._spawn(groups.group_name(group), args, port)
+
+    def _group_args(self, group: list[int]) -> tuple[list[str], int]:
+        """``fedcore clients`` arguments for ``group``: each member's bundle and metrics port
+        (recorded in ``metrics_ports`` under ``client-<i>``); the group's own port is 0."""
+        args = [
+            "clients",
+            "--manifest",
+            str(self.workdir / "manifest.yaml"),
+            "--tls-dir",
+            str(self.workdir / "pki" / "client-{index}"),
+            "--workdir",
+            str(self.workdir),
+            "--threads",
+            str(self.threads),
+        ]
+        for index in group:
+            port = free_port() if self.metrics else 0
+            if port:
+                self.metrics_ports[f"client-{index}"] = port
+            args += ["--member", f"{index}:{port}"]
+        return args, 0
 
     # ------------------------------------------------------------------------ running
 
@@ -398,7 +443,7 @@ class LocalRun:
             RoleFailed: a client process ended with a non-zero exit code.
         """
         for name, child in self.children.items():
-            if not name.startswith("client-"):
+            if not name.startswith("client"):  # client-3, clients-0-24
                 continue
             code = child.process.poll()
             if code is not None and code != 0:
@@ -458,7 +503,7 @@ class LocalRun:
         """Waits up to ``timeout`` seconds for the clients to exit on their own."""
         deadline = time.monotonic() + timeout
         for name, child in self.children.items():
-            if name.startswith("client-"):
+            if name.startswith("client"):
                 with contextlib.suppress(subprocess.TimeoutExpired):
                     child.process.wait(max(0.0, deadline - time.monotonic()))
 

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import random
 import time
+from contextlib import AbstractContextManager
 from typing import Any
 
 from fedcore.errors import FedcoreError
@@ -51,6 +53,10 @@ class Client:
         server: ``host:port`` of the server.
         kdc: ``host:port`` of the KDC, for protocols that need one.
         peers: where to serve and find peer links (decentralized protocols only).
+        compute_lock: held while the model is built and while an upload is computed. Clients
+            that share a process (``run_client_group``) share one, so that torch's global
+            state (its RNG, forked and reseeded per training call) is never used by two at
+            once: each computes exactly what it would in a process of its own.
     """
 
     def __init__(
@@ -63,6 +69,7 @@ class Client:
         server: str,
         kdc: str | None = None,
         peers: PeerSettings | None = None,
+        compute_lock: AbstractContextManager[Any] | None = None,
     ) -> None:
         spec = run.spec
         if not 0 <= index < spec.clients.count:
@@ -80,13 +87,20 @@ class Client:
         self.index = index
         self.overflow = attack_of(spec, index) == "Overflow"
         self.config = config
+        self.compute_lock = compute_lock or contextlib.nullcontext()
         self.metrics = RoleMetrics(run.metadata.name, "client")
-        data = client_dataset(spec, index)
         device = choose_device(spec.roles.clients)
-        model = build_model(spec.model, data.input_shape, data.num_classes, seed=spec.seed)
-        self.learner = LocalLearner(
-            model.to(device), data, spec.training, seed=spec.seed, client_index=index, device=device
-        )
+        with self.compute_lock:
+            data = client_dataset(spec, index)
+            model = build_model(spec.model, data.input_shape, data.num_classes, seed=spec.seed)
+            self.learner = LocalLearner(
+                model.to(device),
+                data,
+                spec.training,
+                seed=spec.seed,
+                client_index=index,
+                device=device,
+            )
         self.protocol: ClientProtocol = create_protocol(spec.protocol.name).create_client(
             spec, index
         )
@@ -143,7 +157,8 @@ class Client:
         self.protocol.setup(None if self.kdc is None else RpcKeyChannel(self.kdc))
         if self.duties is not None:
             self.duties.start()
-        delays = self.retry.delays(random.Random())
+        jitter = random.Random()  # seeded from the OS once: a seed costs a read of urandom
+        delays = self.retry.delays(jitter)
         last = (0, 0)
         rounds = 0
         try:
@@ -157,7 +172,7 @@ class Client:
                         message = session.receive()
                         if message is None:
                             break
-                        delays = self.retry.delays(random.Random())  # connected: reset backoff
+                        delays = self.retry.delays(jitter)  # connected: reset backoff
                         kind = message.meta.get("kind")
                         if kind == "done":
                             return {"index": self.index, "rounds": rounds}
@@ -203,7 +218,7 @@ class Client:
             )
         if self.duties is not None:
             self.duties.before(round_, instruction)
-        with self.metrics.round_duration.time():
+        with self.compute_lock, self.metrics.round_duration.time():
             upload = self.protocol.compute_upload(round_, instruction, self.learner, keys)
         if self.overflow:  # an experiment's attacker (spec.attack Overflow)
             upload = overflow_upload(upload)

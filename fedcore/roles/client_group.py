@@ -1,0 +1,128 @@
+"""Several client roles in one process: a thread per client, each with its own identity.
+
+One process per client is what a pod is, and what ``fedcore run`` does for small runs. With
+hundreds of clients on a few cores, a process each costs every client an interpreter's memory
+and the machine a context switch per client and round. A client group runs many clients in one
+process instead (``fedcore clients``, chosen by ``fedcore.local.groups``), and keeps what makes
+each one a participant of its own: its TLS key and certificate (so the server authenticates
+each as itself), its data shard, model, learner, protocol state, sessions and metrics
+endpoint. What they share is the interpreter, the loaded manifest and torch's thread pool.
+
+Clients of a group compute one at a time (one lock, ``Client(compute_lock=...)``): torch's RNG
+is global to a process, and a client forks and reseeds it for every training call, so two
+clients training at once could draw from each other's stream. Under the lock each client
+computes exactly what it would in its own process (tested bit for bit); the GIL would have
+serialized most of that Python-bound work anyway.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Any
+
+from fedcore.errors import FedcoreError
+from fedcore.local.threads import limit_threads
+from fedcore.roles._common import RoleConfig
+from fedcore.roles.client import Client
+from fedcore.spec import load_manifest, protocol_facts
+from fedcore.transport import TlsBundle
+
+log = logging.getLogger(__name__)
+
+INDEX_FIELD = "{index}"
+"""What ``--tls-dir`` of a group names each client's bundle folder by (``pki/client-{index}``)."""
+
+
+@dataclass(frozen=True)
+class Member:
+    """One client of a group: its index and where its /metrics is served (0: not served)."""
+
+    index: int
+    metrics_port: int = 0
+
+
+class ClientGroupFailed(FedcoreError):
+    """Some clients of a group ended with an error (each was logged when it happened)."""
+
+
+def member_tls_dir(template: Path, index: int) -> Path:
+    """The bundle folder of client ``index``: ``template`` with ``{index}`` filled in.
+
+    Raises:
+        FedcoreError: the template names no ``{index}`` (every client would share one key).
+    """
+    text = str(template)
+    if INDEX_FIELD not in text:
+        raise FedcoreError(
+            f"--tls-dir {text!r} of a client group must contain {INDEX_FIELD}: each client "
+            f"has its own key and certificate (e.g. pki/client-{INDEX_FIELD})."
+        )
+    return Path(text.replace(INDEX_FIELD, str(index)))
+
+
+def run_client_group(
+    config: RoleConfig,
+    members: list[Member],
+    *,
+    server: str,
+    kdc: str | None,
+) -> dict[int, dict[str, Any]]:
+    """The ``fedcore clients`` entry point: runs ``members`` as clients of one run, each in its
+    own thread, until every one has ended; returns each one's summary.
+
+    ``config.tls_dir`` is a template with ``{index}``; ``config.metrics_port`` is unused (each
+    member names its own).
+
+    Raises:
+        FedcoreError: the group is empty, names a client twice, or the protocol is
+            decentralized (its clients serve peer links: one process each).
+        ClientGroupFailed: at least one client ended with an error.
+    """
+    indexes = [member.index for member in members]
+    if not indexes or len(set(indexes)) != len(indexes):
+        raise FedcoreError(f"A client group needs distinct client indexes, got {indexes}.")
+    run = load_manifest(config.manifest)
+    if protocol_facts(run.spec.protocol.name).decentralized:
+        raise FedcoreError(
+            f"Protocol {run.spec.protocol.name!r} is decentralized: its clients serve peer "
+            f"links, so each runs in a process of its own (fedcore client)."
+        )
+    limit_threads(config.threads)
+    lock = threading.Lock()
+    clients = []
+    for member in members:
+        own = replace(
+            config,
+            tls_dir=member_tls_dir(config.tls_dir, member.index),
+            metrics_port=member.metrics_port,
+        )
+        tls = TlsBundle.load(own.tls_dir)
+        clients.append(
+            Client(run, own, tls, index=member.index, server=server, kdc=kdc, compute_lock=lock)
+        )
+    results: dict[int, dict[str, Any]] = {}
+    failures: dict[int, BaseException] = {}
+
+    def serve(client: Client) -> None:
+        try:
+            results[client.index] = client.serve()
+        except BaseException as exc:  # reported for this client; the others go on
+            failures[client.index] = exc
+            log.debug("Traceback of client %d's failure:", client.index, exc_info=True)
+            log.error("Client %d ended: %s: %s", client.index, type(exc).__name__, exc)
+
+    threads = [
+        threading.Thread(target=serve, args=(client,), name=f"client-{client.index}")
+        for client in clients
+    ]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    if failures:
+        named = ", ".join(f"client {index}" for index in sorted(failures))
+        raise ClientGroupFailed(f"{len(failures)} of {len(members)} clients failed: {named}.")
+    return results

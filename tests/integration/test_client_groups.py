@@ -1,0 +1,91 @@
+"""Several clients per process (``fedcore run --clients-per-process``): real processes, real
+mutual TLS, each client still authenticated as itself, the same model bit for bit."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+from safetensors.numpy import load_file
+
+from fedcore.simulation import simulate
+from fedcore.spec import load_manifest
+from tests.integration._runs import fedcore, last_json, write_manifest
+
+pytestmark = pytest.mark.integration
+
+CLIENTS = 6
+
+
+def _run(folder: Path, manifest: Path, per_process: str, cache: Path) -> dict[str, Any]:
+    done = fedcore(
+        "run",
+        str(manifest),
+        "--json",
+        "--quiet",
+        "--clients-per-process",
+        per_process,
+        "--workdir",
+        str(folder),
+        cwd=folder.parent,
+        env={"FEDCORE_CACHE_DIR": str(cache)},
+    )
+    assert done.returncode == 0, done.stderr
+    return {"summary": last_json(done.stdout), "folder": folder}
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    """The same 6-client job run with 3 clients per process and with a process per client,
+    each with a data cache of its own that starts empty."""
+    base = tmp_path_factory.mktemp("groups")
+    manifest = write_manifest(
+        base / "run.yaml", clients={"count": CLIENTS}, rounds=3, checkpoint={"everyRounds": 0}
+    )
+    return {
+        "manifest": manifest,
+        "grouped": _run(base / "grouped", manifest, "3", base / "cache-grouped"),
+        "single": _run(base / "single", manifest, "1", base / "cache-single"),
+    }
+
+
+def _logs(folder: Path) -> dict[str, str]:
+    return {path.name: path.read_text() for path in sorted((folder / "logs").glob("*.log"))}
+
+
+def test_grouped_clients_give_the_model_of_a_process_per_client_bit_for_bit(runs: dict) -> None:
+    # Execute
+    grouped = load_file(str(runs["grouped"]["folder"] / "model.safetensors"))
+    single = load_file(str(runs["single"]["folder"] / "model.safetensors"))
+    simulated = simulate(load_manifest(runs["manifest"])).weights
+
+    # Assert
+    assert runs["grouped"]["summary"]["phase"] == "Succeeded"
+    assert sorted(grouped) == sorted(single) == sorted(simulated)
+    for name in grouped:
+        assert np.array_equal(grouped[name], single[name]), name
+        assert np.array_equal(grouped[name], simulated[name]), name
+
+
+def test_two_processes_run_the_six_clients_each_authenticated_as_itself(runs: dict) -> None:
+    # Execute
+    logs = _logs(runs["grouped"]["folder"])
+
+    # Assert: one log per client process, and the server met every client by its certificate
+    assert sorted(logs) == ["clients-0-2.log", "clients-3-5.log", "server.log"]
+    connected = re.findall(r"Client (\d+) connected\.", logs["server.log"])
+    assert sorted(map(int, connected)) == list(range(CLIENTS))
+
+
+@pytest.mark.parametrize("mode", ["grouped", "single"])
+def test_the_data_source_is_parsed_once_however_many_processes_start(runs: dict, mode: str) -> None:
+    # Execute: every role logs the parse it did (a cache miss); the others read the cache
+    logs = _logs(runs[mode]["folder"])
+    parses = sum(text.count("Parsed the data source") for text in logs.values())
+
+    # Assert
+    assert len(logs) == (3 if mode == "grouped" else CLIENTS + 1)
+    assert parses == 1

@@ -1,0 +1,116 @@
+"""Tests of how the local runner spreads clients over processes (fedcore.local.groups) and of
+what a client group refuses (fedcore.roles.client_group); pure logic, no processes."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from fedcore.errors import FedcoreError, RunAborted
+from fedcore.local import groups
+from fedcore.local.runner import LocalRun
+from fedcore.roles.client_group import member_tls_dir
+from fedcore.spec import load_manifest
+
+MANIFEST = """\
+apiVersion: fedcore.dev/v1alpha1
+kind: FederatedRun
+metadata:
+  name: groups-test
+spec:
+  protocol:
+    name: {protocol}
+  model:
+    kind: MLP
+    hidden: [8]
+  data:
+    source:
+      kind: Digits
+  clients:
+    count: {count}
+  rounds: 1
+"""
+
+
+@given(clients=st.integers(0, 2000), per_process=st.integers(1, 300))
+def test_groups_cover_every_client_once_in_order_and_evenly(clients: int, per_process: int) -> None:
+    # Execute
+    found = groups.client_groups(clients, per_process)
+
+    # Assert
+    assert [index for group in found for index in group] == list(range(clients))
+    assert all(1 <= len(group) <= per_process for group in found)
+    if found:
+        sizes = {len(group) for group in found}
+        assert max(sizes) - min(sizes) <= 1
+        assert len(found) == -(-clients // per_process)  # as few processes as the cap allows
+
+
+def test_groups_refuse_a_count_below_one() -> None:
+    with pytest.raises(ValueError, match="at least 1"):
+        groups.client_groups(10, 0)
+
+
+@pytest.mark.parametrize(
+    ("clients", "cores", "decentralized", "expected"),
+    [
+        (10, 2, False, 1),  # the quickstart: a process per client
+        (16, 2, False, 1),  # 8 per core still pays
+        (17, 2, False, 5),  # beyond: 2 processes per core, 4 of them
+        (50, 2, False, 13),
+        (200, 2, False, 50),
+        (200, 16, False, 7),
+        (200, 2, True, 1),  # peer links: a process each, always
+    ],
+)
+def test_auto_clients_per_process(
+    clients: int, cores: int, decentralized: bool, expected: int
+) -> None:
+    assert groups.clients_per_process(clients, cores=cores, decentralized=decentralized) == expected
+
+
+def test_group_names_say_which_clients_a_process_runs() -> None:
+    assert groups.group_name([3]) == "client-3"
+    assert groups.group_name([0, 1, 2]) == "clients-0-2"
+
+
+def test_member_bundle_folder_fills_in_the_index() -> None:
+    assert member_tls_dir(Path("pki/client-{index}"), 7) == Path("pki/client-7")
+
+
+def test_member_bundle_folder_without_an_index_is_refused() -> None:
+    # Every client of the group would otherwise present one shared key.
+    with pytest.raises(FedcoreError, match=r"must contain \{index\}"):
+        member_tls_dir(Path("pki/client-0"), 7)
+
+
+def test_decentralized_run_refuses_clients_sharing_a_process(tmp_path: Path) -> None:
+    # Prepare
+    manifest = tmp_path / "run.yaml"
+    manifest.write_text(MANIFEST.format(protocol="lppa", count=4))
+    run = load_manifest(manifest)
+
+    # Execute / Assert
+    with pytest.raises(RunAborted, match="decentralized") as caught:
+        LocalRun(run, manifest, workdir=tmp_path / "w", clients_per_process=2, spawn="exec")
+    assert caught.value.reason == "InvalidOptions"
+
+
+def test_runner_groups_many_clients_and_keeps_small_runs_one_per_process(tmp_path: Path) -> None:
+    # Prepare
+    small, large = tmp_path / "small.yaml", tmp_path / "large.yaml"
+    small.write_text(MANIFEST.format(protocol="fedavg", count=3))
+    large.write_text(MANIFEST.format(protocol="fedavg", count=7))
+
+    # Execute
+    alone = LocalRun(load_manifest(small), small, workdir=tmp_path / "a", spawn="exec")
+    shared = LocalRun(
+        load_manifest(large), large, workdir=tmp_path / "b", spawn="exec", clients_per_process=3
+    )
+
+    # Assert
+    assert alone.client_groups == [[0], [1], [2]]
+    assert shared.client_groups == [[0, 1, 2], [3, 4], [5, 6]]
