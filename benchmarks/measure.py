@@ -122,6 +122,10 @@ class TreeSampler:
         self.peak_processes = 0
         self.tripped: str | None = None
         self._cpu: dict[int, float] = {}
+        self.peaks: dict[int, int] = {}
+        """Each process's own peak PSS in bytes."""
+        self.outputs: dict[int, str] = {}
+        """Where each process's standard output went (a role's log file names the role)."""
         self._interval = interval
         self._max = max_bytes
         self._min_available = min_available
@@ -156,7 +160,12 @@ class TreeSampler:
     def _loop(self) -> None:
         while not self._done.is_set():
             members = tree_members(list(self.roots))
-            total, count = sum(_pss(pid) for pid in members), len(members)
+            sizes = {pid: _pss(pid) for pid in members}
+            total, count = sum(sizes.values()), len(members)
+            for pid, size in sizes.items():
+                self.peaks[pid] = max(size, self.peaks.get(pid, 0))
+                with contextlib.suppress(OSError):  # the latest: a fork redirects it later
+                    self.outputs[pid] = os.readlink(f"/proc/{pid}/fd/1")
             for pid in members:
                 used = _cpu_seconds(pid)
                 if used is not None:

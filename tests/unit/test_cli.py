@@ -426,7 +426,7 @@ def test_unexpected_exception_in_a_run_logs_to_the_run_folder_and_prints_json(
     from fedcore.local.runner import LocalRun
 
     def broken(self: LocalRun, on_event: Any = None) -> None:
-        (self.workdir / "logs").mkdir(parents=True)
+        (self.workdir / "logs").mkdir(parents=True, exist_ok=True)
         raise ValueError("no such thing")
 
     monkeypatch.setattr(LocalRun, "execute", broken)

@@ -1,0 +1,395 @@
+"""Start-up, memory per role and many clients: ``fedcore run`` against the floor, side by side.
+
+The job is examples/digits-fedavg.yaml (digits, MLP 64-128-ReLU-10, IID shards, SGD 0.1, one
+local epoch of batch 32, FedAvg by shard size) with K clients and checkpoints off (the floor
+takes none), for K = 10, 50 and 200. Inside every repeat the sides run back to back:
+
+* **floor**: benchmarks/floor.py in a fresh process, one torch thread: the same maths as one
+  plain loop. Its start-up is the command's own, from launch to its first round: the
+  interpreter, torch, scikit-learn, the data and the model.
+* **fedcore**: ``fedcore run`` as a user runs it (``--clients-per-process auto``), from launch to
+  its first round: the command, its CA and a certificate per role, the forkserver's imports, the
+  server, the data (a fresh per-machine cache: the source is parsed once, by the first role
+  that needs it) and every client connected over mutual TLS.
+* **fedcore, a process per client** (``--clients-per-process 1``), at K = 50: what grouping
+  changes where ``auto`` groups (at K = 10 ``auto`` is a process per client; at K = 200, 200
+  processes on 2 cores are what ``auto`` exists to avoid).
+
+Every process runs torch with one thread. Memory is PSS, sampled every 50 ms: the peak of the
+sum over the side's processes, and each role process's own peak (the server; a client process,
+the median and the largest); a role is named by the log file its output goes to. The data a
+client holds is its shard (rows x 64 float32 features + a label) and the model it trains
+(parameters x 4 bytes twice: weights and gradients); everything else in its PSS is the constant
+(its share of the interpreter, torch and gRPC, and its own heap).
+
+Run: ``python -m benchmarks.many_clients [--repeats 3] [--write]``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from benchmarks.flower import ONE_THREAD, Measured, run_floor
+from benchmarks.measure import ROOT, TreeSampler, load, machine, save_data, stop_group, wall
+from benchmarks.spine import write_section
+
+BEGIN = "<!-- many-clients:begin -->"
+END = "<!-- many-clients:end -->"
+JOBS = ((10, 20), (50, 20), (200, 10))
+"""(clients K, rounds R)."""
+ONE_PER_PROCESS = (50,)
+"""The K at which fedcore also runs with a process per client."""
+TARGETS = {
+    "startup": {10: 1.25, 50: 1.5},
+    "round": {50: 1.5, 200: 2.0},
+}
+"""Issue 28's targets: start-up and median round as multiples of the floor's."""
+MEMORY_TARGET = 4 * 2**30
+"""All processes of the K = 200 run within 4 GiB."""
+CAP_SECONDS = 600.0
+FEATURES = 64
+
+
+def manifest(folder: Path, clients: int, rounds: int) -> Path:
+    """examples/digits-fedavg.yaml with K clients, R rounds and no checkpoints."""
+    document = copy.deepcopy(yaml.safe_load((ROOT / "examples" / "digits-fedavg.yaml").read_text()))
+    document["metadata"]["name"] = f"many-k{clients}"
+    document["spec"]["clients"]["count"] = clients
+    document["spec"]["rounds"] = rounds
+    document["spec"]["checkpoint"] = {"everyRounds": 0}
+    path = folder / f"many-k{clients}.yaml"
+    path.write_text(yaml.safe_dump(document))
+    return path
+
+
+def role_of(output: str) -> str | None:
+    """``server``, ``client`` or None, from where a process's output goes (its role's log)."""
+    name = Path(output).name
+    if name == "server.log":
+        return "server"
+    if name.startswith("client") and name.endswith(".log"):
+        return "client"
+    return None
+
+
+def run_fedcore(folder: Path, clients: int, rounds: int, per_process: str) -> dict[str, Any]:
+    """``fedcore run`` of the job with ``--clients-per-process per_process``, from outside."""
+    workdir = folder / f"fedcore-k{clients}-{per_process}"
+    shutil.rmtree(workdir, ignore_errors=True)
+    cache = folder / f"cache-k{clients}-{per_process}"
+    shutil.rmtree(cache, ignore_errors=True)
+    command = [sys.executable, "-m", "fedcore", "run", str(manifest(folder, clients, rounds))]
+    command += ["--json", "--quiet", "--workdir", str(workdir)]
+    command += ["--clients-per-process", per_process]
+    sampler = TreeSampler(interval=0.05)
+    launched = wall()
+    process = subprocess.Popen(
+        command,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.DEVNULL,
+        text=True,
+        cwd=ROOT,
+        env={**os.environ, **ONE_THREAD, "FEDCORE_CACHE_DIR": str(cache)},
+        start_new_session=True,
+    )
+    sampler.add(process.pid)
+    sampler.start()
+    try:
+        stdout, _ = process.communicate(timeout=CAP_SECONDS)
+    except subprocess.TimeoutExpired:
+        stop_group(process)
+        stdout = ""
+    peak = sampler.stop()
+    result: dict[str, Any] = {
+        "side": f"fedcore-{per_process}",
+        "clients": clients,
+        "total": wall() - launched,
+        "peak_bytes": peak,
+        "failure": None,
+    }
+    if process.returncode != 0 or not stdout.strip():
+        result["failure"] = f"exit status {process.returncode}"
+        return result
+    summary = json.loads(stdout.strip().splitlines()[-1])
+    events = [json.loads(line) for line in (workdir / "events.jsonl").read_text().splitlines()]
+    rounds_seen = [event for event in events if event["event"] == "round"]
+    first = rounds_seen[0]
+    result["startup"] = float(first["time"]) - float(first["seconds"]) - launched
+    result["round_seconds"] = [float(event["seconds"]) for event in rounds_seen]
+    result["median_round"] = statistics.median(result["round_seconds"])
+    result["accuracy"] = summary["accuracy"]
+    per_role: dict[str, list[int]] = {"server": [], "client": []}
+    for pid, size in sampler.peaks.items():
+        role = role_of(sampler.outputs.get(pid, ""))
+        if role is not None:
+            per_role[role].append(size)
+    result["server_bytes"] = max(per_role["server"], default=0)
+    result["client_process_bytes"] = sorted(per_role["client"])
+    result["client_processes"] = len(per_role["client"])
+    logs = (workdir / "logs").glob("*.log")
+    result["parses"] = sum(path.read_text().count("Parsed the data source") for path in logs)
+    shutil.rmtree(workdir, ignore_errors=True)
+    return result
+
+
+def floor_side(clients: int, rounds: int) -> dict[str, Any]:
+    """The floor in a fresh process, as benchmarks/flower.py measures it."""
+    measured: Measured = run_floor(clients, rounds)
+    return {
+        "side": "floor",
+        "clients": clients,
+        "startup": measured.startup,
+        "median_round": measured.median_round,
+        "round_seconds": measured.round_seconds,
+        "total": measured.total,
+        "accuracy": measured.accuracy,
+        "peak_bytes": measured.peak_bytes,
+        "failure": measured.failure,
+    }
+
+
+def shard_and_model_bytes(clients: int) -> dict[str, int]:
+    """What a client of the K-client job must hold: its shard and its model."""
+    from fedcore.roles._common import model_parameters
+    from fedcore.spec import load_manifest
+
+    with tempfile.TemporaryDirectory() as tmp:
+        spec = load_manifest(manifest(Path(tmp), clients, 1)).spec
+    parameters = model_parameters(spec)
+    train = 1437  # digits' 1,797 examples less the 20% held out (360)
+    rows = -(-train // clients)
+    return {"shard": rows * (FEATURES * 4 + 8), "model": parameters * 4 * 2}
+
+
+def paired(fedcore: list[dict[str, Any]], floor: list[dict[str, Any]], key: str) -> float | None:
+    """The median over repeats of fedcore's ``key`` over the floor's in the same repeat."""
+    ratios = [
+        a[key] / b[key]
+        for a, b in zip(fedcore, floor, strict=False)
+        if a.get(key) and b.get(key) and not a.get("failure") and not b.get("failure")
+    ]
+    return statistics.median(ratios) if ratios else None
+
+
+def median_of(runs: list[dict[str, Any]], key: str) -> float | None:
+    values = [run[key] for run in runs if run.get(key) is not None and not run.get("failure")]
+    return statistics.median(values) if values else None
+
+
+def run(*, repeats: int = 3, jobs: tuple[tuple[int, int], ...] = JOBS) -> dict[str, Any]:
+    """Runs every side of every job, alternating; returns the raw runs, medians and ratios."""
+    data: dict[str, Any] = {
+        "machine": machine(),
+        "repeats": repeats,
+        "load_start": load(),
+        "jobs": [],
+    }
+    with tempfile.TemporaryDirectory(prefix="fedcore-many-") as tmp:
+        folder = Path(tmp)
+        for clients, rounds in jobs:
+            sides = ["floor", "fedcore-auto"]
+            if clients in ONE_PER_PROCESS:
+                sides.append("fedcore-1")
+            runs: dict[str, list[dict[str, Any]]] = {side: [] for side in sides}
+            for repeat in range(repeats):
+                for side in sides:
+                    if side == "floor":
+                        runs[side].append(floor_side(clients, rounds))
+                    else:
+                        runs[side].append(run_fedcore(folder, clients, rounds, side.split("-")[1]))
+                print(
+                    f"K={clients} repeat {repeat + 1}: "
+                    + ", ".join(
+                        f"{side} start {runs[side][-1].get('startup') or 0:.2f} s, round "
+                        f"{(runs[side][-1].get('median_round') or 0) * 1000:.0f} ms"
+                        + (f" ({runs[side][-1]['failure']})" if runs[side][-1]["failure"] else "")
+                        for side in sides
+                    ),
+                    file=sys.stderr,
+                )
+            medians = {
+                side: {
+                    key: median_of(runs[side], key)
+                    for key in ("startup", "median_round", "total", "accuracy", "peak_bytes")
+                }
+                for side in sides
+            }
+            for side in sides[1:]:
+                good = [r for r in runs[side] if not r["failure"]]
+                medians[side]["server_bytes"] = median_of(good, "server_bytes")
+                medians[side]["client_processes"] = median_of(good, "client_processes")
+                medians[side]["client_process_median"] = (
+                    statistics.median(statistics.median(r["client_process_bytes"]) for r in good)
+                    if good
+                    else None
+                )
+                medians[side]["client_process_max"] = (
+                    statistics.median(max(r["client_process_bytes"]) for r in good)
+                    if good
+                    else None
+                )
+                medians[side]["parses"] = max((r["parses"] for r in good), default=None)
+            data["jobs"].append(
+                {
+                    "clients": clients,
+                    "rounds": rounds,
+                    "holds": shard_and_model_bytes(clients),
+                    "runs": runs,
+                    "medians": medians,
+                    "ratios": {
+                        f"{side}/floor {key}": paired(runs[side], runs["floor"], key)
+                        for side in sides[1:]
+                        for key in ("startup", "median_round")
+                    },
+                }
+            )
+    data["load_end"] = load()
+    return data
+
+
+def mib(value: float | None) -> str:
+    return "-" if value is None else f"{value / 2**20:.0f}"
+
+
+def secs(value: float | None, scale: float = 1.0, spec: str = ".2f") -> str:
+    return "-" if value is None else format(value * scale, spec)
+
+
+def target_rows(data: dict[str, Any]) -> list[str]:
+    """The rows of docs/benchmarks.md's targets table."""
+    rows = []
+    for job in data["jobs"]:
+        k = job["clients"]
+        for key in ("startup", "median_round"):
+            limit = TARGETS["startup" if key == "startup" else "round"].get(k)
+            ratio = job["ratios"].get(f"fedcore-auto/floor {key}")
+            if limit is None or ratio is None:
+                continue
+            what = (
+                f"fedcore run's start-up (launch to round 1) on the digits job at K={k} at most "
+                f"{limit}x the floor's"
+                if key == "startup"
+                else f"fedcore median round on the digits job (K={k}, clients grouped as auto "
+                f"picks) at most {limit}x the floor"
+            )
+            rows.append(f"| {what} | {ratio:.2f}x | {'met' if ratio <= limit else 'missed'} |")
+        if k == 200:
+            peak = job["medians"]["fedcore-auto"]["peak_bytes"]
+            if peak is not None:
+                rows.append(
+                    f"| all processes of the K=200 run within 4 GiB (PSS) | "
+                    f"{peak / 2**30:.2f} GiB | {'met' if peak <= MEMORY_TARGET else 'missed'} |"
+                )
+    return rows
+
+
+LABELS = {
+    "floor": "floor (one process)",
+    "fedcore-auto": "fedcore run (auto)",
+    "fedcore-1": "fedcore run, a process per client",
+}
+
+
+def render(data: dict[str, Any]) -> str:
+    """The section of docs/benchmarks.md."""
+    lines = [
+        BEGIN,
+        "## Start-up, memory per role and many clients",
+        "",
+        f"Measured by `python -m benchmarks.many_clients --write` ({data['machine']}); "
+        f"{data['repeats']} repeats, the sides back to back inside each; medians. Load average "
+        f"(1/5/15 min) {data['load_start']} at the start, {data['load_end']} at the end.",
+        "",
+        "The job is examples/digits-fedavg.yaml with K clients and checkpoints off. *Start-up* "
+        "is from the command's launch to its first round for every side: for the floor, the "
+        "interpreter, torch, scikit-learn, data and model; for fedcore, the command, the CA and "
+        "certificates, the forkserver's imports, the server, the data (parsed once per machine, "
+        "into a fresh cache each run) and every client connected over mutual TLS. *x floor* is "
+        "the median over repeats of the ratio to the floor measured just before. Memory is the "
+        "peak PSS of all the side's processes, and each role process's own peak.",
+        "",
+        "| K | side | start-up (s) | x floor | median round (ms) | x floor | total (s) "
+        "| accuracy | client processes | peak PSS, all (MiB) |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for job in data["jobs"]:
+        k = job["clients"]
+        for side, values in job["medians"].items():
+            start = job["ratios"].get(f"{side}/floor startup")
+            rnd = job["ratios"].get(f"{side}/floor median_round")
+            lines.append(
+                f"| {k} | {LABELS[side]} | {secs(values['startup'])} | "
+                f"{'-' if start is None else f'{start:.2f}x'} | "
+                f"{secs(values['median_round'], 1000, '.0f')} | "
+                f"{'-' if rnd is None else f'{rnd:.2f}x'} | {secs(values['total'], 1, '.1f')} | "
+                f"{secs(values['accuracy'], 1, '.4f')} | "
+                f"{values.get('client_processes') or ('-' if side == 'floor' else '?')} | "
+                f"{mib(values['peak_bytes'])} |"
+            )
+    lines += [
+        "",
+        "Memory per role (PSS, MiB; each process's own peak, medians over repeats). A client "
+        "holds its shard and its model; the rest of a client process is the constant: its share "
+        "of the interpreter, torch and gRPC mapped from the forkserver, and its own heap.",
+        "",
+        "| K | side | server | client process, median | client process, largest "
+        "| clients per process | a client's shard + model (KiB) | parses of the source |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for job in data["jobs"]:
+        k = job["clients"]
+        holds = job["holds"]
+        for side, values in job["medians"].items():
+            if side == "floor":
+                continue
+            processes = values.get("client_processes") or 0
+            per = f"{k / processes:.1f}" if processes else "-"
+            lines.append(
+                f"| {k} | {LABELS[side]} | {mib(values.get('server_bytes'))} | "
+                f"{mib(values.get('client_process_median'))} | "
+                f"{mib(values.get('client_process_max'))} | {per} | "
+                f"{(holds['shard'] + holds['model']) / 1024:.0f} | {values.get('parses')} |"
+            )
+    lines.append(END)
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    """Runs the comparison, prints the section and (with --write) updates the docs."""
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--repeats", type=int, default=3, help="repeats per side (default 3)")
+    parser.add_argument(
+        "--jobs",
+        default=",".join(f"{k}x{r}" for k, r in JOBS),
+        help="KxR pairs, comma-separated (default 10x20,50x20,200x10)",
+    )
+    parser.add_argument("--write", action="store_true", help="update docs/benchmarks.md")
+    args = parser.parse_args(argv)
+    jobs = tuple(
+        (int(k), int(r)) for k, r in (item.split("x") for item in args.jobs.split(",") if item)
+    )
+    data = run(repeats=args.repeats, jobs=jobs)
+    section = render(data)
+    print(section)
+    if args.write:
+        write_section(section, begin=BEGIN, end=END)
+        save_data("many_clients", data)
+    return data
+
+
+if __name__ == "__main__":
+    main()
