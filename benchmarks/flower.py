@@ -6,14 +6,15 @@ accuracy evaluated after every round; K=10 clients for R=20 rounds and K=50 for 
 sides, alternating inside every repeat:
 
 * **floor**: the same maths as one plain loop in one process (benchmarks/floor.py);
-* **fedcore**: ``fedcore run`` (a server and K client processes, gRPC over mutual TLS on
-  loopback; checkpoints off, as Flower takes none);
+* **fedcore**: ``fedcore run`` (a server and K clients, gRPC over mutual TLS on loopback; a
+  process per client at K=10, clients sharing 2 processes per core at K=50 as
+  ``--clients-per-process auto`` picks; checkpoints off, as Flower takes none);
 * **Flower simulation**: ``flwr.simulation.run_simulation`` (Ray actors, one CPU each);
 * **Flower deployment**: ``flower-superlink`` and K ``flower-supernode`` processes over
   loopback, the run submitted with ``flwr run`` (insecure: Flower's TLS needs certificates
   made by hand, so Flower runs here without the encryption fedcore pays for).
 
-Flower (``flwr[simulation]==1.41.0``) lives in its own virtual environment under
+Flower (``flwr[simulation]==1.42.0``) lives in its own virtual environment under
 ``~/.cache/fedcore-bench`` with ``torch==2.13.0`` (the CPU build on local disk), created on first
 use and never a dependency of fedcore. The Flower app is benchmarks/flower_app.py.
 
@@ -63,7 +64,7 @@ from fedcore.local.ports import free_port
 
 BEGIN = "<!-- flower:begin -->"
 END = "<!-- flower:end -->"
-FLWR_VERSION = "1.41.0"
+FLWR_VERSION = "1.42.0"
 ENV_DIR = Path(os.environ.get("FEDCORE_BENCH_CACHE", Path.home() / ".cache" / "fedcore-bench"))
 FLOWER_ENV = ENV_DIR / f"flwr-{FLWR_VERSION}"
 REQUIREMENTS = [f"flwr[simulation]=={FLWR_VERSION}", "torch==2.13.0", "scikit-learn", "numpy"]
@@ -73,7 +74,7 @@ JOBS = ((10, 20), (50, 10))
 SIDES = ("floor", "fedcore", "flower-sim", "flower-deploy")
 LABELS = {
     "floor": "floor (one process)",
-    "fedcore": "fedcore run (K+1 processes, mTLS)",
+    "fedcore": "fedcore run (processes over mTLS)",
     "flower-sim": "Flower simulation (Ray)",
     "flower-deploy": "Flower deployment (SuperLink + K SuperNodes)",
 }
@@ -302,7 +303,11 @@ def run_fedcore(folder: Path, clients: int, rounds: int, repeat: int, cap: float
         result.failure = result.failure or f"exit status {process.returncode}"
         return result
     data = json.loads(stdout.strip().splitlines()[-1])
-    result.startup = data["startup_seconds"]
+    if result.round_seconds:  # from the launch, as every side: the command's own start-up too
+        first = next(
+            e for e in map(json.loads, events.read_text().splitlines()) if e.get("event") == "round"
+        )
+        result.startup = float(first["time"]) - float(first["seconds"]) - launched
     result.median_round = data["median_round_seconds"]
     result.accuracy = data["accuracy"]
     result.first_round = result.round_seconds[0] if result.round_seconds else None
@@ -667,7 +672,8 @@ ISSUE = {
     (50, "flower-sim"): 0.379,
     (10, "flower-deploy"): 32.0,
 }
-"""Flower 1.41's median rounds (s) measured on this machine earlier (issue 10)."""
+"""Flower 1.41's median rounds (s) measured on this machine when fedcore was first set against
+it (issue 10)."""
 
 
 def explain(data: dict[str, Any]) -> list[str]:
@@ -694,11 +700,13 @@ def explain(data: dict[str, Any]) -> list[str]:
     return [
         "### Flower here against the earlier measurement",
         "",
-        "Median rounds, Flower 1.41, now and as quoted in the issue: " + "; ".join(parts) + ".",
+        f"Median rounds, Flower {FLWR_VERSION} here and Flower 1.41 as first measured (issue 10): "
+        + "; ".join(parts)
+        + ".",
         "",
-        "Why deployment is so slow: in Flower 1.41 every SuperNode's SuperExec starts a fresh "
-        "`flwr-clientapp` process for every message it receives, so each round starts K new "
-        "Python processes that each import flwr and torch, fetch and install the app bundle, "
+        f"Why deployment is so slow: in Flower {FLWR_VERSION} every SuperNode's SuperExec starts "
+        "a fresh `flwr-clientapp` process for every message it receives, so each round starts "
+        "K new Python processes that each import flwr and torch, fetch and install the app bundle, "
         "train one epoch on ~144 (K=10) or ~29 (K=50) examples and exit (counted here: "
         f"{spawned}). On 2 cores those K start-ups per round dominate, and they compete with "
         "the K SuperNode and K SuperExec processes that stay up, so the round time grows with "

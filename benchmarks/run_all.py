@@ -4,7 +4,7 @@ Runs, in order, each benchmark that writes a section of docs/benchmarks.md (each
 sides in this invocation, alternating, several repeats, and reports medians and ratios):
 
 * spine: digits-fedavg end to end against the floor (benchmarks/spine.py);
-* flower: fedcore against Flower 1.41 (simulation and deployment) and the floor, K=10 and 50
+* flower: fedcore against Flower 1.42 (simulation and deployment) and the floor, K=10 and 50
   (benchmarks/flower.py; installs Flower into its own venv under ~/.cache on first use);
 * protocols: each protocol's overhead against fedsgd (benchmarks/protocols.py);
 * limits: aggregation against memory bandwidth, transport against raw loopback
@@ -204,7 +204,7 @@ def plot_flower(data: dict[str, Any], path: Path) -> None:
                 xs.append(j + (i - (len(SIDES) - 1) / 2) * width)
                 ys.append(value * 1000)
         ax.bar(
-            xs, ys, width, label=LABELS[side].replace(" (K+1 processes, mTLS)", ""), color=colors[i]
+            xs, ys, width, label=LABELS[side].replace(" (processes over mTLS)", ""), color=colors[i]
         )
         for x, y in zip(xs, ys, strict=True):
             ax.text(x, y * 1.08, f"{y:.0f}", ha="center", fontsize=7)
