@@ -6,6 +6,8 @@ sides in this invocation, alternating, several repeats, and reports medians and 
 * spine: digits-fedavg end to end against the floor (benchmarks/spine.py);
 * flower: fedcore against Flower 1.42 (simulation and deployment) and the floor, K=10 and 50
   (benchmarks/flower.py; installs Flower into its own venv under ~/.cache on first use);
+* many_clients: start-up from launch, memory per role and the median round against the floor
+  at K=10, 50 and 200 (benchmarks/many_clients.py);
 * protocols: each protocol's overhead against fedsgd (benchmarks/protocols.py);
 * limits: aggregation against memory bandwidth, transport against raw loopback
   (benchmarks/limits.py);
@@ -41,6 +43,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from benchmarks.many_clients import target_rows as many_clients_rows
 from benchmarks.measure import DOC_ASSETS, ROOT, load, machine
 from benchmarks.protocols import RESULTS as PROTOCOL_RESULTS
 from benchmarks.protocols import target_rows as protocol_target_rows
@@ -118,6 +121,10 @@ def steps() -> list[Step]:
             ),
         ),
         Step(
+            "many_clients",
+            module("many_clients", ["--repeats", "3"], ["--repeats", "1", "--jobs", "10x3,50x3"]),
+        ),
+        Step(
             "protocols",
             script("benchmarks/protocols.py", ["--repeats", "5"], ["--repeats", "1"]),
         ),
@@ -150,7 +157,16 @@ def steps() -> list[Step]:
             needs_control_plane,
         ),
     ]
-    known = {"spine", "flower", "protocols", "limits", "scale", "checkpoint", "operator_scale"}
+    known = {
+        "spine",
+        "flower",
+        "many_clients",
+        "protocols",
+        "limits",
+        "scale",
+        "checkpoint",
+        "operator_scale",
+    }
     for path in sorted((ROOT / "benchmarks").glob("*.py")):
         if path.stem in known or path.stem == "run_all" or path.stem.startswith("_"):
             continue
@@ -311,6 +327,9 @@ def targets(done: dict[str, Step]) -> list[str]:
                     f"processes, mTLS) at most 1.3x the floor | {ratio:.2f}x | "
                     f"{'met' if ratio <= 1.3 else 'missed'} |"
                 )
+    many = done.get("many_clients")
+    if many is not None and many.data:
+        rows += many_clients_rows(many.data)
     limits = done.get("limits")
     if limits is not None and limits.data:
         share = limits.data["aggregation"]["median"] / limits.data["memory"]["copy_median"]

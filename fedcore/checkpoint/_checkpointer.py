@@ -30,6 +30,7 @@ with ``series="version"`` (its state has versions, not rounds).
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import json
 import logging
@@ -87,6 +88,20 @@ class LatestRecord:
 
     round: int
     manifest_sha256: str
+
+
+class CheckpointShortOfSpace(CheckpointError):
+    """The store's disk has less free space than a checkpoint needs; nothing was written."""
+
+    def __init__(self, message: str, *, needed: int, free: int) -> None:
+        self.needed = needed
+        self.free = free
+        super().__init__(message)
+
+
+SPACE_MARGIN = 1 << 20
+"""Bytes a checkpoint is assumed to need beyond its parts (manifest, latest record, the file
+system's own blocks)."""
 
 
 class CheckpointRefused(CheckpointError):
@@ -201,6 +216,66 @@ class Checkpointer:
             ) from exc
         layout = TensorFile.of(tensors)
         prefix = self._prefix(round)
+        needed = layout.size + len(state_json) + SPACE_MARGIN
+        free = self.store.free_bytes()
+        if free is not None and free < needed:
+            raise CheckpointShortOfSpace(
+                f"The checkpoint of {self._at(round)} needs about {needed:,} bytes but "
+                f"{self.store.describe()} has {free:,} free; nothing was written.",
+                needed=needed,
+                free=free,
+            )
+        try:
+            parts = self._write_parts(round, state_json, layout)
+        except CheckpointError as exc:
+            self._discard(round)
+            raise self._explained(exc, round, needed) from exc
+        except BaseException:
+            self._discard(round)
+            raise
+        self._publish(round, parts, needed)
+        try:
+            marked = self._prune(round)
+        except CheckpointError as exc:
+            log.warning("Pruning old checkpoints failed (retried after the next one): %s", exc)
+            marked = False
+        return CheckpointInfo(
+            round=round,
+            location=self.store.url(prefix),
+            bytes=sum(int(entry["bytes"]) for entry in parts.values()),
+            marked=marked,
+        )
+
+    def _discard(self, round: int) -> None:
+        """Removes what a failed write of ``round``'s parts left (best effort): the next
+        ``--resume`` then finds the checkpoint before it, whole, and nothing half-written."""
+        prefix = self._prefix(round)
+        try:
+            self.store.delete(self.store.list(prefix) + self.store.temporaries(prefix))
+        except (CheckpointError, OSError) as exc:
+            log.warning("Could not remove the partial checkpoint %s: %s", prefix, exc)
+
+    def _explained(self, exc: CheckpointError, round: int, needed: int) -> CheckpointError:
+        """``exc``, said plainly when the disk is full: how much is needed and what to do."""
+        cause = exc.__cause__
+        if not (isinstance(cause, OSError) and cause.errno == errno.ENOSPC):
+            return exc
+        free = self.store.free_bytes()
+        good = [n for n in self.rounds() if n < round]
+        then = (
+            f"`fedcore run --resume` continues from {self._at(good[-1])}"
+            if good
+            else "the run starts again from the beginning"
+        )
+        return CheckpointError(
+            f"{exc} The disk is full: the checkpoint of {self._at(round)} needs about "
+            f"{needed:,} bytes, {'an unknown amount' if free is None else f'{free:,} bytes'} "
+            f"is free. Its partial files were removed; free space, then {then}."
+        )
+
+    def _write_parts(self, round: int, state_json: bytes, layout: TensorFile) -> dict[str, Any]:
+        """Writes the state and the tensors of ``round``; returns their manifest entries."""
+        prefix = self._prefix(round)
         seal = self._seal
         if seal is not None and seal.encrypts:
             stored = seal.encrypt(state_json, self._associated(round, PARTS[0]))
@@ -233,6 +308,13 @@ class Checkpointer:
                 PARTS[0]: _entry_of(state_json),
                 PARTS[1]: {"sha256": digest.hexdigest(), "bytes": written},
             }
+        return parts
+
+    def _publish(self, round: int, parts: dict[str, Any], needed: int) -> None:
+        """Writes the manifest of ``round`` (which publishes it) and, with a key, the latest
+        record naming it. A manifest that cannot be written leaves nothing of the round."""
+        prefix = self._prefix(round)
+        seal = self._seal
         manifest: dict[str, Any] = {
             "format": FORMAT,
             "version": UNSIGNED_VERSION if seal is None else VERSION,
@@ -253,22 +335,15 @@ class Checkpointer:
             )
             manifest["tag"] = seal.tag(MANIFEST_DOMAIN, _canonical(manifest))
         body = json.dumps(manifest, indent=1).encode("utf-8")
-        self.store.put(prefix + MANIFEST, body)
+        try:
+            self.store.put(prefix + MANIFEST, body)
+        except CheckpointError as exc:
+            self._discard(round)
+            raise self._explained(exc, round, needed) from exc
         if seal is not None:
             record = LatestRecord(round, hashlib.sha256(body).hexdigest())
             self._write_latest(record)
             self._head = record
-        try:
-            marked = self._prune(round)
-        except CheckpointError as exc:
-            log.warning("Pruning old checkpoints failed (retried after the next one): %s", exc)
-            marked = False
-        return CheckpointInfo(
-            round=round,
-            location=self.store.url(prefix),
-            bytes=sum(int(entry["bytes"]) for entry in parts.values()),
-            marked=marked,
-        )
 
     def _write_latest(self, record: LatestRecord) -> None:
         assert self._seal is not None
@@ -808,6 +883,28 @@ class Checkpointer:
 
     # ---------------------------------------------------------------------- retention
 
+    def sweep(self) -> list[str]:
+        """Deletes what interrupted writes of this series left: folders that never got a
+        manifest, and temporary files of unfinished writes (also inside published folders).
+        Call it only while nothing writes this series (the role that owns it, at its start).
+        Returns the keys it deleted."""
+        numbers = self._numbers()
+        gone = [
+            self._prefix(number) + name
+            for number, names in sorted(numbers.items())
+            if MANIFEST not in names
+            for name in sorted(names)
+        ]
+        gone += self.store.temporaries(f"{self.series}-")
+        if gone:
+            self.store.delete(gone)
+            log.warning(
+                "Removed what interrupted checkpoint writes left in %s: %s.",
+                self.store.describe(),
+                ", ".join(gone),
+            )
+        return gone
+
     def _prune(self, newest: int) -> bool:
         """Deletes what retention does not keep, and the leftovers of failed writes older
         than ``newest`` (folders that never got a manifest); with a key, also the unmarked
@@ -830,6 +927,9 @@ class Checkpointer:
         for number, names in numbers.items():
             if MANIFEST not in names and number < newest:
                 self.store.delete([self._prefix(number) + name for name in sorted(names)])
+        # A temporary file is not listed, so a folder holding only one is not in numbers.
+        # This writer has finished every write of this series by now.
+        self.store.delete(self.store.temporaries(f"{self.series}-"))
         return newest in marked
 
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import builtins
 import os
+import shutil
 from abc import ABC, abstractmethod
 from collections.abc import Iterable
 from pathlib import Path
@@ -71,6 +72,17 @@ class ObjectStore(ABC):
     def url(self, key: str) -> str:
         """Returns where ``key`` lives as one string (a path or an ``s3://`` URL)."""
         return f"{self.describe()}/{key}"
+
+    def free_bytes(self) -> int | None:
+        """Returns the space left for new objects, when the store can know it (a local disk);
+        None when it cannot (S3)."""
+        return None
+
+    def temporaries(self, prefix: str) -> builtins.list[str]:
+        """Returns the keys under ``prefix`` of writes that never finished (a writer killed
+        mid-write leaves them; ``list`` never shows them). Delete them only while nothing
+        writes under ``prefix``."""
+        return []
 
     def check(self) -> None:
         """Checks, before a run starts, that the store can be reached with its credentials;
@@ -148,6 +160,28 @@ class LocalObjectStore(ObjectStore):
             path.relative_to(self.root).as_posix()
             for path in self.root.rglob("*")
             if path.is_file() and not path.name.startswith(".")
+        ]
+        return sorted(key for key in keys if key.startswith(prefix))
+
+    def free_bytes(self) -> int | None:
+        """The free space of the disk the folder is (or will be) on."""
+        where = self.root
+        while not where.exists() and where != where.parent:
+            where = where.parent
+        try:
+            return shutil.disk_usage(where).free
+        except OSError:
+            return None
+
+    def temporaries(self, prefix: str) -> builtins.list[str]:
+        """The temporary files of unfinished writes (``.<name>.<random>.tmp``, what
+        ``write_chunks_atomically`` writes before its rename)."""
+        if not self.root.exists():
+            return []
+        keys = [
+            path.relative_to(self.root).as_posix()
+            for path in self.root.rglob(".*.tmp")
+            if path.is_file()
         ]
         return sorted(key for key in keys if key.startswith(prefix))
 

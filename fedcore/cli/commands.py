@@ -10,7 +10,6 @@ import logging
 import math
 import os
 import signal
-import subprocess
 import sys
 from collections.abc import Iterator
 from pathlib import Path
@@ -132,7 +131,8 @@ def role_errors(role: str) -> Iterator[None]:
     except BaseException as exc:
         logger = logging.getLogger(f"fedcore.{role}")
         logger.debug("Traceback of the failure:", exc_info=True)
-        logger.error("%s: %s", type(exc).__name__, exc)
+        name = exc.reason if isinstance(exc, RunAborted) and exc.reason else type(exc).__name__
+        logger.error("%s: %s", name, exc)
         sys.exit(1)
     exit_now(0)
 
@@ -161,13 +161,17 @@ def exit_now(code: int) -> None:
 
 
 def fail(exc: BaseException, code: int = EXIT_FAILURE) -> None:
-    """Prints ``TypeName: message`` in red on stderr and exits with ``code``.
+    """Prints ``Name: message`` in red on stderr and exits with ``code``: for a stopped run
+    (RunAborted) the name is its reason, the one ``--json``, the events, the FederatedRun's
+    status and the metrics give (``CheckpointFailed``, ``QuorumLost``, ...); else the error's
+    type.
 
     The message is escaped: text from a manifest or an error (``[red]``, ``[/x]``, a regular
     expression's ``[a-z]``) is printed as it is, never read as Rich markup.
     """
+    name = exc.reason if isinstance(exc, RunAborted) and exc.reason else type(exc).__name__
     stderr.print(
-        f"[bold red]{escape(type(exc).__name__)}[/]: {escape(str(exc))}",
+        f"[bold red]{escape(name)}[/]: {escape(str(exc))}",
         markup=True,
         highlight=False,
         soft_wrap=True,
@@ -287,23 +291,6 @@ def data_prepare(manifest: Path) -> None:
     )
 
 
-def _prepare_data_in_background(manifest: Path, logs: Path) -> subprocess.Popen[bytes]:
-    """Starts ``fedcore data prepare MANIFEST`` beside the run, its output in
-    ``logs/data-prepare.log``: on the core the forkserver's imports leave free, so a cold cache
-    is warm before the server needs it. Its failure is no one's business: the role that then
-    misses the cache parses (and reports) it itself."""
-    from fedcore.local.launch import dying_with_parent
-
-    logs.mkdir(parents=True, exist_ok=True)
-    with (logs / "data-prepare.log").open("wb") as log:
-        return subprocess.Popen(
-            dying_with_parent([sys.executable, "-m", "fedcore", "data", "prepare", str(manifest)]),
-            stdin=subprocess.DEVNULL,
-            stdout=log,
-            stderr=subprocess.STDOUT,
-        )
-
-
 MAX_JSON_NODES = 200
 """The most values of one offending value that ``validate --json`` copies (an alias bomb's
 expansion is cut off, not printed)."""
@@ -370,7 +357,16 @@ def json_safe(value: Any) -> Any:
     default=None,
     help="The run's folder (default: runs/<name>).",
 )
-@click.option("--resume", is_flag=True, help="Start from the latest good checkpoint.")
+@click.option(
+    "--resume",
+    is_flag=True,
+    help="Continue from the latest good checkpoint; refused (NoCheckpoint) when there is none.",
+)
+@click.option(
+    "--resume-if-possible",
+    is_flag=True,
+    help="Continue from the latest good checkpoint if there is one, else start at round 1.",
+)
 @click.option(
     "--json", "as_json", is_flag=True, help="Print one JSON summary as the last line of stdout."
 )
@@ -409,6 +405,7 @@ def run(
     manifest: Path,
     workdir: Path | None,
     resume: bool,
+    resume_if_possible: bool,
     as_json: bool,
     no_metrics: bool,
     threads: int,
@@ -447,14 +444,14 @@ def run(
         _simulate(spec_run, as_json=as_json)
         return
     folder = workdir or Path("runs") / spec_run.metadata.name
-    preparing = _prepare_data_in_background(manifest, folder / "logs")
     # An internal error's traceback goes to the run's logs/ once the runner has made it.
     click.get_current_context().meta[LOG_DIR_KEY] = folder / "logs"
     local = LocalRun(
         spec_run,
         manifest,
         workdir=folder,
-        resume=resume,
+        resume=resume or resume_if_possible,
+        require_checkpoint=not resume_if_possible,
         metrics=not no_metrics,
         threads=threads,
         spawn="exec" if spawn == "exec" else "fork",
@@ -490,10 +487,6 @@ def run(
             }
             click.echo(json.dumps(failed))
         raise
-    finally:
-        if preparing.poll() is None:
-            preparing.kill()
-        preparing.wait()
     summary = result.as_json()
     if not quiet:
         progress.print_summary(summary, local.metrics_ports)
@@ -627,13 +620,22 @@ def _raise_interrupt(*_: Any) -> None:
     "--resume", is_flag=True, envvar="FEDCORE_RESUME", help="Start from the latest good checkpoint."
 )
 @click.option(
+    "--require-checkpoint",
+    is_flag=True,
+    envvar="FEDCORE_REQUIRE_CHECKPOINT",
+    help="With --resume: refuse to start (NoCheckpoint) when there is no checkpoint, instead of "
+    "starting at round 1.",
+)
+@click.option(
     "--kdc",
     "kdc_address",
     default=None,
     envvar="FEDCORE_KDC",
     help="host:port of the KDC, for protocols whose server calls it (ebscfl).",
 )
-def server(listen: str, resume: bool, kdc_address: str | None, **options: Any) -> None:
+def server(
+    listen: str, resume: bool, require_checkpoint: bool, kdc_address: str | None, **options: Any
+) -> None:
     """Runs the server role of one run."""
     with imports_uncollected():
         from fedcore.roles import run_server
@@ -646,6 +648,7 @@ def server(listen: str, resume: bool, kdc_address: str | None, **options: Any) -
             listen=listen,
             resume=resume,
             kdc=kdc_address,
+            require_checkpoint=require_checkpoint,
         )
 
 

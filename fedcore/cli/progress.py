@@ -45,6 +45,30 @@ def phase_text(event: dict[str, Any]) -> str | None:
     return None
 
 
+def incident_text(event: dict[str, Any], missing_before: frozenset[int]) -> str | None:
+    """One line for something that happened to a running run, or None: a role restarted by
+    the runner, a round that went without other clients than the round before (or again with
+    all), a client that reconnected."""
+    kind = event.get("event")
+    if kind == "restarted":
+        return (
+            f"{event.get('role', '?')} exited with code {event.get('exit_code', '?')} without "
+            f"reporting a failure; restarted ({event.get('restart', '?')} so far), resuming "
+            f"from its latest checkpoint"
+        )
+    if kind == "connected":
+        return f"client {event.get('client', '?')} connected again"
+    if kind == "round":
+        missing = sorted(int(index) for index in event.get("failures") or [])
+        if not missing:
+            return f"round {event.get('round')}: every sampled client uploaded again"
+        gone = ", ".join(map(str, missing))
+        new = sorted(set(missing) - missing_before)
+        also = f" (newly: {', '.join(map(str, new))})" if new and missing_before else ""
+        return f"round {event.get('round')}: went on without client(s) {gone}{also}"
+    return None
+
+
 class RunProgress:
     """A progress bar over rounds that shows the start-up phase, then the latest loss and
     accuracy.
@@ -65,6 +89,10 @@ class RunProgress:
         self.phase = ""
         """What the start is doing, in words ("" once rounds run)."""
         self._rounds_began = False
+        self._missing: frozenset[int] = frozenset()
+        """The clients the last round went without (a line is printed when this changes)."""
+        self._restarting = False
+        """A role was restarted: its clients' reconnections make one line, at ``joined``."""
         self.progress = Progress(
             TextColumn(f"[bold]{escape(run.metadata.name)}[/] {escape(run.spec.protocol.name)}"),
             BarColumn(),
@@ -92,9 +120,24 @@ class RunProgress:
         self.progress.__exit__(kind, exc, tb)
 
     def update(self, event: dict[str, Any]) -> None:
-        """Shows a start-up phase, or moves the bar on a ``round`` or ``resumed`` event."""
+        """Shows a start-up phase, or moves the bar on a ``round`` or ``resumed`` event; prints
+        one line above the bar when a role is restarted, when the clients a round went without
+        change, and when a client reconnects after the rounds began (:func:`incident_text`)."""
         kind = event.get("event")
         text = phase_text(event)
+        if kind == "round":
+            missing = frozenset(int(index) for index in event.get("failures") or [])
+            if missing != self._missing:
+                self._say(incident_text(event, self._missing))
+            self._missing = missing
+        elif kind == "restarted":
+            self._restarting = True
+            self._say(incident_text(event, self._missing))
+        elif kind == "joined" and self._restarting:
+            self._restarting = False
+            self._say(f"{event.get('clients', '?')} clients joined the restarted server")
+        elif kind == "connected" and self._rounds_began and not self._restarting:
+            self._say(incident_text(event, self._missing))
         if text is not None:
             if not self._rounds_began:  # a client reconnecting later is not a start-up phase
                 self._show_phase(text)
@@ -111,6 +154,10 @@ class RunProgress:
             if event.get("epsilon") is not None:
                 fields["epsilon"] = f"  ε {event['epsilon']:.3f}"
             self.progress.update(self.task, completed=int(event["round"]), **fields)
+
+    def _say(self, text: str | None) -> None:
+        if text is not None and self.enabled:
+            self.progress.console.print(escape(text), highlight=False, soft_wrap=True)
 
     def _show_phase(self, text: str) -> None:
         self.phase = text
@@ -135,6 +182,9 @@ class RunProgress:
             "median_round_seconds",
             "model",
             "workdir",
+            "attempt",
+            "events",
+            "logs",
         ):
             value = summary.get(key)
             table.add_row(key, Text("-" if value is None else str(value)))

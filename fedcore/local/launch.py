@@ -38,10 +38,13 @@ class RoleEntry:
         module: exec'd roles run ``python -m <module> <args>``.
         main: forked roles call this ``module:function`` with ``args``; its module is
             imported in the forkserver once, before the first fork.
+        prepare: the arguments (after ``python -m <module>``, before the manifest) of the
+            command that fills this machine's data cache beside the roles; none: no such step.
     """
 
     module: str
     main: str
+    prepare: tuple[str, ...] = ()
 
     @property
     def main_module(self) -> str:
@@ -49,7 +52,9 @@ class RoleEntry:
         return self.main.partition(":")[0]
 
 
-FEDCORE_ROLES = RoleEntry(module="fedcore", main="fedcore.cli:role_main")
+FEDCORE_ROLES = RoleEntry(
+    module="fedcore", main="fedcore.cli:role_main", prepare=("data", "prepare")
+)
 """The ``fedcore`` command's roles (``fedcore server | client | kdc``)."""
 
 

@@ -28,6 +28,7 @@ import shutil
 import signal
 import statistics
 import subprocess
+import sys
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -49,6 +50,7 @@ from fedcore.local.launch import (
     RoleEntry,
     RoleProcess,
     SpawnMode,
+    dying_with_parent,
     start_role,
     warm_up,
 )
@@ -106,6 +108,12 @@ class LocalRunResult:
     bytes_sent: int | None = None
     bytes_received: int | None = None
     restarts: dict[str, int] = field(default_factory=dict)
+    attempt: int = 1
+    """Which start of the run folder this was (``events.jsonl`` marks each)."""
+    events: str = ""
+    """The run's events file (every attempt's, appended)."""
+    logs: str = ""
+    """This attempt's role logs (earlier attempts' in ``attempt-<n>/`` under it)."""
 
     def as_json(self) -> dict[str, Any]:
         """Returns the summary as one JSON-able object."""
@@ -128,9 +136,41 @@ class LocalRunResult:
             "server_bytes_sent": self.bytes_sent,
             "server_bytes_received": self.bytes_received,
             "restarts": dict(self.restarts),
+            "attempt": self.attempt,
+            "events": self.events,
+            "logs": self.logs,
             "reason": self.reason,
             "message": self.message,
         }
+
+
+def file_size(path: Path) -> int:
+    """The size of ``path`` in bytes, 0 when there is no such file."""
+    try:
+        return path.stat().st_size
+    except FileNotFoundError:
+        return 0
+
+
+def earlier_attempts(events: Path) -> int:
+    """How many starts ``events`` (a run's ``events.jsonl``) records: its ``attempt`` events,
+    or 1 for a file of a version that wrote none but holds events; 0 when there is none."""
+    found, _ = read_events(events)
+    marked = sum(1 for event in found if event.get("event") == "attempt")
+    return marked or (1 if found else 0)
+
+
+def keep_earlier_logs(logs: Path, attempt: int) -> None:
+    """Moves the files an earlier start left in ``logs`` into ``logs/attempt-<attempt - 1>``,
+    so that start ``attempt`` writes fresh logs and none is overwritten."""
+    logs.mkdir(parents=True, exist_ok=True)
+    earlier = [path for path in logs.iterdir() if path.is_file()]
+    if not earlier:
+        return
+    kept = logs / f"attempt-{max(1, attempt - 1)}"
+    kept.mkdir(exist_ok=True)
+    for path in earlier:
+        path.rename(kept / path.name)
 
 
 def peer_arguments(spec: FederatedRunSpec) -> dict[int, list[str]]:
@@ -160,6 +200,9 @@ class LocalRun:
         manifest: the manifest file the roles read.
         workdir: the run's folder (PKI, logs, events, checkpoints, final model).
         resume: start the server from the latest checkpoint.
+        require_checkpoint: with ``resume``, the server refuses to start (``NoCheckpoint``)
+            when there is no checkpoint; else it starts at round 1. Restarts of a dead server
+            never require one (it may have died before its first checkpoint).
         metrics: serve /metrics on a free port per role.
         threads: torch threads per role process.
         spawn: ``fork`` roles from a warm forkserver (fast) or ``exec`` each as a command.
@@ -175,6 +218,7 @@ class LocalRun:
         *,
         workdir: Path,
         resume: bool = False,
+        require_checkpoint: bool = True,
         metrics: bool = True,
         threads: int = ROLE_THREADS,
         spawn: SpawnMode = "fork",
@@ -185,6 +229,7 @@ class LocalRun:
         self.manifest = manifest
         self.workdir = workdir
         self.resume = resume
+        self.require_checkpoint = require_checkpoint
         self.metrics = metrics
         self.threads = threads
         self.spawn: SpawnMode = spawn
@@ -210,6 +255,12 @@ class LocalRun:
         self._launch: dict[str, tuple[list[str], int, Path]] = {}
         self._ports: dict[str, int] = {}
         self._kdc_offset = 0
+        self._attempt_offset = 0
+        """Where this attempt's events begin in ``events.jsonl`` (earlier attempts' stay)."""
+        self._kdc_attempt_offset = 0
+        self.attempt = 1
+        """Which start of this run folder this is (1, then 2 after a resume, ...)."""
+        self._preparer: subprocess.Popen[bytes] | None = None
         self._start_offset = 0
         """How far ``start`` has read ``events.jsonl`` to hand its events to its callback."""
         self._delivered = 0
@@ -236,9 +287,13 @@ class LocalRun:
 
     def _prepare(self, on_event: ProgressCallback | None = None) -> None:
         self.workdir.mkdir(parents=True, exist_ok=True)
-        (self.workdir / "logs").mkdir(exist_ok=True)
-        self.events_path.unlink(missing_ok=True)
-        self._start_offset = self._delivered = 0
+        self.attempt = earlier_attempts(self.events_path) + 1
+        keep_earlier_logs(self.workdir / "logs", self.attempt)
+        self._attempt_offset = file_size(self.events_path)
+        self._kdc_attempt_offset = file_size(self.kdc_events_path)
+        self._start_offset, self._delivered = self._attempt_offset, 0
+        self._prepare_data()
+        EventLog(self.events_path).emit("attempt", attempt=self.attempt, resume=self.resume)
         pki = self.workdir / "pki"
         if pki.exists():
             shutil.rmtree(pki)  # a fresh CA for every start, resumed or not
@@ -255,6 +310,24 @@ class LocalRun:
         # files in a 0700 folder, each handed to its own role only (role_env).
         for name, _ in self._role_keys().values():
             ensure_key(self.workdir / KEYS_FOLDER / name)
+
+    def _prepare_data(self) -> None:
+        """Starts the entry's data preparation (``fedcore data prepare MANIFEST``), its output in
+        ``logs/data-prepare.log``: it parses the data source into this machine's cache on the
+        core the forkserver's imports leave free, so that no role waits on the parse. Its
+        failure is no one's business: a role that then misses the cache parses (and reports)
+        the source itself."""
+        if not self.entry.prepare:
+            return
+        command = [sys.executable, "-m", self.entry.module, *self.entry.prepare, str(self.manifest)]
+        with (self.workdir / "logs" / "data-prepare.log").open("wb") as log:
+            self._preparer = subprocess.Popen(
+                dying_with_parent(command),
+                stdin=subprocess.DEVNULL,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                env=self.role_env("data-prepare"),
+            )
 
     def _role_keys(self) -> dict[str, tuple[str, str]]:
         """The key file (in ``keys/``) and its variable of each role that has one."""
@@ -306,15 +379,24 @@ class LocalRun:
         return child
 
     def _wait_ready(self, child: Child, events: Path, offset: int = 0) -> tuple[int, int]:
-        """Waits for ``child``'s ready event after ``offset``; returns (port, new offset)."""
+        """Waits for ``child``'s ready event after ``offset``; returns (port, new offset).
+
+        Raises:
+            RunAborted: the role reported its failure (a ``failed`` event): its reason.
+            RoleFailed: it exited, or was not ready in time, without saying why.
+        """
         deadline = time.monotonic() + READY_SECONDS
         while time.monotonic() < deadline:
             found, offset = read_events(events, offset)
             for event in found:
                 if event.get("event") == "ready":
                     return int(event["port"]), offset
-                if event.get("event") == "failed":
-                    raise RoleFailed(child.name, f"{event.get('message')}\n{child.tail()}")
+                if event.get("event") == "failed":  # it said why: its reason is the run's
+                    raise RunAborted(
+                        f"The {child.name} failed: {event.get('message')}\n{child.tail()}",
+                        reason=str(event.get("reason") or "RoleFailed"),
+                        round=event.get("round"),
+                    )
             code = child.process.poll()
             if code is not None:
                 raise RoleFailed(
@@ -342,19 +424,21 @@ class LocalRun:
         if protocol_facts(spec.protocol.name).needs_kdc:
             self._announce(on_event, "kdc")
             events = self.kdc_events_path
-            events.unlink(missing_ok=True)
             args, port = self._role_args("kdc", "kdc", events)
             self._launch["kdc"] = (args, port, events)
             child = self._spawn("kdc", [*args, "--listen", f"{LOOPBACK}:0", *resume], port)
-            self._ports["kdc"], self._kdc_offset = self._wait_ready(child, events)
+            self._ports["kdc"], self._kdc_offset = self._wait_ready(
+                child, events, self._kdc_attempt_offset
+            )
             kdc_address = f"{LOOPBACK}:{self._ports['kdc']}"
         args, port = self._role_args("server", "server", self.events_path)
         if kdc_address and protocol_facts(spec.protocol.name).server_uses_kdc:
             args += ["--kdc", kdc_address]
         self._launch["server"] = (args, port, self.events_path)
         self._announce(on_event, "server")
-        server = self._spawn("server", [*args, "--listen", f"{LOOPBACK}:0", *resume], port)
-        self._ports["server"], _ = self._wait_ready(server, self.events_path)
+        strict = ["--require-checkpoint"] if self.resume and self.require_checkpoint else []
+        server = self._spawn("server", [*args, "--listen", f"{LOOPBACK}:0", *resume, *strict], port)
+        self._ports["server"], _ = self._wait_ready(server, self.events_path, self._attempt_offset)
         server_address = f"{LOOPBACK}:{self._ports['server']}"
         peers = peer_arguments(spec) if protocol_facts(spec.protocol.name).decentralized else {}
         self._announce(
@@ -403,7 +487,7 @@ class LocalRun:
         Raises:
             RoleFailed: the server or KDC exited with an error and is not restarted.
         """
-        offset = 0
+        offset = self._attempt_offset
         reported = False  # the current server reported a failure
         joined = False  # the server saw its clients join (dropouts are its business from then)
         while True:
@@ -486,6 +570,10 @@ class LocalRun:
 
     def stop(self, grace: float = STOP_SECONDS) -> None:
         """Stops every child: SIGTERM, then SIGKILL after ``grace`` seconds."""
+        if self._preparer is not None:
+            if self._preparer.poll() is None:
+                self._preparer.kill()
+            self._preparer.wait()
         for child in self.children.values():
             if child.process.poll() is None:
                 with contextlib.suppress(ProcessLookupError):
@@ -555,6 +643,9 @@ class LocalRun:
             wall_seconds=0.0,
             startup_seconds=None,
             workdir=str(self.workdir),
+            attempt=self.attempt,
+            events=str(self.events_path),
+            logs=str(self.workdir / "logs"),
         )
         failed: dict[str, Any] | None = None
         already_delivered = self._delivered  # by start, to its own callback

@@ -153,6 +153,7 @@ class Kdc:
             return
         try:
             checkpointer.store.check()
+            checkpointer.sweep()  # what a killed writer left (this KDC writes its series alone)
             found = checkpointer.load_latest() if self.resume else None
             existing = checkpointer.rounds()
         except CheckpointRefused as exc:

@@ -20,6 +20,7 @@ from safetensors.numpy import save_file
 
 from fedcore.checkpoint import (
     Checkpointer,
+    CheckpointShortOfSpace,
     server_checkpoint_key,
     server_checkpointer,
 )
@@ -239,6 +240,9 @@ class Server:
         listen: the ``host:port`` to serve on.
         resume: whether to start from the latest checkpoint.
         kdc: ``host:port`` of the KDC, for protocols whose server calls it.
+        require_checkpoint: with ``resume``, refuse to start (reason ``NoCheckpoint``) when
+            there is no checkpoint to resume from, instead of starting at round 1 (what a
+            restarted server does when it died before its first checkpoint).
     """
 
     def __init__(
@@ -250,11 +254,13 @@ class Server:
         listen: str,
         resume: bool,
         kdc: str | None = None,
+        require_checkpoint: bool = False,
     ) -> None:
         self.run = run
         self.spec = run.spec
         self.config = config
         self.resume = resume
+        self.require_checkpoint = require_checkpoint
         self.facts = protocol_facts(self.spec.protocol.name)
         self.round_policy = RoundPolicy(self.spec, self.facts)
         self.events = EventLog(config.events, listeners=status_listeners(run))
@@ -600,9 +606,10 @@ class Server:
     def _check_store(self) -> None:
         """Fails the run before round 1 when the checkpoint store cannot be used."""
         store = None if self.checkpointer is None else self.checkpointer.store
-        if store is not None:
+        if store is not None and self.checkpointer is not None:
             try:
                 store.check()
+                self.checkpointer.sweep()  # what a killed writer left (this server writes alone)
             except CheckpointError as exc:
                 raise RunAborted(
                     f"The checkpoint store cannot be used, so the run does not start: {exc}",
@@ -638,6 +645,22 @@ class Server:
         started = time.monotonic()
         try:
             info = self.checkpointer.save(round_, state)
+        except CheckpointShortOfSpace as exc:
+            self.metrics.checkpoint_failures.inc()
+            if self.spec.checkpoint.when_short_of_space == "Fail":
+                raise RunAborted(
+                    f"The checkpoint of round {round_} failed: {exc} "
+                    f"(spec.checkpoint.whenShortOfSpace is Fail).",
+                    reason="CheckpointFailed",
+                    round=round_,
+                ) from exc
+            log.warning(
+                "%s Left out (spec.checkpoint.whenShortOfSpace Skip); the next checkpoint tries "
+                "again.",
+                exc,
+            )
+            self.events.emit("checkpoint_skipped", round=round_, needed=exc.needed, free=exc.free)
+            return
         except CheckpointError as exc:
             self.metrics.checkpoint_failures.inc()
             raise RunAborted(
@@ -650,6 +673,13 @@ class Server:
 
     def _restore(self) -> int:
         """Loads the latest good checkpoint when resuming; returns its round (0: none)."""
+        if self.resume and self.checkpointer is None and self.require_checkpoint:
+            raise RunAborted(
+                "This run keeps no checkpoints (spec.checkpoint.everyRounds is 0), so there is "
+                "nothing to resume from. Run without --resume.",
+                reason="NoCheckpoint",
+                round=0,
+            )
         if not self.resume or self.checkpointer is None:
             return 0
         try:
@@ -657,6 +687,15 @@ class Server:
         except CheckpointError as exc:  # tampered, unsigned, missing: refused, never skipped
             raise RunAborted(f"Cannot resume: {exc}", reason="CheckpointInvalid", round=0) from exc
         if found is None:
+            if self.require_checkpoint:
+                raise RunAborted(
+                    f"There is no checkpoint to resume from in "
+                    f"{self.checkpointer.store.describe()} (no checkpoint folder, no latest "
+                    f"record). Run without --resume to start at round 1, or with "
+                    f"--resume-if-possible to resume when there is one.",
+                    reason="NoCheckpoint",
+                    round=0,
+                )
             log.warning(
                 "No usable checkpoint in %s; starting from round 1.",
                 self.checkpointer.store.describe(),
@@ -712,11 +751,20 @@ def run_server(
     listen: str,
     resume: bool,
     kdc: str | None = None,
+    require_checkpoint: bool = False,
 ) -> dict[str, Any]:
     """The ``fedcore server`` entry point: serves one run to its end."""
     run, tls = config.load()
     limit_threads(config.threads)
-    server = Server(run, config, tls, listen=listen, resume=resume, kdc=kdc)
+    server = Server(
+        run,
+        config,
+        tls,
+        listen=listen,
+        resume=resume,
+        kdc=kdc,
+        require_checkpoint=require_checkpoint,
+    )
     try:
         return server.serve()
     finally:

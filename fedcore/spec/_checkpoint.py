@@ -87,6 +87,15 @@ class CheckpointSpec(SpecModel):
         "of it (e.g. 50: rounds 50, 100, ...), besides the keepLast newest and any marked with "
         "`fedcore checkpoint mark`. Default 0: none.",
     )
+    when_short_of_space: Literal["Skip", "Fail"] = Field(
+        "Skip",
+        description="whenShortOfSpace is what the server does when the checkpoint folder's "
+        "disk has less free space than the checkpoint needs (known before writing; not for "
+        "S3): Skip (default) leaves that checkpoint out, with a warning, an event and the "
+        "failure metric, and tries again at the next one; Fail stops the run with reason "
+        "CheckpointFailed. A write that fails anyway stops the run either way, its partial "
+        "files removed.",
+    )
     local: LocalStoreSpec = Field(
         default_factory=LocalStoreSpec,
         description="local is the checkpoint folder, used when s3 is unset.",

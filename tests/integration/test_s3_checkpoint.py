@@ -271,7 +271,8 @@ def test_resume_refuses_a_newest_checkpoint_tampered_in_s3_until_rolled_back_kno
     # Assert
     assert refused.returncode == 1
     failed = last_json(refused.stdout)
-    assert failed["phase"] == "Failed" and failed["reason"] == "RoleFailed"
+    assert failed["phase"] == "Failed" and failed["reason"] == "CheckpointInvalid"
+    assert "\nCheckpointInvalid: The server failed: Cannot resume" in "\n" + refused.stderr
     assert failed["message"].startswith(
         f"The server failed: Cannot resume: The checkpoint of round 2 "
         f"(s3://{BUCKET}/e2e/tampered/round-00000002/) is refused: its part "

@@ -278,8 +278,8 @@ def test_checkpointer_save_failing_manifest_keeps_previous_checkpoint(tmp_path: 
     store.reads.clear()
     latest = checkpointer.load_latest()
 
-    # Assert
-    assert (tmp_path / "round-00000002" / "state.json").exists()
+    # Assert: the unpublished round's parts are removed with it
+    assert not (tmp_path / "round-00000002").exists()
     assert checkpointer.rounds() == [1]
     assert latest is not None
     assert latest[0] == 1
@@ -573,21 +573,20 @@ def test_checkpointer_mark_of_a_missing_round_names_the_rounds_there(tmp_path: P
     assert checkpointer.marked() == []
 
 
-def test_checkpointer_next_save_removes_the_leftovers_of_a_failed_write(tmp_path: Path) -> None:
-    # Prepare: round 2's parts were written but its manifest failed.
+def test_checkpointer_failed_write_removes_its_partial_files_at_once(tmp_path: Path) -> None:
+    # Prepare: round 2's parts are written, then its manifest fails
     store = FailingManifestStore(tmp_path)
     checkpointer = _checkpointer(store, keep_last=5)
     checkpointer.save(1, _state(1))
     store.fail_manifests = True
+    # Execute
     with pytest.raises(CheckpointError):
         checkpointer.save(2, _state(2))
     store.fail_manifests = False
-    leftover = (tmp_path / "round-00000002").exists()
-    # Execute
+    left = (tmp_path / "round-00000002").exists()
     checkpointer.save(3, _state(3))
-    # Assert
-    assert leftover
-    assert not (tmp_path / "round-00000002").exists()
+    # Assert (a writer killed mid-write leaves files instead: tests/unit/test_checkpoint_faults.py)
+    assert not left
     assert checkpointer.rounds() == [1, 3]
 
 

@@ -790,3 +790,72 @@ def test_progress_shows_each_start_up_phase_then_the_rounds() -> None:
         assert phase in drawn, phase
     assert "2/20" in drawn  # resumed after round 2, still starting
     assert "3/20" in drawn and "0.7500" in drawn
+
+
+def test_progress_prints_one_line_per_incident_not_per_event() -> None:
+    # Prepare: a server restart with its clients reconnecting, a client lost for two rounds,
+    # then back
+    import io
+
+    from rich.console import Console
+
+    from fedcore.cli.progress import RunProgress
+    from fedcore.spec import load_manifest
+
+    out = io.StringIO()
+    console = Console(file=out, force_terminal=False, width=200, color_system=None)
+    recorded = [
+        {"event": "joined", "clients": 3},
+        {"event": "round", "round": 1, "failures": []},
+        {"event": "restarted", "role": "server", "restart": 1, "exit_code": -9},
+        {"event": "resumed", "round": 1},
+        *({"event": "connected", "client": c, "connected": c + 1, "clients": 3} for c in range(3)),
+        {"event": "joined", "clients": 3},
+        {"event": "round", "round": 2, "failures": [1]},
+        {"event": "round", "round": 3, "failures": [1]},
+        {"event": "connected", "client": 1, "connected": 3, "clients": 3},
+        {"event": "round", "round": 4, "failures": []},
+    ]
+    progress = RunProgress(console, load_manifest(EXAMPLE))
+
+    # Execute
+    with progress:
+        for event in recorded:
+            progress.update(event)
+
+    # Assert
+    lines = [line.strip() for line in out.getvalue().splitlines() if line.strip()]
+    incidents = [line for line in lines if not line.startswith("digits-fedavg")]
+    assert incidents == [
+        "server exited with code -9 without reporting a failure; restarted (1 so far), "
+        "resuming from its latest checkpoint",
+        "3 clients joined the restarted server",
+        "round 2: went on without client(s) 1",
+        "client 1 connected again",
+        "round 4: every sampled client uploaded again",
+    ]
+
+
+def test_a_stopped_run_is_named_by_its_reason_on_the_console(
+    cli: CliRunner, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Prepare: the same reason --json, the events and the status give
+    from fedcore.errors import RunAborted
+    from fedcore.local.runner import LocalRun
+
+    def stopped(self: LocalRun, on_event: Any = None) -> None:
+        raise RunAborted(
+            "The checkpoint of round 3 could not be written.", reason="CheckpointFailed"
+        )
+
+    monkeypatch.setattr(LocalRun, "execute", stopped)
+
+    # Execute
+    result = cli.invoke(
+        main, ["run", str(EXAMPLE), "--quiet", "--json", "--workdir", str(tmp_path / "w")]
+    )
+
+    # Assert
+    assert result.exit_code == 1
+    assert _single_line(result.stderr).startswith("CheckpointFailed: The checkpoint of round 3")
+    assert json.loads(_single_line(result.stdout))["reason"] == "CheckpointFailed"

