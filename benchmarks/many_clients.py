@@ -295,6 +295,49 @@ def target_rows(data: dict[str, Any]) -> list[str]:
     return rows
 
 
+def grouping(data: dict[str, Any]) -> str:
+    """What grouping changed at the K where both modes ran, from the measurement."""
+    for job in data["jobs"]:
+        ratios = job["ratios"]
+        alone = ratios.get("fedcore-1/floor median_round")
+        grouped = ratios.get("fedcore-auto/floor median_round")
+        if alone is None or grouped is None:
+            continue
+        many = job["medians"]["fedcore-1"].get("client_processes")
+        few = job["medians"]["fedcore-auto"].get("client_processes")
+        return (
+            f"Grouping clients took the client processes from {many:.0f} to {few:.0f} and the "
+            f"round from {alone:.2f}x to {grouped:.2f}x the floor at K={job['clients']} (table "
+            f"above)"
+        )
+    return "Grouping clients cuts the processes (table above)"
+
+
+def bounds(data: dict[str, Any]) -> list[str]:
+    """What bounds the missed targets, as measured."""
+    return [
+        "**What bounds the round with many clients.** The floor trains every client in one loop: "
+        "about 1 ms per client and round here. fedcore adds, per client and round, one model sent, "
+        "one upload received, decoded, checked and averaged, over a gRPC stream of that client's "
+        "own mutual-TLS channel. Measured with `perf` on a K=50 run (4 processes of 12-13 "
+        "clients, 2026-11-26): a client process spends a round's CPU 42% in the Python "
+        "interpreter, 26% in torch, 11% in the kernel (thread wake-ups), 9% in libc and 7% in "
+        "gRPC's core; the server 37% in Python, 28% in the kernel, 13% in libc, 10% in gRPC's "
+        "core and 8% in numpy. In all about 3 ms of CPU per client and round against the floor's "
+        "1 ms: the Python of gRPC's synchronous streaming API and of fedcore's sessions (a thread "
+        "hand-off per message on both sides), not the bytes (a digits model is 36 KB). "
+        f"{grouping(data)}; what remains is per message, and is the next target of the data "
+        "path's work (an asyncio transport without per-message thread hand-offs, issue 29).",
+        "",
+        "**Start-up** is bounded by the forkserver's imports on one core (torch, torch._dynamo "
+        "for the optimizer, fedcore's roles: about 4 s here, a third less with the cyclic GC off "
+        "while importing); the floor imports torch and scikit-learn (about 4.5 s) but imports "
+        "torch._dynamo inside its first round, which is why its round 1 takes 2-3 s "
+        "(docs/benchmarks.md, Flower section). Everything else overlaps it on the other core: the "
+        "command, the certificates and the data cache's parse.",
+    ]
+
+
 LABELS = {
     "floor": "floor (one process)",
     "fedcore-auto": "fedcore run (auto)",
@@ -362,7 +405,7 @@ def render(data: dict[str, Any]) -> str:
                 f"{mib(values.get('client_process_max'))} | {per} | "
                 f"{(holds['shard'] + holds['model']) / 1024:.0f} | {values.get('parses')} |"
             )
-    lines.append(END)
+    lines += ["", *bounds(data), END]
     return "\n".join(lines)
 
 

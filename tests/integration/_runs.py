@@ -60,6 +60,18 @@ def fedcore(
     )
 
 
+def attempts(events_file: Path) -> list[list[dict[str, Any]]]:
+    """A run folder's ``events.jsonl`` cut into its attempts (each begins with an ``attempt``
+    event; the file is append-only across starts)."""
+    cut: list[list[dict[str, Any]]] = []
+    for line in events_file.read_text().splitlines():
+        event = json.loads(line)
+        if event["event"] == "attempt" or not cut:
+            cut.append([])
+        cut[-1].append(event)
+    return cut
+
+
 def last_json(stdout: str) -> dict[str, Any]:
     """Returns the JSON object on stdout's last line."""
     return json.loads(stdout.strip().splitlines()[-1])

@@ -15,7 +15,7 @@ from safetensors.numpy import load_file
 
 from fedcore.checkpoint import Checkpointer, CheckpointRefused, S3ObjectStore
 from fedcore.errors import CheckpointError
-from tests.integration._runs import fedcore, last_json, write_manifest
+from tests.integration._runs import attempts, fedcore, last_json, write_manifest
 from tests.integration._s3 import ACCESS_KEY, SECRET_KEY, S3Server, start_s3
 
 pytestmark = pytest.mark.integration
@@ -262,7 +262,7 @@ def test_resume_refuses_a_newest_checkpoint_tampered_in_s3_until_rolled_back_kno
     resume = ("run", str(three), "--json", "--quiet", "--resume", "--workdir", str(work))
     # Execute
     refused = fedcore(*resume, cwd=tmp_path)
-    refused_events = (work / "events.jsonl").read_text()
+    refused_events = json.dumps(attempts(work / "events.jsonl")[-1])
     dry = fedcore("checkpoint", "rollback", str(three), "1", "--workdir", str(work), cwd=tmp_path)
     rolled = fedcore(
         "checkpoint", "rollback", str(three), "1", "--workdir", str(work), "--yes", cwd=tmp_path
@@ -280,13 +280,15 @@ def test_resume_refuses_a_newest_checkpoint_tampered_in_s3_until_rolled_back_kno
     )
     assert "The newest older checkpoint that verifies is round 1" in failed["message"]
     assert '"event": "resumed"' not in refused_events and '"event": "round"' not in refused_events
+    assert '"event": "attempt"' in refused_events  # the refused attempt's own events
     assert dry.returncode == 0 and "delete rounds [2]" in dry.stdout, dry.stderr
     assert rolled.returncode == 0, rolled.stderr
     assert "round 1 is now the latest; deleted rounds [2]" in rolled.stdout
     assert resumed.returncode == 0, resumed.stderr
-    events = [json.loads(line) for line in (work / "events.jsonl").read_text().splitlines()]
+    events = attempts(work / "events.jsonl")[-1]  # the successful resume's own events
     assert [e["round"] for e in events if e["event"] == "resumed"] == [1]
     assert [e["round"] for e in events if e["event"] == "round"] == [2, 3]
+    assert len(attempts(work / "events.jsonl")) == 3  # the first run, the refused, the resumed
     log = (work / "logs" / "server.log").read_text()
     assert "Taking the checkpoint of round 1" in log and "the latest record names it" in log
     assert (
