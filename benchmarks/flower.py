@@ -568,10 +568,12 @@ def render(data: dict[str, Any]) -> str:
         "64-128-ReLU-10 initialised under seed 0, SGD lr 0.1, one local epoch of batch 32 in the "
         "same seeded order, FedAvg weighted by shard size over IID shards, the held-out "
         "accuracy evaluated on the server after every round. Every process runs torch with "
-        "one thread. fedcore runs a server and K client processes over mutual TLS on loopback "
-        "(checkpoints off). Flower's simulation runs `run_simulation` (Ray, one CPU per client "
-        "actor); its deployment runs `flower-superlink`, K `flower-supernode` processes and "
-        "`flwr run` on loopback without TLS.",
+        "one thread. fedcore runs a server and K clients over mutual TLS on loopback, a process "
+        "per client at K=10 and 2 processes of clients per core at K=50 (as "
+        "`--clients-per-process auto` picks; checkpoints off). Flower's simulation runs "
+        "`run_simulation` (Ray, one CPU per client actor); its deployment runs "
+        "`flower-superlink`, K `flower-supernode` processes and `flwr run` on loopback without "
+        "TLS.",
         "",
         "*Start-up* is from the command's launch to the first round's start; *round 1* is shown "
         "apart because Flower starts its client workers lazily inside it; *total* is the "
@@ -658,12 +660,13 @@ def floor_gap(job: dict[str, Any]) -> list[str]:
     return [
         "",
         f"Missed by {ratio / FLOOR_TARGET:.2f}x. fedcore's round takes {per_client:.1f} ms per "
-        f"client more than the floor's: every client is its own process holding a mutual-TLS "
-        f"gRPC stream, so a round wakes K+1 = {k + 1} processes on 2 cores, sends each client "
-        "the model and decodes, checks and averages each upload, a fixed cost per client and "
-        "round (the message framing, TLS, the codec, the process switches) that the floor's "
-        "loop does not pay. The work per client here is tiny (one epoch over about "
-        f"{1437 // k} examples), so that fixed cost sets the ratio, and it grows with K.",
+        "client more than the floor's: each client holds a gRPC stream on its own mutual-TLS "
+        "channel, and a round sends it the model and decodes, checks and averages its upload, "
+        "a fixed cost per client and round (mostly the Python of gRPC's synchronous streams and "
+        "of fedcore's sessions, a thread hand-off per message; measured in the section "
+        "'Start-up, memory per role and many clients') that the floor's loop does not pay. The "
+        f"work per client here is tiny (one epoch over about {1437 // k} examples), so that "
+        "fixed cost sets the ratio.",
     ]
 
 
