@@ -99,6 +99,23 @@ class ServerOutcome(SpecModel):
     )
 
 
+class PodFailure(SpecModel):
+    """One failed pod the operator saw (status.failures keeps the latest 10)."""
+
+    time: str = Field(description="time the operator saw it failed (RFC 3339).")
+    pod: str = Field(description="pod: its name.")
+    role: str = Field(description="role: kdc, server or client.")
+    exit_code: int | None = Field(None, description="exitCode of its fedcore container.")
+    reason: str = Field("", description="reason the kubelet gave (e.g. OOMKilled, Error).")
+    action: Literal["Recreated", "RunFailed"] = Field(
+        description="action: Recreated (within backoffLimit) or RunFailed (the run ended)."
+    )
+
+
+MAX_FAILURES = 10
+"""How many failed pods status.failures keeps, the newest last."""
+
+
 class FederatedRunStatus(SpecModel):
     """status of a FederatedRun, written by fedcore on Kubernetes."""
 
@@ -119,6 +136,11 @@ class FederatedRunStatus(SpecModel):
     roles: RolesStatus | None = Field(None, description="roles: pod counts per role.")
     restarts: int | None = Field(
         None, description="restarts: failed pods recreated so far (bounded by backoffLimit)."
+    )
+    failures: list[PodFailure] = Field(
+        default_factory=list,
+        description="failures: the latest failed pods (at most 10, the newest last), each with "
+        "its exit code, the kubelet's reason and what the operator did.",
     )
     final_metrics: FinalMetrics | None = Field(
         None, description="finalMetrics of the finished run."

@@ -58,6 +58,16 @@ def pod_exit(pod: Object) -> tuple[int | None, str]:
     return None, str(status.get("reason") or status.get("message") or "")
 
 
+def pod_exit_reason(pod: Object) -> str:
+    """The one-word reason a pod's fedcore container ended (``OOMKilled``, ``Error``), else
+    the pod's own (``Evicted``); "" when none is given."""
+    for container in (pod.get("status") or {}).get("containerStatuses") or []:
+        terminated = (container.get("state") or {}).get("terminated")
+        if terminated:
+            return str(terminated.get("reason") or "")
+    return str((pod.get("status") or {}).get("reason") or "")
+
+
 def role_counts(pods: list[Object], desired: int, failed: int) -> dict[str, int]:
     """Counts of one role's pods for status.roles."""
     live = [pod for pod in pods if not terminating(pod)]

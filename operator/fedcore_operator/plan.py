@@ -44,12 +44,14 @@ from typing import Any
 
 from fedcore.errors import SpecError
 from fedcore.spec import FederatedRun, parse_manifest, resolve_share
+from fedcore.spec._status import MAX_FAILURES
 from fedcore_operator import objects
 from fedcore_operator.conditions import (
     differs,
     format_rfc3339,
     parse_rfc3339,
     pod_exit,
+    pod_exit_reason,
     pod_phase,
     pod_ready,
     role_counts,
@@ -81,6 +83,7 @@ OPERATOR_FIELDS = (
     "progress",
     "roles",
     "restarts",
+    "failures",
     "startTime",
     "completionTime",
     "activeSeconds",
@@ -507,6 +510,19 @@ class _Planner:
         self._count_roles()
         return False
 
+    def _record_failure(self, pod: Object, role: str | None, code: int | None, action: str) -> None:
+        """Appends a failed pod to status.failures, keeping the latest MAX_FAILURES."""
+        entry = {
+            "time": self.now,
+            "pod": pod["metadata"]["name"],
+            "role": role or "",
+            "exitCode": code,
+            "reason": pod_exit_reason(pod),
+            "action": action,
+        }
+        failures = [*(self.status.get("failures") or []), entry]
+        self.status["failures"] = failures[-MAX_FAILURES:]
+
     def _replace_failed_pods(self) -> bool:
         """Deletes failed pods (recreated below) and ends the run when it cannot go on.
 
@@ -536,6 +552,7 @@ class _Planner:
                 and outcome.get("phase") == "Failed"
                 and not outcome.get("retriable")
             ):
+                self._record_failure(pod, role, code, "RunFailed")
                 self._finish(
                     "Failed",
                     str(outcome.get("reason") or "ServerFailed"),
@@ -548,6 +565,7 @@ class _Planner:
             self.status["restarts"] = restarts
             failed = self.status.setdefault("failedPods", {})
             failed[role] = failed.get(role, 0) + 1
+            self._record_failure(pod, role, code, "RunFailed" if restarts > limit else "Recreated")
             if restarts > limit:
                 self._finish(
                     "Failed",

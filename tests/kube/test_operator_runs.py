@@ -206,6 +206,13 @@ def test_killed_server_pod_is_recreated_and_resumes_from_its_checkpoint(
     assert status["phase"] == "Succeeded", (status, show())
     assert status["restarts"] == 1
     assert status["roles"]["server"]["failed"] == 1
+    (failure,) = status["failures"]  # the attempt's history outlives the pod
+    assert (failure["pod"], failure["role"], failure["action"]) == (
+        "phoenix-server",
+        "server",
+        "Recreated",
+    )
+    assert failure["exitCode"] != 0 and failure["time"]
     assert status["round"] == 30
     log = kubelet.log_of(namespace, "phoenix-server")
     assert "Resumed from the checkpoint of round" in log, log[-2000:]

@@ -423,6 +423,18 @@ def server_ready() -> Situation:
     )
 
 
+def failure(pod_name: str, role: str, code: int, action: str) -> Object:
+    """One entry of status.failures, seen now."""
+    return {
+        "time": stamp(),
+        "pod": pod_name,
+        "role": role,
+        "exitCode": code,
+        "reason": "Error",
+        "action": action,
+    }
+
+
 def failed_client(protocol: str) -> Callable[[], Situation]:
     """A client pod failed; the protocol's dropout policy (fedavg Skip, mpdp Redo, lppa Fail)
     is the server's business, and the operator recreates the pod within backoffLimit."""
@@ -451,6 +463,7 @@ def failed_client(protocol: str) -> Callable[[], Situation]:
             },
             status={
                 "restarts": 1,
+                "failures": [failure("demo-client-1", "client", 137, "Recreated")],
                 "roles": roles(
                     kdc={"desired": 1, "running": 1, "ready": 1} if kdc else None,
                     server={"running": 1, "ready": 1},
@@ -517,6 +530,7 @@ def server_failed_for_good() -> Situation:
             "message": "Round 2 lost client 1.",
             "completionTime": stamp(),
             "restarts": 0,
+            "failures": [failure("demo-server", "server", 1, "RunFailed")],
             "roles": roles(clients={"succeeded": 1}),
         },
     )
@@ -1046,3 +1060,43 @@ def test_a_policy_with_no_ingress_is_not_drift_once_the_api_server_omits_the_emp
     assert summary(quiet.steps) == []
     patches = [step for step in upgraded.steps if isinstance(step, PatchObject)]
     assert [(step.name, step.patch["spec"]["ingress"]) for step in patches] == [("demo-client", [])]
+
+
+def test_plan_keeps_the_latest_ten_failed_pods_in_status_the_newest_last() -> None:
+    # Prepare: ten failures already recorded, then client 1 fails again
+    earlier = [failure(f"demo-client-{n}", "client", 1, "Recreated") for n in range(10)]
+    pods = [*running("server", "client-0", "client-2"), pod("client-1", "Failed", exit_code=137)]
+    observed = observe(
+        run_body(status={"phase": "Running", "restarts": 3, "failures": earlier}), pods
+    )
+
+    # Execute
+    result = plan(observed)
+
+    # Assert
+    kept = result.status["failures"]
+    assert len(kept) == 10
+    assert kept[:-1] == earlier[1:]
+    assert kept[-1] == failure("demo-client-1", "client", 137, "Recreated")
+
+
+def test_plan_records_the_kubelets_reason_for_a_failed_pod() -> None:
+    # Prepare: client 1 killed for memory (the kubelet says OOMKilled)
+    killed = pod("client-1", "Failed", exit_code=137)
+    killed["status"]["containerStatuses"][0]["state"]["terminated"]["reason"] = "OOMKilled"
+    observed = observe(
+        run_body(status={"phase": "Running", "restarts": 0}),
+        [*running("server", "client-0", "client-2"), killed],
+    )
+
+    # Execute
+    result = plan(observed)
+
+    # Assert
+    (entry,) = result.status["failures"]
+    assert (entry["pod"], entry["exitCode"], entry["reason"], entry["action"]) == (
+        "demo-client-1",
+        137,
+        "OOMKilled",
+        "Recreated",
+    )
