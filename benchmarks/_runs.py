@@ -51,7 +51,7 @@ def timed_run(document: dict[str, Any], folder: Path, name: str) -> dict[str, An
     path.write_text(yaml.safe_dump(document), encoding="utf-8")
     work = folder / name
     command = [sys.executable, "-m", "fedcore", "run", str(path), "--json", "--quiet"]
-    result, wall, _ = run_measured([*command, "--workdir", str(work)])
+    result, wall, _, _ = run_measured([*command, "--workdir", str(work)])
     events = [json.loads(line) for line in (work / "events.jsonl").read_text().splitlines()]
     sent = [
         float(e["metrics"]["peer_bytes_sent"])

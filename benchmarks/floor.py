@@ -37,6 +37,7 @@ def run_floor(
     global_state = {k: v.clone() for k, v in model.state_dict().items()}
     loss_fn = torch.nn.CrossEntropyLoss()
     setup = time.perf_counter() - started
+    first_round_began = time.time()  # seconds since the epoch: comparable across processes
     times = []
     accuracy = 0.0
     for round_ in range(1, rounds + 1):
@@ -66,6 +67,7 @@ def run_floor(
         "accuracy": accuracy,
         "round_seconds": times,
         "setup_seconds": setup,
+        "first_round_began": first_round_began,
         "median_round_seconds": statistics.median(times),
         "total_seconds": time.perf_counter() - started,
     }
