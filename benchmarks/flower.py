@@ -54,12 +54,11 @@ from benchmarks.measure import (
     TreeSampler,
     load,
     machine,
-    save_data,
     stop_group,
     stop_groups,
     wall,
 )
-from benchmarks.spine import write_section
+from benchmarks.spine import parse_jobs, publish
 from fedcore.local.ports import free_port
 
 BEGIN = "<!-- flower:begin -->"
@@ -816,9 +815,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     args = parser.parse_args(argv)
     # A SIGTERM unwinds (runs the finally blocks that stop Flower's process groups).
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
-    jobs = tuple(
-        (int(k), int(r)) for k, r in (pair.split("x") for pair in args.jobs.split(",") if pair)
-    )
+    jobs = parse_jobs(args.jobs)
     data = run(
         repeats=args.repeats,
         deploy_repeats=args.deploy_repeats,
@@ -826,11 +823,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         guard_gib=args.guard_gib,
         jobs=jobs,
     )
-    section = render(data)
-    print(section)
-    if args.write:
-        write_section(section, begin=BEGIN, end=END)
-        save_data("flower", data)
+    publish(render(data), data, "flower", begin=BEGIN, end=END, write=args.write)
     return data
 
 

@@ -42,8 +42,8 @@ from typing import Any
 import yaml
 
 from benchmarks.flower import ONE_THREAD, Measured, run_floor
-from benchmarks.measure import ROOT, TreeSampler, load, machine, save_data, stop_group, wall
-from benchmarks.spine import write_section
+from benchmarks.measure import ROOT, TreeSampler, load, machine, stop_group, wall
+from benchmarks.spine import parse_jobs, publish
 
 BEGIN = "<!-- many-clients:begin -->"
 END = "<!-- many-clients:end -->"
@@ -422,15 +422,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     )
     parser.add_argument("--write", action="store_true", help="update docs/benchmarks.md")
     args = parser.parse_args(argv)
-    jobs = tuple(
-        (int(k), int(r)) for k, r in (item.split("x") for item in args.jobs.split(",") if item)
-    )
+    jobs = parse_jobs(args.jobs)
     data = run(repeats=args.repeats, jobs=jobs)
-    section = render(data)
-    print(section)
-    if args.write:
-        write_section(section, begin=BEGIN, end=END)
-        save_data("many_clients", data)
+    publish(render(data), data, "many_clients", begin=BEGIN, end=END, write=args.write)
     return data
 
 

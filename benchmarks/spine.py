@@ -204,6 +204,24 @@ def render(
     )
 
 
+def parse_jobs(text: str) -> tuple[tuple[int, int], ...]:
+    """``--jobs`` of the benchmarks that run several (clients K, rounds R): ``KxR,KxR``."""
+    return tuple((int(k), int(r)) for k, r in (pair.split("x") for pair in text.split(",") if pair))
+
+
+def publish(
+    section: str, data: dict[str, Any], name: str, *, begin: str, end: str, write: bool
+) -> None:
+    """Prints a benchmark's section; with ``write``, puts it into docs/benchmarks.md and keeps
+    its numbers as docs/benchmarks/NAME.json."""
+    from benchmarks.measure import save_data
+
+    print(section)
+    if write:
+        write_section(section, begin=begin, end=end)
+        save_data(name, data)
+
+
 def write_section(section: str, *, begin: str = BEGIN, end: str = END) -> None:
     """Replaces (or appends) the section between ``begin`` and ``end`` in docs/benchmarks.md."""
     text = DOC.read_text(encoding="utf-8") if DOC.exists() else "# Benchmarks\n"

@@ -178,10 +178,16 @@ class LocalObjectStore(ObjectStore):
         ``write_chunks_atomically`` writes before its rename)."""
         if not self.root.exists():
             return []
+        # Only the folders the prefix can name are walked (not, say, the KDC's kdc/ subtree).
+        head, _, start = prefix.rpartition("/")
+        base = self.root / head if head else self.root
+        if not base.is_dir():
+            return []
         keys = [
             path.relative_to(self.root).as_posix()
-            for path in self.root.rglob(".*.tmp")
-            if path.is_file()
+            for folder in base.glob(f"{start}*")
+            for path in ([folder] if folder.is_file() else folder.rglob(".*.tmp"))
+            if path.is_file() and path.name.startswith(".") and path.name.endswith(".tmp")
         ]
         return sorted(key for key in keys if key.startswith(prefix))
 

@@ -92,6 +92,24 @@ ROLE_OPTIONS = {
 }
 
 
+def client_links(func: Any) -> Any:
+    """Adds the options a client role dials out with (``client`` and ``clients``)."""
+    func = click.option(
+        "--kdc",
+        "kdc_address",
+        default=None,
+        envvar="FEDCORE_KDC",
+        help="host:port of the KDC, for protocols that need one.",
+    )(func)
+    return click.option(
+        "--server",
+        "server_address",
+        required=True,
+        envvar="FEDCORE_SERVER",
+        help="host:port of the server.",
+    )(func)
+
+
 def role_options(func: Any, *, without: tuple[str, ...] = ()) -> Any:
     """Adds the options every role command shares (but those named in ``without``)."""
     for name, option in reversed(ROLE_OPTIONS.items()):
@@ -131,8 +149,7 @@ def role_errors(role: str) -> Iterator[None]:
     except BaseException as exc:
         logger = logging.getLogger(f"fedcore.{role}")
         logger.debug("Traceback of the failure:", exc_info=True)
-        name = exc.reason if isinstance(exc, RunAborted) and exc.reason else type(exc).__name__
-        logger.error("%s: %s", name, exc)
+        logger.error("%s: %s", error_name(exc), exc)
         sys.exit(1)
     exit_now(0)
 
@@ -160,6 +177,12 @@ def exit_now(code: int) -> None:
     os._exit(code)
 
 
+def error_name(exc: BaseException) -> str:
+    """What an error is called on the console and in a role's log: a stopped run's reason
+    (RunAborted), else the error's type."""
+    return exc.reason if isinstance(exc, RunAborted) and exc.reason else type(exc).__name__
+
+
 def fail(exc: BaseException, code: int = EXIT_FAILURE) -> None:
     """Prints ``Name: message`` in red on stderr and exits with ``code``: for a stopped run
     (RunAborted) the name is its reason, the one ``--json``, the events, the FederatedRun's
@@ -169,9 +192,8 @@ def fail(exc: BaseException, code: int = EXIT_FAILURE) -> None:
     The message is escaped: text from a manifest or an error (``[red]``, ``[/x]``, a regular
     expression's ``[a-z]``) is printed as it is, never read as Rich markup.
     """
-    name = exc.reason if isinstance(exc, RunAborted) and exc.reason else type(exc).__name__
     stderr.print(
-        f"[bold red]{escape(name)}[/]: {escape(str(exc))}",
+        f"[bold red]{escape(error_name(exc))}[/]: {escape(str(exc))}",
         markup=True,
         highlight=False,
         soft_wrap=True,
@@ -661,20 +683,7 @@ def server(
     envvar="FEDCORE_CLIENT_INDEX",
     help="This client's index, 0 to count-1 (its certificate must say the same).",
 )
-@click.option(
-    "--server",
-    "server_address",
-    required=True,
-    envvar="FEDCORE_SERVER",
-    help="host:port of the server.",
-)
-@click.option(
-    "--kdc",
-    "kdc_address",
-    default=None,
-    envvar="FEDCORE_KDC",
-    help="host:port of the KDC, for protocols that need one.",
-)
+@client_links
 @click.option(
     "--peer-listen",
     default=None,
@@ -759,20 +768,7 @@ def _member(text: str) -> Any:
     metavar="INDEX[:METRICS_PORT]",
     help="A client of this process, and where it serves /metrics (repeat per client).",
 )
-@click.option(
-    "--server",
-    "server_address",
-    required=True,
-    envvar="FEDCORE_SERVER",
-    help="host:port of the server.",
-)
-@click.option(
-    "--kdc",
-    "kdc_address",
-    default=None,
-    envvar="FEDCORE_KDC",
-    help="host:port of the KDC, for protocols that need one.",
-)
+@client_links
 def clients(
     tls_dir: str,
     members: tuple[str, ...],
