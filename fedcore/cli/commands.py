@@ -740,16 +740,18 @@ def client(
         )
 
 
-def _member(text: str) -> Any:
-    """Parses ``INDEX`` or ``INDEX:METRICS_PORT`` of ``fedcore clients --member``."""
+def _members(_ctx: click.Context, _param: click.Parameter, values: tuple[str, ...]) -> list[Any]:
+    """Parses each ``INDEX`` or ``INDEX:METRICS_PORT`` of ``fedcore clients --member`` (a usage
+    error naming the bad one, before anything starts)."""
     from fedcore.roles.client_group import Member
 
-    index, _, port = text.partition(":")
-    if not index.isdigit() or (port and not port.isdigit()) or int(port or 0) > 65535:
-        raise click.BadParameter(
-            f"{text!r} is not INDEX or INDEX:METRICS_PORT.", param_hint="--member"
-        )
-    return Member(int(index), int(port or 0))
+    members = []
+    for text in values:
+        index, colon, port = text.partition(":")
+        if not index.isdigit() or (colon and not port.isdigit()) or int(port or 0) > 65535:
+            raise click.BadParameter(f"{text!r} is not INDEX or INDEX:METRICS_PORT.")
+        members.append(Member(int(index), int(port or 0)))
+    return members
 
 
 @main.command()
@@ -766,12 +768,13 @@ def _member(text: str) -> Any:
     multiple=True,
     required=True,
     metavar="INDEX[:METRICS_PORT]",
+    callback=_members,
     help="A client of this process, and where it serves /metrics (repeat per client).",
 )
 @client_links
 def clients(
     tls_dir: str,
-    members: tuple[str, ...],
+    members: list[Any],
     server_address: str,
     kdc_address: str | None,
     **options: Any,
@@ -793,9 +796,7 @@ def clients(
             metrics_address=options["metrics_address"],
             threads=options["threads"],
         )
-        run_client_group(
-            config, [_member(item) for item in members], server=server_address, kdc=kdc_address
-        )
+        run_client_group(config, members, server=server_address, kdc=kdc_address)
 
 
 @main.command()

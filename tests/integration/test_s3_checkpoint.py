@@ -127,6 +127,33 @@ def test_s3_deleting_the_newest_checkpoint_is_refused_not_rolled_back(s3: S3Serv
     assert "The newest older checkpoint that verifies is round 2" in str(resumed.value)
 
 
+def test_s3_sweep_removes_the_parts_of_an_unpublished_round_and_resume_takes_the_last_whole(
+    s3: S3Server,
+) -> None:
+    # Prepare: round 1 whole; round 2's parts uploaded but never published (the writer died
+    # before its manifest)
+    prefix = "unit/swept"
+    checkpointer = Checkpointer(
+        store_for(s3, prefix), run="r", fingerprint="f", keep_last=5, key=KEY
+    )
+    checkpointer.save(1, {"w": np.full(2, 1.0)})
+    writer = s3.client()
+    for name in ("state.json", "tensors.safetensors"):
+        writer.put_object(Bucket=BUCKET, Key=f"{prefix}/round-00000002/{name}", Body=b"partial")  # type: ignore[attr-defined]
+    restarted = Checkpointer(store_for(s3, prefix), run="r", fingerprint="f", keep_last=5, key=KEY)
+
+    # Execute: what a restarted server does before resuming
+    swept = restarted.sweep()
+    found = restarted.load_latest()
+
+    # Assert
+    assert swept == ["round-00000002/state.json", "round-00000002/tensors.safetensors"]
+    listed = writer.list_objects_v2(Bucket=BUCKET, Prefix=f"{prefix}/round-00000002/")  # type: ignore[attr-defined]
+    assert listed.get("KeyCount", 0) == 0
+    assert found is not None and found[0] == 1
+    assert np.array_equal(found[1]["w"], np.full(2, 1.0))
+
+
 def test_s3_checkpointer_refuses_a_foreign_checkpoint(s3: S3Server) -> None:
     # Prepare
     store = store_for(s3, "unit/foreign")

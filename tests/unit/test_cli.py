@@ -859,3 +859,52 @@ def test_a_stopped_run_is_named_by_its_reason_on_the_console(
     assert result.exit_code == 1
     assert _single_line(result.stderr).startswith("CheckpointFailed: The checkpoint of round 3")
     assert json.loads(_single_line(result.stdout))["reason"] == "CheckpointFailed"
+
+
+@pytest.mark.parametrize("value", ["0", "-2", "many"])
+def test_run_refuses_a_bad_clients_per_process_naming_the_option(
+    cli: CliRunner, tmp_path: Path, value: str
+) -> None:
+    # Execute
+    result = cli.invoke(
+        main,
+        [
+            "run",
+            str(EXAMPLE),
+            "--quiet",
+            "--clients-per-process",
+            value,
+            "--workdir",
+            str(tmp_path),
+        ],
+    )
+
+    # Assert: a usage error before anything starts, naming the option and the value
+    assert result.exit_code == 2
+    assert "--clients-per-process" in result.output and repr(value) in result.output
+    assert not (tmp_path / "events.jsonl").exists()
+
+
+@pytest.mark.parametrize("member", ["x", "3:", "3:port", "3:70000"])
+def test_clients_refuses_a_malformed_member_naming_it(
+    cli: CliRunner, tmp_path: Path, member: str
+) -> None:
+    # Execute
+    result = cli.invoke(
+        main,
+        [
+            "clients",
+            "--manifest",
+            str(EXAMPLE),
+            "--tls-dir",
+            str(tmp_path / "client-{index}"),
+            "--member",
+            member,
+            "--server",
+            "127.0.0.1:1",
+        ],
+    )
+
+    # Assert
+    assert result.exit_code == 2
+    assert "--member" in result.output and "INDEX or INDEX:METRICS_PORT" in result.output
