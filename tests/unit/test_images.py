@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib.metadata as metadata
+import importlib.util
 import re
 import subprocess
 import sys
@@ -20,7 +21,11 @@ HEAVY = {"torch", "sklearn", "boto3", "mlxtend", "safetensors", "dp_accounting"}
 def test_images_use_pinned_bases_and_run_as_non_root() -> None:
     for dockerfile in DOCKERFILES:
         text = dockerfile.read_text()
-        bases = re.findall(r"^FROM\s+(\S+)", text, flags=re.MULTILINE)
+        defaults = dict(re.findall(r"^ARG\s+(\w+)=(\S+)", text, flags=re.MULTILINE))
+        bases = [
+            defaults.get(base[2:-1], base) if base.startswith("${") else base
+            for base in re.findall(r"^FROM\s+(\S+)", text, flags=re.MULTILINE)
+        ]
         assert bases, dockerfile
         for base in bases:
             _, _, tag = base.partition(":")
@@ -28,6 +33,23 @@ def test_images_use_pinned_bases_and_run_as_non_root() -> None:
         users = re.findall(r"^USER\s+(\S+)", text, flags=re.MULTILINE)
         assert users and users[-1].split(":")[0] == "10001", dockerfile
     assert (ROOT / ".dockerignore").read_text().startswith("#")
+
+
+def test_image_requirements_pin_what_the_tests_run_with() -> None:
+    """The requirements files are what hack/pin_requirements.py makes of this environment."""
+    spec = importlib.util.spec_from_file_location(
+        "pin_requirements", ROOT / "hack/pin_requirements.py"
+    )
+    assert spec and spec.loader
+    pins = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(pins)
+    for target in pins.TARGETS:
+        assert target.read_text() == pins.render(target), (
+            f"{target.relative_to(ROOT)} is stale: python hack/pin_requirements.py --write"
+        )
+    runtime = pins.pinned(pins.roots(pins.RUNTIME))
+    assert runtime["torch"] == metadata.version("torch").split("+")[0]
+    assert "pytest" not in runtime and "hypothesis" not in runtime  # no dev extras
 
 
 def test_chart_versions_follow_the_package() -> None:

@@ -1,0 +1,510 @@
+"""A real Kubernetes node on this machine: containerd + runc, a CNI bridge, kubelet, kube-proxy.
+
+What tests/kube's fake kubelet cannot check (a container's user, read-only root, capabilities,
+Secret file modes, memory limits, probes, pod IPs and Services) needs pods in real containers.
+`PodNetwork` makes a Linux bridge with a /24 of its own; the API server listens on its gateway
+address (`tests.kube.cluster.ControlPlane(advertise_address=...)`) so pods reach it through the
+``kubernetes`` Service. `RealNode` then starts, each with its files under one work folder:
+
+- containerd 1.6 (Debian's) with the CRI plugin, runc and overlayfs, the CNI bridge plugin
+  from containernetworking-plugins, and the locally built pause image as the sandbox;
+- the images `hack/images.sh --save` wrote, imported with ``ctr``;
+- kubelet 1.20.2 (built by hack/control-plane.sh), which registers the Node itself;
+- kube-proxy 1.20.2 in iptables mode (Services' ClusterIPs);
+- the cluster DNS (`tests.kube.dns`) on the gateway's port 53, answering from the Services and
+  Endpoints the real controllers keep.
+
+Everything is stopped by PID and every mount under the work folder is undone. Needs root,
+iptables and the binaries above; `hack/test.sh` provides them. ``python -m tests.node.node``
+starts one and keeps it up until Ctrl-C (hack/cluster.sh does that for people).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ipaddress
+import json
+import os
+import random
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import kubernetes
+import yaml
+from kubernetes.client.rest import ApiException
+
+from fedcore.local.ports import free_ports
+from tests.kube.cluster import DEFAULT_BIN, Component, ControlPlane, dying_with_parent, read_json
+from tests.kube.dns import DnsServer, NoSuchName
+
+IMAGES_ENV = "FEDCORE_IMAGE_ARCHIVES"
+DEFAULT_IMAGES = Path.home() / ".cache" / "fedcore-images" / "archives"
+PAUSE_IMAGE = "localhost/fedcore-pause:3.4.1"
+CNI_BIN = Path("/usr/lib/cni")
+CLUSTER_DOMAIN = "cluster.local"
+
+
+class NodeError(RuntimeError):
+    """The node could not be set up or used."""
+
+
+def _run(*args: str, check: bool = True, timeout: float = 120) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(args, capture_output=True, text=True, check=check, timeout=timeout)
+
+
+def missing_requirements() -> list[str]:
+    """What this machine lacks for a real node (empty when it can run one)."""
+    missing = []
+    if os.geteuid() != 0:
+        missing.append("root")
+    for tool in ("containerd", "ctr", "runc", "iptables", "ip"):
+        if not shutil.which(tool):
+            missing.append(tool)
+    if not (CNI_BIN / "bridge").exists():
+        missing.append("containernetworking-plugins")
+    bin_dir = Path(os.environ.get("FEDCORE_K8S_BIN") or DEFAULT_BIN).expanduser()
+    missing += [str(bin_dir / b) for b in ("kubelet", "kube-proxy") if not (bin_dir / b).exists()]
+    return missing
+
+
+class PodNetwork:
+    """A bridge with a free 10.217.N.0/24; its .1 is the node's (and the API server's) address."""
+
+    def __init__(self) -> None:
+        used = _run("ip", "-4", "route", "show").stdout
+        for third in random.sample(range(1, 255), 254):
+            subnet = ipaddress.ip_network(f"10.217.{third}.0/24")
+            if str(subnet) not in used:
+                break
+        else:
+            raise NodeError("no free 10.217.N.0/24 for the pod network")
+        self.subnet = subnet
+        self.gateway = str(subnet.network_address + 1)
+        self.bridge = f"fcbr{third}"
+
+    def create(self) -> PodNetwork:
+        _run("ip", "link", "add", self.bridge, "type", "bridge")
+        _run("ip", "addr", "add", f"{self.gateway}/{self.subnet.prefixlen}", "dev", self.bridge)
+        _run("ip", "link", "set", self.bridge, "up")
+        Path("/proc/sys/net/ipv4/ip_forward").write_text("1")
+        return self
+
+    def remove(self) -> None:
+        _run("ip", "link", "del", self.bridge, check=False)
+
+
+def _containerd_config(work: Path, cni_conf: Path) -> str:
+    cri = 'plugins."io.containerd.grpc.v1.cri"'
+    return f"""\
+version = 2
+root = "{work}/root"
+state = "{work}/state"
+disabled_plugins = ["io.containerd.snapshotter.v1.aufs", "io.containerd.snapshotter.v1.btrfs",
+                    "io.containerd.snapshotter.v1.zfs", "io.containerd.snapshotter.v1.devmapper"]
+[grpc]
+  address = "{work}/containerd.sock"
+[ttrpc]
+  address = "{work}/containerd.sock.ttrpc"
+[plugins."io.containerd.internal.v1.opt"]
+  path = "{work}/opt"
+[{cri}]
+  sandbox_image = "{PAUSE_IMAGE}"
+  # Without it runc fails with "can't get final child's PID from pipe" in a sandbox that
+  # cannot lower oom_score_adj.
+  restrict_oom_score_adj = true
+  stream_server_address = "127.0.0.1"
+  [{cri}.containerd]
+    snapshotter = "overlayfs"
+    default_runtime_name = "runc"
+    [{cri}.containerd.runtimes.runc]
+      runtime_type = "io.containerd.runc.v2"
+      [{cri}.containerd.runtimes.runc.options]
+        SystemdCgroup = false
+  [{cri}.cni]
+    bin_dir = "{CNI_BIN}"
+    conf_dir = "{cni_conf}"
+"""
+
+
+class RealNode:
+    """One registered, Ready node whose pods run in containerd; see the module docstring."""
+
+    def __init__(
+        self,
+        control_plane: ControlPlane,
+        network: PodNetwork,
+        *,
+        images: Path | None = None,
+        workdir: Path | None = None,
+        name: str = "node-0",
+        start_timeout: float = 120.0,
+    ) -> None:
+        self.control_plane = control_plane
+        self.network = network
+        self.images = Path(images or os.environ.get(IMAGES_ENV) or DEFAULT_IMAGES).expanduser()
+        self.workdir = Path(workdir or tempfile.mkdtemp(prefix="fedcore-node-"))
+        self.name = name
+        self.start_timeout = start_timeout
+        self.bin_dir = control_plane.bin_dir
+        self.components: list[Component] = []
+        self.dns: DnsServer | None = None
+        self.socket = self.workdir / "containerd" / "containerd.sock"
+
+    # -- lifecycle -------------------------------------------------------------------------
+
+    def __enter__(self) -> RealNode:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+    def start(self) -> RealNode:
+        try:
+            self._start_containerd()
+            self._import_images()
+            self.dns = DnsServer(self._lookup, host=self.network.gateway, port=53).start()
+            self._start_kube_proxy()
+            self._start_kubelet()
+            self._wait_ready()
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def stop(self) -> None:
+        """Stops the kubelet, every container, containerd and kube-proxy; undoes mounts."""
+        for component in reversed(self.components):
+            if component.name in ("kubelet", "kube-proxy"):
+                component.stop()
+        if self.socket.exists():
+            self._remove_containers()
+        for component in reversed(self.components):
+            component.stop()
+        self.components = []
+        if self.dns is not None:
+            self.dns.stop()
+            self.dns = None
+        proxy = self.bin_dir / "kube-proxy"
+        if proxy.exists():
+            _run(str(proxy), "--cleanup", check=False)
+        self._unmount_all()
+
+    # -- components ------------------------------------------------------------------------
+
+    def _spawn(self, name: str, args: list[str]) -> Component:
+        logs = self.workdir / "logs"
+        logs.mkdir(parents=True, exist_ok=True)
+        log = logs / f"{name}.log"
+        with log.open("ab") as out:
+            process = subprocess.Popen(
+                dying_with_parent(args),
+                stdin=subprocess.DEVNULL,
+                stdout=out,
+                stderr=subprocess.STDOUT,
+                cwd=self.workdir,
+            )
+        component = Component(name, args, log, process)
+        self.components.append(component)
+        return component
+
+    def _check_alive(self) -> None:
+        for component in self.components:
+            if component.process.poll() is not None:
+                raise NodeError(
+                    f"{component.name} exited with {component.process.returncode}; last lines "
+                    f"of {component.log}:\n{component.tail()}"
+                )
+
+    def ctr(self, *args: str, timeout: float = 300) -> str:
+        """``ctr`` against this node's containerd, in the CRI's namespace."""
+        result = _run(
+            "ctr",
+            "--address",
+            str(self.socket),
+            "-n",
+            "k8s.io",
+            *args,
+            check=False,
+            timeout=timeout,
+        )
+        if result.returncode != 0:
+            raise NodeError(f"ctr {' '.join(args)}: {result.stderr.strip()}")
+        return result.stdout
+
+    def _start_containerd(self) -> None:
+        work = self.workdir / "containerd"
+        cni_conf = self.workdir / "cni"
+        work.mkdir(parents=True)
+        cni_conf.mkdir()
+        (cni_conf / "10-fedcore.conflist").write_text(
+            json.dumps(
+                {
+                    "cniVersion": "0.4.0",
+                    "name": "fedcore",
+                    "plugins": [
+                        {
+                            "type": "bridge",
+                            "bridge": self.network.bridge,
+                            "isGateway": True,
+                            "ipMasq": True,
+                            "hairpinMode": True,
+                            "ipam": {
+                                "type": "host-local",
+                                "ranges": [[{"subnet": str(self.network.subnet)}]],
+                                "routes": [{"dst": "0.0.0.0/0"}],
+                                "dataDir": str(self.workdir / "ipam"),
+                            },
+                        },
+                        {"type": "portmap", "capabilities": {"portMappings": True}},
+                    ],
+                }
+            )
+        )
+        config = work / "config.toml"
+        config.write_text(_containerd_config(work, cni_conf))
+        self._spawn("containerd", ["containerd", "--config", str(config)])
+        deadline = time.monotonic() + 30
+        while not self.socket.exists():
+            self._check_alive()
+            if time.monotonic() > deadline:
+                raise NodeError("containerd did not open its socket in 30 s")
+            time.sleep(0.1)
+
+    def _import_images(self) -> None:
+        archives = sorted(self.images.glob("*.tar"))
+        if not any(a.name == "fedcore-pause.tar" for a in archives):
+            raise NodeError(
+                f"no images in {self.images}: run `bash hack/images.sh --save {self.images} "
+                "pause operator runtime` (or point FEDCORE_IMAGE_ARCHIVES at such a folder)"
+            )
+        for archive in archives:
+            self.ctr("images", "import", str(archive))
+
+    def _write_kubeconfig(self) -> Path:
+        return self.control_plane.kubeconfig
+
+    def _start_kube_proxy(self) -> None:
+        healthz, metrics = free_ports(2)
+        self._spawn(
+            "kube-proxy",
+            [
+                str(self.bin_dir / "kube-proxy"),
+                f"--kubeconfig={self.control_plane.kubeconfig}",
+                f"--hostname-override={self.name}",
+                "--proxy-mode=iptables",
+                # Replies from a pod on the same bridge come back through the host.
+                "--masquerade-all",
+                f"--cluster-cidr={self.network.subnet}",
+                f"--bind-address={self.network.gateway}",
+                f"--healthz-bind-address=127.0.0.1:{healthz}",
+                f"--metrics-bind-address=127.0.0.1:{metrics}",
+                # A sandbox cannot raise conntrack limits nor lower its own OOM score.
+                "--conntrack-max-per-core=0",
+                "--conntrack-tcp-timeout-established=0",
+                "--conntrack-tcp-timeout-close-wait=0",
+                "--oom-score-adj=0",
+                "--v=1",
+            ],
+        )
+
+    def _start_kubelet(self) -> None:
+        work = self.workdir / "kubelet"
+        work.mkdir()
+        (port,) = free_ports(1)
+        resolv = self.workdir / "resolv.conf"
+        resolv.write_text(f"nameserver {self.network.gateway}\n")
+        config = {
+            "apiVersion": "kubelet.config.k8s.io/v1beta1",
+            "kind": "KubeletConfiguration",
+            "address": self.network.gateway,
+            "port": port,
+            "readOnlyPort": 0,
+            "healthzPort": 0,
+            "authentication": {
+                "anonymous": {"enabled": False},
+                "webhook": {"enabled": False},
+                "x509": {"clientCAFile": str(self.control_plane.ca_path)},
+            },
+            "authorization": {"mode": "AlwaysAllow"},
+            "cgroupDriver": "cgroupfs",
+            "failSwapOn": False,
+            "enforceNodeAllocatable": [],
+            "clusterDNS": [self.network.gateway],
+            "clusterDomain": CLUSTER_DOMAIN,
+            "resolvConf": str(resolv),
+            "evictionHard": {
+                "memory.available": "100Mi",
+                "nodefs.available": "1%",
+                "imagefs.available": "1%",
+                "nodefs.inodesFree": "1%",
+            },
+            "imageGCHighThresholdPercent": 100,
+            "imageGCLowThresholdPercent": 99,
+            "serializeImagePulls": False,
+            "maxPods": 30,
+        }
+        (work / "config.yaml").write_text(yaml.safe_dump(config))
+        self._spawn(
+            "kubelet",
+            [
+                str(self.bin_dir / "kubelet"),
+                f"--config={work / 'config.yaml'}",
+                f"--kubeconfig={self.control_plane.kubeconfig}",
+                "--container-runtime=remote",
+                f"--container-runtime-endpoint=unix://{self.socket}",
+                f"--root-dir={work}",
+                f"--cert-dir={work / 'pki'}",
+                f"--hostname-override={self.name}",
+                f"--node-ip={self.network.gateway}",
+                f"--pod-infra-container-image={PAUSE_IMAGE}",
+                "--oom-score-adj=0",
+                "--v=1",
+            ],
+        )
+
+    def _wait_ready(self) -> None:
+        core = self.control_plane.core()
+        deadline = time.monotonic() + self.start_timeout
+        last = "not registered"
+        while time.monotonic() < deadline:
+            self._check_alive()
+            try:
+                node = read_json(core.read_node, self.name)
+                ready = [c for c in node["status"].get("conditions", []) if c["type"] == "Ready"]
+                if ready and ready[0]["status"] == "True" and self._service_routes():
+                    return
+                last = ready[0]["message"] if ready else "no Ready condition"
+            except ApiException as exc:
+                if exc.status != 404:
+                    raise
+            time.sleep(0.5)
+        raise NodeError(f"node {self.name} not Ready in {self.start_timeout} s: {last}")
+
+    def _service_routes(self) -> bool:
+        """kube-proxy has written the `kubernetes` Service's rules (pods can reach the API)."""
+        rules = _run("iptables", "-t", "nat", "-S", "KUBE-SERVICES", check=False).stdout
+        return "default/kubernetes" in rules
+
+    # -- cluster DNS -------------------------------------------------------------------------
+
+    def _lookup(self, name: str) -> str:
+        """A cluster DNS's A record for ``name``: a Service's ClusterIP, or for a headless one
+        (and ``host.subdomain.ns.svc``) the address of an endpoint, from the real Endpoints."""
+        labels = name.lower().removesuffix("." + CLUSTER_DOMAIN).split(".")
+        if labels[-1:] != ["svc"] or len(labels) not in (3, 4):
+            raise NoSuchName(name)
+        core = self.control_plane.core()
+        service_name, namespace = labels[-3], labels[-2]
+        try:
+            service = read_json(core.read_namespaced_service, service_name, namespace)
+        except ApiException as exc:
+            if exc.status == 404:
+                raise NoSuchName(name) from None
+            raise
+        if len(labels) == 3 and service["spec"].get("clusterIP") not in (None, "None"):
+            return str(service["spec"]["clusterIP"])
+        try:
+            endpoints = read_json(core.read_namespaced_endpoints, service_name, namespace)
+        except ApiException as exc:
+            if exc.status == 404:
+                raise NoSuchName(name) from None
+            raise
+        for subset in endpoints.get("subsets") or []:
+            for address in [*subset.get("addresses", []), *subset.get("notReadyAddresses", [])]:
+                if len(labels) == 3 or address.get("hostname") == labels[0]:
+                    return str(address["ip"])
+        raise NoSuchName(name)
+
+    # -- teardown ----------------------------------------------------------------------------
+
+    def _remove_containers(self) -> None:
+        with contextlib.suppress(NodeError, subprocess.TimeoutExpired):
+            for line in self.ctr("tasks", "ls", "-q", timeout=30).split():
+                with contextlib.suppress(NodeError):
+                    self.ctr("tasks", "kill", "-s", "SIGKILL", line, timeout=30)
+            time.sleep(0.5)
+            for line in self.ctr("tasks", "ls", "-q", timeout=30).split():
+                with contextlib.suppress(NodeError):
+                    self.ctr("tasks", "delete", "-f", line, timeout=30)
+            for line in self.ctr("containers", "ls", "-q", timeout=30).split():
+                with contextlib.suppress(NodeError):
+                    self.ctr("containers", "delete", line, timeout=30)
+        # Network namespaces the CRI made for pod sandboxes.
+        for netns in Path("/var/run/netns").glob("cni-*"):
+            if (
+                f"{self.network.subnet.network_address}".rsplit(".", 1)[0]
+                in _run("ip", "-n", netns.name, "-4", "addr", check=False).stdout
+            ):
+                _run("ip", "netns", "del", netns.name, check=False)
+
+    def _unmount_all(self) -> None:
+        """Every mount under the work folder, deepest first (Secrets, rootfs, shm)."""
+        root = str(self.workdir)
+        mounts = [
+            line.split()[1].replace("\\040", " ")
+            for line in Path("/proc/self/mounts").read_text().splitlines()
+            if line.split()[1].startswith(root)
+        ]
+        for mount in sorted(mounts, key=len, reverse=True):
+            _run("umount", "-l", mount, check=False)
+
+    # -- helpers for tests -----------------------------------------------------------------
+
+    def logs(self, namespace: str, pod: str, container: str | None = None) -> str:
+        """A container's log through the API server (the real kubelet serves it)."""
+        core = self.control_plane.core()
+        kwargs: dict[str, Any] = {"container": container} if container else {}
+        return str(core.read_namespaced_pod_log(pod, namespace, **kwargs))
+
+
+def wait_for_pod_phase(
+    core: kubernetes.client.CoreV1Api,
+    namespace: str,
+    name: str,
+    phases: tuple[str, ...] = ("Succeeded", "Failed"),
+    timeout: float = 120.0,
+) -> dict[str, Any]:
+    """The pod once its phase is one of ``phases``; NodeError with its status otherwise."""
+    deadline = time.monotonic() + timeout
+    pod: dict[str, Any] = {}
+    while time.monotonic() < deadline:
+        pod = read_json(core.read_namespaced_pod, name, namespace)
+        if pod.get("status", {}).get("phase") in phases:
+            return pod
+        time.sleep(0.5)
+    raise NodeError(f"pod {namespace}/{name} not in {phases} in {timeout} s: {pod.get('status')}")
+
+
+def main() -> None:
+    """Starts a control plane and a real node, writes the kubeconfig, runs until SIGTERM/Ctrl-C.
+
+    ``python -m tests.node.node [KUBECONFIG]``: the kubeconfig is copied to KUBECONFIG (default
+    ~/.cache/fedcore-cluster/kubeconfig); hack/cluster.sh up/down start and stop this.
+    """
+    target = Path(
+        sys.argv[1] if len(sys.argv) > 1 else Path.home() / ".cache/fedcore-cluster/kubeconfig"
+    )
+    signal.signal(signal.SIGTERM, lambda *_: (_ for _ in ()).throw(KeyboardInterrupt))
+    network = PodNetwork().create()
+    try:
+        with ControlPlane(advertise_address=network.gateway) as plane, RealNode(plane, network):
+            target.parent.mkdir(parents=True, exist_ok=True)
+            shutil.copyfile(plane.kubeconfig, target)
+            target.chmod(0o600)
+            print(f"cluster up: export KUBECONFIG={target}", flush=True)
+            with contextlib.suppress(KeyboardInterrupt):
+                while True:
+                    time.sleep(3600)
+    finally:
+        network.remove()
+        target.unlink(missing_ok=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,134 @@
+"""A user's first steps on a real node: `helm install` the chart, `kubectl apply` the quickstart.
+
+The operator runs from its built image, reconciles the FederatedRun into KDC, server and client
+pods that run the built runtime image in real containers, and the run must end as
+`fedcore run` ends the same manifest on this machine: Succeeded, with the same accuracy.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import uuid
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+import yaml
+
+from tests.kube._operator import wait_for_run
+from tests.kube.test_chart import CHART, helm
+from tests.node.node import RealNode
+
+ROOT = Path(__file__).resolve().parents[2]
+QUICKSTART = ROOT / "examples/digits-fedavg.yaml"
+
+
+def _phase_is(*phases: str) -> Callable[[dict[str, object]], bool]:
+    return lambda run: (run.get("status") or {}).get("phase") in phases  # type: ignore[union-attr]
+
+
+def _local_accuracy(workdir: Path) -> float:
+    """The final accuracy `fedcore run` reaches on this machine for the quickstart."""
+    result = subprocess.run(
+        [sys.executable, "-m", "fedcore", "run", str(QUICKSTART), "--workdir", str(workdir),
+         "--json", "--quiet", "--no-metrics"],
+        capture_output=True, text=True, timeout=300, check=False,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr[-3000:]
+    summary = json.loads(result.stdout.strip().splitlines()[-1])
+    return float(summary["finalMetrics"]["accuracy"])
+
+
+@dataclass
+class Release:
+    """The chart installed on the real node, watching one namespace for runs."""
+
+    system: str
+    runs: str
+    debug: Callable[[], str]
+
+
+@pytest.fixture(scope="module")
+def release(node: RealNode) -> Iterator[Release]:
+    """`helm install` of charts/fedcore with the built operator image, watching ``runs``."""
+    plane = node.control_plane
+    name = f"fc{uuid.uuid4().hex[:6]}"
+    system = plane.create_namespace(f"{name}-system")
+    runs = plane.create_namespace(f"{name}-runs")
+    kubeconfig = f"--kubeconfig={plane.kubeconfig}"
+
+    def debug() -> str:
+        core = plane.core()
+        parts = []
+        for namespace in (system, runs):
+            for pod in core.list_namespaced_pod(namespace).items:
+                try:
+                    log = node.logs(namespace, pod.metadata.name)[-2500:]
+                except Exception as exc:  # a pod that never started has no log
+                    log = f"(no log: {exc})"
+                parts.append(f"--- {pod.metadata.name} {pod.status.phase}\n{log}")
+        return "\n".join(parts)
+
+    helm(
+        "install", name, str(CHART), kubeconfig, "--namespace", system,
+        "--set", f"operator.watchNamespaces={{{runs}}}",
+        "--set", "operator.resyncSeconds=3",
+        "--set", "dashboard.enabled=false",
+        "--wait", "--timeout", "180s",
+    )  # fmt: skip
+    try:
+        yield Release(system, runs, debug)
+    finally:
+        helm("uninstall", name, kubeconfig, "--namespace", system, check=False)
+        for namespace in (runs, system):
+            plane.delete_namespace(namespace, wait=60)
+
+
+def test_helm_install_and_kubectl_apply_train_the_quickstart_in_real_containers(
+    node: RealNode, release: Release, tmp_path: Path
+) -> None:
+    plane = node.control_plane
+    plane.kubectl("apply", "-n", release.runs, "-f", str(QUICKSTART))
+    run = wait_for_run(
+        plane, release.runs, "digits-fedavg", _phase_is("Succeeded", "Failed"),
+        timeout=420, what="the end", debug=release.debug,
+    )  # fmt: skip
+    status = run["status"]
+    assert status["phase"] == "Succeeded", (status, release.debug())
+    assert status["finalMetrics"]["roundsCompleted"] == 20
+    assert status["restarts"] == 0
+    # The same manifest, the same maths: `fedcore run` here reaches the same accuracy.
+    assert status["finalMetrics"]["accuracy"] == _local_accuracy(tmp_path / "local")
+    # The operator itself runs from the built image, in a container of the node.
+    (operator,) = plane.core().list_namespaced_pod(release.system).items
+    (container,) = operator.status.container_statuses
+    assert container.image.endswith("fedcore-operator:" + __import__("fedcore").__version__)
+    assert container.ready and container.container_id.startswith("containerd://")
+
+
+def test_a_client_over_its_memory_limit_is_oom_killed_and_status_says_so(
+    node: RealNode, release: Release
+) -> None:
+    plane = node.control_plane
+    body = yaml.safe_load(QUICKSTART.read_text())
+    body["metadata"]["name"] = "too-small"
+    body["spec"]["clients"]["count"] = 2
+    body["spec"]["clients"]["resources"] = {"limits": {"memory": "40Mi"}}
+    plane.kubectl("apply", "-n", release.runs, "-f", "-", input=yaml.safe_dump(body))
+
+    def oom_killed(run: dict[str, object]) -> bool:
+        failures = (run.get("status") or {}).get("failures") or []  # type: ignore[union-attr]
+        return any(f.get("reason") == "OOMKilled" for f in failures)
+
+    run = wait_for_run(
+        plane, release.runs, "too-small", oom_killed, timeout=240,
+        what="an OOMKilled failure", debug=release.debug,
+    )  # fmt: skip
+    failure = next(f for f in run["status"]["failures"] if f["reason"] == "OOMKilled")
+    assert failure["role"] == "client"
+    assert failure["exitCode"] == 137  # SIGKILL from the kernel's OOM killer
+    assert failure["action"] in ("Recreated", "RunFailed")
+    plane.kubectl("delete", "-n", release.runs, "federatedrun", "too-small", "--wait=false")
