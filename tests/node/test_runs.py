@@ -39,7 +39,7 @@ def _local_accuracy(workdir: Path) -> float:
     )  # fmt: skip
     assert result.returncode == 0, result.stderr[-3000:]
     summary = json.loads(result.stdout.strip().splitlines()[-1])
-    return float(summary["finalMetrics"]["accuracy"])
+    return float(summary["accuracy"])
 
 
 @dataclass
@@ -116,7 +116,7 @@ def test_a_client_over_its_memory_limit_is_oom_killed_and_status_says_so(
     body = yaml.safe_load(QUICKSTART.read_text())
     body["metadata"]["name"] = "too-small"
     body["spec"]["clients"]["count"] = 2
-    body["spec"]["clients"]["resources"] = {"limits": {"memory": "40Mi"}}
+    body["spec"]["roles"] = {"clients": {"resources": {"limits": {"memory": "40Mi"}}}}
     plane.kubectl("apply", "-n", release.runs, "-f", "-", input=yaml.safe_dump(body))
 
     def oom_killed(run: dict[str, object]) -> bool:
