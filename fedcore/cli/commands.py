@@ -11,6 +11,7 @@ import math
 import os
 import signal
 import sys
+import threading
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -22,6 +23,7 @@ from rich.markup import escape
 from fedcore.cli.crash import (
     EXIT_FAILURE,
     EXIT_INTERRUPTED,
+    EXIT_TERMINATED,
     LOG_DIR_KEY,
     one_line,
     report_internal_error,
@@ -137,14 +139,24 @@ def role_config(options: dict[str, Any]) -> Any:
 def role_errors(role: str) -> Iterator[None]:
     """Turns any error of a role process into one logged line (traceback at DEBUG) and exit 1.
 
+    SIGTERM or SIGINT stops the role with exit code 143 (`EXIT_TERMINATED`), logged.
     A role that finished exits 0 at once, without the interpreter's finalization: the role has
     closed its channels and flushed its status by then, and tearing down grpc's C++ threads
     during finalization sometimes aborts the process ("terminate called without an active
     exception", SIGABRT), which turned a finished client into a failed pod that was recreated.
     """
+    # A container's first process ignores SIGTERM unless it handles it: a deleted pod's role
+    # would go on (a server finishing its rounds and telling the clients "done") until the
+    # kubelet's SIGKILL. It stops at once instead, without a goodbye, so that the clients wait
+    # for the server's replacement.
+    if threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGTERM, _raise_interrupt)
     try:
         yield
-    except (SystemExit, KeyboardInterrupt):
+    except KeyboardInterrupt:
+        logging.getLogger(f"fedcore.{role}").warning("Stopped by SIGTERM or SIGINT.")
+        exit_now(EXIT_TERMINATED)
+    except SystemExit:
         raise
     except BaseException as exc:
         logger = logging.getLogger(f"fedcore.{role}")

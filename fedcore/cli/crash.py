@@ -30,6 +30,8 @@ EXIT_INTERNAL = 70
 """An unexpected exception: a bug in fedcore (``EX_SOFTWARE``)."""
 EXIT_INTERRUPTED = 130
 """Ctrl-C or SIGTERM during ``fedcore run`` (128 + SIGINT)."""
+EXIT_TERMINATED = 143
+"""A role process stopped by SIGTERM (a deleted pod) or SIGINT (128 + SIGTERM)."""
 
 LOG_DIR_KEY = "fedcore.log_dir"
 """The ``click.Context.meta`` key under which a command names its run's log folder."""

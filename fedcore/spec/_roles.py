@@ -66,7 +66,8 @@ class RoleSpec(SpecModel):
         default_factory=dict,
         description="podTemplate is a partial Pod merged over what the operator builds for the "
         "role: metadata.labels and annotations are added, spec fields set, and containers (by "
-        "name; the operator's is `fedcore`) merged field by field. The security settings "
+        "name; the operator's is `fedcore`) merged field by field, their env, volumeMounts and "
+        "ports by name, mountPath and containerPort. The security settings "
         "(non-root, read-only root filesystem, no privilege escalation) cannot be weakened. "
         "Default none.",
     )

@@ -866,8 +866,9 @@ def apply_pod_template(pod: Object, template: dict[str, Any]) -> Object:
     """Merges a role's ``podTemplate`` over a built pod, then re-applies its locks.
 
     Labels and annotations are added (the operator's own labels win), spec fields are set
-    (maps merged, lists replaced), containers merge by name (unknown names are added as
-    sidecars), volumes are added beside the operator's (which keep their names), and then
+    (maps merged, lists replaced but for `MERGE_KEYS`' env, volumeMounts and ports, merged by
+    key), containers merge by name (unknown names are added as sidecars), volumes are added
+    beside the operator's (which keep their names), and then
     ``lock_pod`` takes back whatever would weaken the pod. Validation refuses such templates
     already (``fedcore/spec/_pod_security.py``); this is the second line, for whatever gets
     past it.
@@ -1099,14 +1100,33 @@ def _mapping(value: Any) -> Object:
     return value if isinstance(value, dict) else {}
 
 
+MERGE_KEYS = {"env": "name", "volumeMounts": "mountPath", "ports": "containerPort"}
+"""Lists a template merges into by an entry's key, as kubectl's strategic merge does: an entry
+with a key the built list has replaces that entry, others are added."""
+
+
 def _merge_maps(base: dict[str, Any], override: dict[str, Any]) -> dict[str, Any]:
     result = dict(base)
     for key, value in override.items():
         if isinstance(value, dict) and isinstance(result.get(key), dict):
             result[key] = _merge_maps(result[key], value)
+        elif key in MERGE_KEYS and isinstance(value, list) and isinstance(result.get(key), list):
+            result[key] = _merge_by_key(result[key], value, MERGE_KEYS[key])
         else:
             result[key] = copy.deepcopy(value)
     return result
+
+
+def _merge_by_key(base: list[Any], override: list[Any], key: str) -> list[Any]:
+    """``base`` with each entry of ``override`` replacing the one with its ``key``, or added."""
+    merged = [copy.deepcopy(entry) for entry in base]
+    index = {entry.get(key): i for i, entry in enumerate(merged) if isinstance(entry, dict)}
+    for entry in override:
+        if isinstance(entry, dict) and entry.get(key) in index:
+            merged[index[entry[key]]] = copy.deepcopy(entry)
+        else:
+            merged.append(copy.deepcopy(entry))
+    return merged
 
 
 def static_objects(ctx: RunContext) -> list[Object]:

@@ -26,6 +26,7 @@ import ipaddress
 import json
 import os
 import random
+import shlex
 import shutil
 import signal
 import subprocess
@@ -71,6 +72,79 @@ def missing_requirements() -> list[str]:
     bin_dir = Path(os.environ.get("FEDCORE_K8S_BIN") or DEFAULT_BIN).expanduser()
     missing += [str(bin_dir / b) for b in ("kubelet", "kube-proxy") if not (bin_dir / b).exists()]
     return missing
+
+
+STATE_FILE = "node.json"
+"""In a node's work folder: its bridge and subnet, for cleaning up after a killed test run."""
+
+
+def unmount_under(folder: Path) -> None:
+    """Every mount under ``folder``, deepest first (Secrets, containers' root filesystems)."""
+    root = str(folder)
+    mounts = [
+        line.split()[1].replace("\\040", " ")
+        for line in Path("/proc/self/mounts").read_text().splitlines()
+        if line.split()[1].startswith(root)
+    ]
+    for mount in sorted(mounts, key=len, reverse=True):
+        _run("umount", "-l", mount, check=False)
+
+
+def remove_pod_nat_rules(subnet: ipaddress.IPv4Network) -> None:
+    """The NAT rules the CNI bridge plugin added for the pods of ``subnet``, and their chains.
+
+    The plugin removes them when a pod's sandbox is torn down through the CRI; containers
+    killed at the end of a session are not, so they are removed here.
+    """
+    prefix = str(subnet.network_address).rsplit(".", 1)[0] + "."
+    rules = _run("iptables", "-t", "nat", "-S", check=False).stdout.splitlines()
+    chains = set()
+    for rule in rules:
+        words = shlex.split(rule)
+        if words[:2] != ["-A", "POSTROUTING"] or "-s" not in words or "-j" not in words:
+            continue
+        source, target = words[words.index("-s") + 1], words[words.index("-j") + 1]
+        if source.startswith(prefix) and target.startswith("CNI-"):
+            _run("iptables", "-t", "nat", "-D", *words[1:], check=False)
+            chains.add(target)
+    for chain in chains:
+        _run("iptables", "-t", "nat", "-F", chain, check=False)
+        _run("iptables", "-t", "nat", "-X", chain, check=False)
+
+
+def remove_pod_netns(subnet: ipaddress.IPv4Network) -> None:
+    """The network namespaces the CRI made for pod sandboxes with an address in ``subnet``."""
+    prefix = str(subnet.network_address).rsplit(".", 1)[0] + "."
+    for netns in Path("/var/run/netns").glob("cni-*"):
+        if f"inet {prefix}" in _run("ip", "-n", netns.name, "-4", "addr", check=False).stdout:
+            _run("ip", "netns", "del", netns.name, check=False)
+
+
+def clean_stale_nodes() -> None:
+    """What a killed test session left: the shims, mounts, network namespaces, bridge and NAT
+    rules of every node whose containerd no longer runs."""
+    shims = _run("pgrep", "-a", "-f", "containerd-shim-runc-v2", check=False).stdout
+    stale: dict[Path, list[int]] = {}
+    for line in shims.splitlines():
+        pid, *argv = line.split()
+        if "-address" in argv:
+            socket_path = Path(argv[argv.index("-address") + 1])
+            stale.setdefault(socket_path.parent.parent, []).append(int(pid))
+    for workdir, pids in stale.items():
+        config = workdir / "containerd" / "config.toml"
+        if _run("pgrep", "-f", f"containerd --config {config}", check=False).stdout.strip():
+            continue  # a live node
+        for pid in pids:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+        unmount_under(workdir)
+        with contextlib.suppress(OSError, ValueError, KeyError):
+            state = json.loads((workdir / STATE_FILE).read_text())
+            subnet = ipaddress.ip_network(state["subnet"])
+            assert isinstance(subnet, ipaddress.IPv4Network)
+            remove_pod_nat_rules(subnet)
+            remove_pod_netns(subnet)
+            _run("ip", "link", "del", state["bridge"], check=False)
 
 
 class PodNetwork:
@@ -165,6 +239,11 @@ class RealNode:
         self.stop()
 
     def start(self) -> RealNode:
+        clean_stale_nodes()
+        self.workdir.mkdir(parents=True, exist_ok=True)
+        (self.workdir / STATE_FILE).write_text(
+            json.dumps({"bridge": self.network.bridge, "subnet": str(self.network.subnet)})
+        )
         try:
             self._start_containerd()
             self._import_images()
@@ -193,7 +272,8 @@ class RealNode:
         proxy = self.bin_dir / "kube-proxy"
         if proxy.exists():
             _run(str(proxy), "--cleanup", check=False)
-        self._unmount_all()
+        remove_pod_nat_rules(self.network.subnet)
+        unmount_under(self.workdir)
 
     # -- components ------------------------------------------------------------------------
 
@@ -435,24 +515,7 @@ class RealNode:
             for line in self.ctr("containers", "ls", "-q", timeout=30).split():
                 with contextlib.suppress(NodeError):
                     self.ctr("containers", "delete", line, timeout=30)
-        # Network namespaces the CRI made for pod sandboxes.
-        for netns in Path("/var/run/netns").glob("cni-*"):
-            if (
-                f"{self.network.subnet.network_address}".rsplit(".", 1)[0]
-                in _run("ip", "-n", netns.name, "-4", "addr", check=False).stdout
-            ):
-                _run("ip", "netns", "del", netns.name, check=False)
-
-    def _unmount_all(self) -> None:
-        """Every mount under the work folder, deepest first (Secrets, rootfs, shm)."""
-        root = str(self.workdir)
-        mounts = [
-            line.split()[1].replace("\\040", " ")
-            for line in Path("/proc/self/mounts").read_text().splitlines()
-            if line.split()[1].startswith(root)
-        ]
-        for mount in sorted(mounts, key=len, reverse=True):
-            _run("umount", "-l", mount, check=False)
+        remove_pod_netns(self.network.subnet)
 
     # -- helpers for tests -----------------------------------------------------------------
 

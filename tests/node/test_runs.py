@@ -14,12 +14,18 @@ import uuid
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import pytest
 import yaml
 
+from fedcore_operator.settings import OperatorSettings
+from tests.integration._prometheus import log_tail, poll, query, running_prometheus
+from tests.integration._s3 import start_s3
 from tests.kube._operator import wait_for_run
+from tests.kube.cluster import read_json
 from tests.kube.test_chart import CHART, helm
+from tests.kube.test_operator_runs import create_credentials, s3_run
 from tests.node.node import RealNode
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -97,7 +103,7 @@ def test_helm_install_and_kubectl_apply_train_the_quickstart_in_real_containers(
         timeout=420, what="the end", debug=release.debug,
     )  # fmt: skip
     status = run["status"]
-    assert status["phase"] == "Succeeded", (status, release.debug())
+    assert status["phase"] == "Succeeded", f"{status}\n{release.debug()}"
     assert status["finalMetrics"]["roundsCompleted"] == 20
     assert status["restarts"] == 0
     # The same manifest, the same maths: `fedcore run` here reaches the same accuracy.
@@ -132,3 +138,91 @@ def test_a_client_over_its_memory_limit_is_oom_killed_and_status_says_so(
     assert failure["exitCode"] == 137  # SIGKILL from the kernel's OOM killer
     assert failure["action"] in ("Recreated", "RunFailed")
     plane.kubectl("delete", "-n", release.runs, "federatedrun", "too-small", "--wait=false")
+
+
+HOLD_FILE = "/hold/until-deleted"
+
+
+def _held_after_round(round_: int) -> dict[str, Any]:
+    """A server podTemplate that holds the server after ``round_`` (``fedcore/roles/_hold.py``).
+
+    An init container (the runtime image, like any other container of the pod) creates the
+    hold file in an emptyDir before the server starts; the server then waits after that round,
+    once it is checkpointed, while the file exists. A test acts there without racing the run;
+    a recreated server, resumed past that round, never holds.
+    """
+    mount = [{"name": "hold", "mountPath": "/hold"}]
+    return {
+        "spec": {
+            "volumes": [{"name": "hold", "emptyDir": {}}],
+            "initContainers": [
+                {
+                    "name": "hold",
+                    "image": OperatorSettings().image,
+                    "command": ["python", "-c", f"open({HOLD_FILE!r}, 'w').close()"],
+                    "volumeMounts": mount,
+                }
+            ],
+            "containers": [
+                {
+                    "name": "fedcore",
+                    "env": [
+                        {"name": "FEDCORE_TEST_HOLD_AFTER_ROUND", "value": str(round_)},
+                        {"name": "FEDCORE_TEST_HOLD_FILE", "value": HOLD_FILE},
+                    ],
+                    "volumeMounts": mount,
+                }
+            ],
+        }
+    }
+
+
+def test_checkpoints_in_s3_survive_a_deleted_server_pod_and_prometheus_scrapes_it(
+    node: RealNode, release: Release, tmp_path: Path
+) -> None:
+    plane = node.control_plane
+    s3 = start_s3(tmp_path / "s3", host=node.network.gateway)  # where pods can reach it
+    try:
+        s3.client().create_bucket(Bucket="runs")  # type: ignore[attr-defined]
+        create_credentials(plane, release.runs)
+        body = s3_run("phoenix", s3, "runs", rounds=12)
+        body["spec"]["roles"] = {"server": {"podTemplate": _held_after_round(3)}}
+        plane.kubectl("apply", "-n", release.runs, "-f", "-", input=yaml.safe_dump(body))
+        # The server holds after round 3's checkpoint until its pod goes.
+        run = wait_for_run(
+            plane, release.runs, "phoenix",
+            lambda r: ((r.get("status") or {}).get("lastCheckpoint") or {}).get("round", 0) >= 3,
+            timeout=300, what="a checkpoint of round 3", debug=release.debug,
+        )  # fmt: skip
+        assert run["status"]["lastCheckpoint"]["round"] == 3
+        server = read_json(plane.core().read_namespaced_pod, "phoenix-server", release.runs)
+        address = f"{server['status']['podIP']}:{OperatorSettings().metrics_port}"
+
+        # Prometheus on the host scrapes the held server through its pod IP.
+        (tmp_path / "prom").mkdir()
+        with running_prometheus(tmp_path / "prom", [address]) as port:
+            scraped = poll(
+                lambda: bool(query(port, 'fedcore_round{role="server"} == 3')), timeout=60
+            )
+            assert scraped, log_tail(tmp_path / "prom")
+
+        plane.kubectl("delete", "pod", "-n", release.runs, "phoenix-server", "--wait=false")
+        run = wait_for_run(
+            plane, release.runs, "phoenix", _phase_is("Succeeded", "Failed"),
+            timeout=420, what="the end", debug=release.debug,
+        )  # fmt: skip
+        status = run["status"]
+        # A string, not a tuple: pytest shortens a tuple's repr and hides the pods' logs.
+        assert status["phase"] == "Succeeded", f"{status}\n{release.debug()}"
+        assert status["round"] == 12 and status["restarts"] == 1
+        (failure,) = status["failures"]
+        assert (failure["pod"], failure["role"], failure["action"]) == (
+            "phoenix-server", "server", "Recreated",
+        )  # fmt: skip
+        # The new server pod resumed from what the old one wrote to S3.
+        log = node.logs(release.runs, "phoenix-server")
+        assert "Resumed from the checkpoint of round 3" in log, log[-2000:]
+    finally:
+        plane.kubectl("delete", "-n", release.runs, "federatedrun", "phoenix", "--wait=false",
+                      check=False)  # fmt: skip
+        s3.stop()

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 import logging
+import subprocess
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -908,3 +910,23 @@ def test_clients_refuses_a_malformed_member_naming_it(
     # Assert
     assert result.exit_code == 2
     assert "--member" in result.output and "INDEX or INDEX:METRICS_PORT" in result.output
+
+
+def test_a_role_stops_on_sigterm_with_exit_143_even_as_a_containers_first_process() -> None:
+    # A container's PID 1 ignores a signal it has no handler for: a role must handle SIGTERM
+    # itself or a deleted pod's server keeps running (and ends the run) until SIGKILL.
+    script = (
+        "import os, signal, time\n"
+        "from fedcore.cli.commands import role_errors\n"
+        "with role_errors('server'):\n"
+        "    assert signal.getsignal(signal.SIGTERM) not in (signal.SIG_DFL, signal.SIG_IGN)\n"
+        "    os.kill(os.getpid(), signal.SIGTERM)\n"
+        "    time.sleep(30)\n"
+        "print('not stopped')\n"
+    )
+    result = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, timeout=60, check=False
+    )
+    assert result.returncode == 143, result.stderr
+    assert "not stopped" not in result.stdout
+    assert "Stopped by SIGTERM or SIGINT." in result.stderr

@@ -278,10 +278,44 @@ def test_pod_template_merges_but_cannot_weaken_security() -> None:
     for container in pod["spec"]["containers"]:
         assert container["securityContext"]["readOnlyRootFilesystem"] is True
         assert container["securityContext"]["privileged"] is False
-    # The template's env replaces the list; the key file variable is the operator's and stays.
-    assert pod["spec"]["containers"][0]["env"] == [
-        {"name": "X", "value": "1"},
-        {"name": "FEDCORE_CHECKPOINT_KEY_FILE", "value": "/etc/fedcore/keys/checkpoint.key"},
+    # The template's env merges by name (as kubectl's strategic merge): the operator's stay.
+    built = objects.server_pod(ctx, resume=False)["spec"]["containers"][0]["env"]
+    assert pod["spec"]["containers"][0]["env"] == [*built, {"name": "X", "value": "1"}]
+
+
+def test_pod_template_env_mounts_and_ports_merge_by_key() -> None:
+    ctx = context(manifest())
+    built = objects.server_pod(ctx, resume=False)
+    container = built["spec"]["containers"][0]
+    template = {
+        "spec": {
+            "volumes": [{"name": "extra", "emptyDir": {}}],
+            "containers": [
+                {
+                    "name": "fedcore",
+                    "env": [
+                        {"name": "FEDCORE_WORKDIR", "value": "/elsewhere"},
+                        {"name": "NEW", "value": "1"},
+                    ],
+                    "volumeMounts": [{"name": "extra", "mountPath": "/extra"}],
+                    "ports": [{"name": "debug", "containerPort": 5678}],
+                }
+            ],
+        }
+    }
+    merged = objects.apply_pod_template(built, template)["spec"]["containers"][0]
+    env = {item["name"]: item.get("value") for item in merged["env"]}
+    assert env["FEDCORE_WORKDIR"] == "/elsewhere"  # replaced by name
+    assert env["NEW"] == "1"  # added
+    assert env["FEDCORE_MANIFEST"] == "/etc/fedcore/run/run.yaml"  # the operator's, kept
+    assert len(merged["env"]) == len(container["env"]) + 1
+    assert merged["volumeMounts"] == [
+        *container["volumeMounts"],
+        {"name": "extra", "mountPath": "/extra"},
+    ]
+    assert [port["containerPort"] for port in merged["ports"]] == [
+        *(port["containerPort"] for port in container["ports"]),
+        5678,
     ]
 
 
@@ -794,7 +828,11 @@ def test_a_template_gives_no_pod_another_roles_key(role: str) -> None:
     fedcore_mounts = [mount for mount in wiring["mounts"] if mount[0] == "fedcore"]
     assert fedcore_mounts == own["mounts"]
     init_env = pod["spec"]["initContainers"][0]["env"]
-    main_env = {item["name"]: item["value"] for item in pod["spec"]["containers"][0]["env"]}
+    main_env = {
+        item["name"]: item.get("value")
+        for item in pod["spec"]["containers"][0]["env"]
+        if item["name"].endswith("_KEY_FILE")
+    }
     env_from = pod["spec"]["containers"][0]["envFrom"]
     assert env_from == ([{"secretRef": {"name": "demo-kdc-keys"}}] if role == "kdc" else [])
     if role == "server":
