@@ -34,6 +34,11 @@ apt_install etcd-server openssl
 # The real node's runtime (tests/node): containerd with its CRI plugin, runc, the CNI plugins,
 # iptables for kube-proxy; and what hack/images.sh builds the images with.
 apt_install containerd runc containernetworking-plugins iptables buildah debootstrap
+# `bash hack/control-plane.sh packages`: only the packages (hack/test.sh then builds the images
+# while the binaries compile).
+if [ "${1:-}" = packages ]; then
+    exit 0
+fi
 
 missing=()
 for bin in kube-apiserver kube-controller-manager kube-scheduler kubelet kube-proxy; do

@@ -168,13 +168,15 @@ fi
 
 # --- build -----------------------------------------------------------------------------------
 secret=$(mktemp)
-trap 'rm -f "$secret"; find "$ROOT/images/wheels" -mindepth 1 ! -name README.md -delete' EXIT
+staged=0   # whether this invocation linked wheels into images/wheels (and must remove them)
+trap 'rm -f "$secret"; [ "$staged" = 0 ] || find "$ROOT/images/wheels" -mindepth 1 ! -name README.md -delete' EXIT
 if [ -n "$ca_bundle" ]; then cp "$ca_bundle" "$secret"; fi
 
 stage_wheels() {
     # Links the chosen wheels into images/wheels (the build's bind mount); a CUDA build skips
     # torch's local CPU builds, which would otherwise win over PyPI's.
     local variant=$1 wheel
+    staged=1
     find "$ROOT/images/wheels" -mindepth 1 ! -name README.md -delete
     [ -n "$wheels" ] || return 0
     for wheel in "$wheels"/*.whl; do

@@ -90,15 +90,17 @@ def retry_of(spec: FederatedRunSpec) -> RetryPolicy:
 
 
 def choose_device(role: RoleSpec) -> str:
-    """Returns "cuda" when the role asks for GPUs and torch sees one, else "cpu"."""
+    """Returns "cuda" when the role asks for GPUs and torch sees one, else "cpu"; logs which
+    (a pod's start-up log says what it trains on)."""
+    log = logging.getLogger(__name__)
     if role.gpus > 0:
         import torch
 
         if torch.cuda.is_available():
+            log.info("Training on cuda: %s.", torch.cuda.get_device_name(0))
             return "cuda"
-        logging.getLogger(__name__).warning(
-            "The role asks for GPUs but none is visible; using the CPU."
-        )
+        log.warning("The role asks for GPUs but none is visible; using the CPU.")
+    log.info("Training on the CPU.")
     return "cpu"
 
 

@@ -214,12 +214,12 @@ def test_checkpoints_in_s3_survive_a_deleted_server_pod_and_prometheus_scrapes_i
         status = run["status"]
         # A string, not a tuple: pytest shortens a tuple's repr and hides the pods' logs.
         assert status["phase"] == "Succeeded", f"{status}\n{release.debug()}"
-        assert status["round"] == 12 and status["restarts"] == 1
-        (failure,) = status["failures"]
-        assert (failure["pod"], failure["role"], failure["action"]) == (
-            "phoenix-server", "server", "Recreated",
-        )  # fmt: skip
-        # The new server pod resumed from what the old one wrote to S3.
+        assert status["round"] == 12
+        # A deleted pod is not a failed one: the operator made a new server pod (no restart
+        # counted against backoffLimit), and it resumed from what the old one wrote to S3.
+        assert not status.get("failures") and status["restarts"] == 0
+        again = read_json(plane.core().read_namespaced_pod, "phoenix-server", release.runs)
+        assert again["metadata"]["uid"] != server["metadata"]["uid"]
         log = node.logs(release.runs, "phoenix-server")
         assert "Resumed from the checkpoint of round 3" in log, log[-2000:]
     finally:

@@ -930,3 +930,26 @@ def test_a_role_stops_on_sigterm_with_exit_143_even_as_a_containers_first_proces
     assert result.returncode == 143, result.stderr
     assert "not stopped" not in result.stdout
     assert "Stopped by SIGTERM or SIGINT." in result.stderr
+
+
+def test_a_client_says_which_device_it_trains_on(caplog: pytest.LogCaptureFixture) -> None:
+    from fedcore.roles._common import choose_device
+    from fedcore.spec._roles import RoleSpec
+
+    with caplog.at_level(logging.INFO, logger="fedcore.roles._common"):
+        assert choose_device(RoleSpec()) == "cpu"
+    assert caplog.messages == ["Training on the CPU."]
+    caplog.clear()
+    import torch
+
+    with caplog.at_level(logging.INFO, logger="fedcore.roles._common"):
+        device = choose_device(RoleSpec(gpus=1))
+    if torch.cuda.is_available():  # a GPU machine: it trains there and names the card
+        assert device == "cuda"
+        assert caplog.messages == [f"Training on cuda: {torch.cuda.get_device_name(0)}."]
+    else:  # asking for a GPU where torch sees none says so and falls back
+        assert device == "cpu"
+        assert caplog.messages == [
+            "The role asks for GPUs but none is visible; using the CPU.",
+            "Training on the CPU.",
+        ]
