@@ -5,7 +5,9 @@
 # with fedcore's images built (hack/images.sh) and loaded. Needs root.
 #
 #   bash hack/cluster.sh up       builds what is missing (cached in ~/.cache), starts the
-#                                 cluster in the background, prints `export KUBECONFIG=...`
+#                                 cluster in the background, prints `export KUBECONFIG=...`;
+#                                 and a Prometheus on 127.0.0.1:9091 (when installed: bash
+#                                 hack/testenv.sh) scraping every pod's `metrics` port
 #   bash hack/cluster.sh down     stops it and removes its bridge, containers and files
 #   bash hack/cluster.sh status   says whether it runs
 #
@@ -15,6 +17,8 @@ cd "$(dirname "$0")/.."
 STATE=${FEDCORE_CLUSTER_STATE:-$HOME/.cache/fedcore-cluster}
 KUBECONFIG_OUT=$STATE/kubeconfig
 PIDFILE=$STATE/cluster.pid
+PROM_PIDFILE=$STATE/prometheus.pid
+PROM_PORT=${FEDCORE_CLUSTER_PROMETHEUS_PORT:-9091}
 mkdir -p "$STATE"
 
 running() { [ -s "$PIDFILE" ] && kill -0 "$(cat "$PIDFILE")" 2>/dev/null; }
@@ -36,9 +40,27 @@ case "${1:-}" in
         done
         [ -s "$KUBECONFIG_OUT" ] || { echo "cluster: not up in 300 s; see $STATE/cluster.log" >&2; exit 1; }
         echo "cluster: up (log $STATE/cluster.log)"
+        if command -v prometheus >/dev/null; then
+            # Kubernetes service discovery of pods; each pod's port named "metrics" is scraped.
+            cat > "$STATE/prometheus.yml" <<PROM
+global: {scrape_interval: 5s}
+scrape_configs:
+  - job_name: fedcore-pods
+    kubernetes_sd_configs: [{role: pod, kubeconfig_file: $KUBECONFIG_OUT}]
+    relabel_configs:
+      - {source_labels: [__meta_kubernetes_pod_container_port_name], regex: metrics, action: keep}
+      - {source_labels: [__meta_kubernetes_namespace], target_label: namespace}
+      - {source_labels: [__meta_kubernetes_pod_name], target_label: pod}
+PROM
+            nohup prometheus --config.file="$STATE/prometheus.yml" --storage.tsdb.path="$STATE/tsdb" \
+                --web.listen-address="127.0.0.1:$PROM_PORT" >"$STATE/prometheus.log" 2>&1 &
+            echo $! > "$PROM_PIDFILE"
+            echo "cluster: Prometheus on http://127.0.0.1:$PROM_PORT scrapes every pod's metrics port"
+        fi
         echo "export KUBECONFIG=$KUBECONFIG_OUT"
         ;;
     down)
+        if [ -s "$PROM_PIDFILE" ]; then kill "$(cat "$PROM_PIDFILE")" 2>/dev/null || true; rm -f "$PROM_PIDFILE"; fi
         if running; then
             kill "$(cat "$PIDFILE")"
             for _ in $(seq 1 60); do running || break; sleep 1; done

@@ -299,6 +299,22 @@ class Component:
             self.process.wait(5)
 
 
+def spawn_component(workdir: Path, name: str, args: list[str]) -> Component:
+    """Starts ``args`` in ``workdir``, dying with this process, logging to logs/<name>.log."""
+    logs = workdir / "logs"
+    logs.mkdir(parents=True, exist_ok=True)
+    log = logs / f"{name}.log"
+    with log.open("ab") as out:
+        process = subprocess.Popen(
+            dying_with_parent(args),
+            stdin=subprocess.DEVNULL,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            cwd=workdir,
+        )
+    return Component(name, args, log, process)
+
+
 class ControlPlane:
     """etcd + kube-apiserver + kube-controller-manager + kube-scheduler on 127.0.0.1.
 
@@ -400,18 +416,7 @@ class ControlPlane:
         return str(path)
 
     def _spawn(self, name: str, args: list[str]) -> Component:
-        logs = self.workdir / "logs"
-        logs.mkdir(parents=True, exist_ok=True)
-        log = logs / f"{name}.log"
-        with log.open("ab") as out:
-            process = subprocess.Popen(
-                dying_with_parent(args),
-                stdin=subprocess.DEVNULL,
-                stdout=out,
-                stderr=subprocess.STDOUT,
-                cwd=self.workdir,
-            )
-        component = Component(name, args, log, process)
+        component = spawn_component(self.workdir, name, args)
         self.components.append(component)
         return component
 

@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 
+from tests._marks import mark_folder
 from tests.kube.cluster import ControlPlane
 from tests.kube.kubelet import FakeKubelet
 
@@ -20,9 +21,7 @@ HERE = Path(__file__).parent
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     """Every test under tests/kube is an integration test."""
-    for item in items:
-        if HERE in Path(str(item.fspath)).parents:
-            item.add_marker(pytest.mark.integration)
+    mark_folder(items, HERE, pytest.mark.integration)
 
 
 @pytest.fixture(scope="session")

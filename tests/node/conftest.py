@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 
+from tests._marks import mark_folder
 from tests.kube.cluster import ControlPlane
 from tests.node.node import PodNetwork, RealNode, missing_requirements
 
@@ -22,9 +23,7 @@ HERE = Path(__file__).parent
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     """Every test under tests/node is an integration test."""
-    for item in items:
-        if HERE in Path(str(item.fspath)).parents:
-            item.add_marker(pytest.mark.integration)
+    mark_folder(items, HERE, pytest.mark.integration)
 
 
 @pytest.fixture(scope="session")

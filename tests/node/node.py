@@ -41,7 +41,7 @@ import yaml
 from kubernetes.client.rest import ApiException
 
 from fedcore.local.ports import free_ports
-from tests.kube.cluster import DEFAULT_BIN, Component, ControlPlane, dying_with_parent, read_json
+from tests.kube.cluster import DEFAULT_BIN, Component, ControlPlane, read_json, spawn_component
 from tests.kube.dns import DnsServer, NoSuchName
 
 IMAGES_ENV = "FEDCORE_IMAGE_ARCHIVES"
@@ -278,18 +278,7 @@ class RealNode:
     # -- components ------------------------------------------------------------------------
 
     def _spawn(self, name: str, args: list[str]) -> Component:
-        logs = self.workdir / "logs"
-        logs.mkdir(parents=True, exist_ok=True)
-        log = logs / f"{name}.log"
-        with log.open("ab") as out:
-            process = subprocess.Popen(
-                dying_with_parent(args),
-                stdin=subprocess.DEVNULL,
-                stdout=out,
-                stderr=subprocess.STDOUT,
-                cwd=self.workdir,
-            )
-        component = Component(name, args, log, process)
+        component = spawn_component(self.workdir, name, args)
         self.components.append(component)
         return component
 
@@ -481,20 +470,19 @@ class RealNode:
             raise NoSuchName(name)
         core = self.control_plane.core()
         service_name, namespace = labels[-3], labels[-2]
-        try:
-            service = read_json(core.read_namespaced_service, service_name, namespace)
-        except ApiException as exc:
-            if exc.status == 404:
-                raise NoSuchName(name) from None
-            raise
+
+        def read(call: Any) -> dict[str, Any]:
+            try:
+                return dict(read_json(call, service_name, namespace))
+            except ApiException as exc:
+                if exc.status == 404:
+                    raise NoSuchName(name) from None
+                raise
+
+        service = read(core.read_namespaced_service)
         if len(labels) == 3 and service["spec"].get("clusterIP") not in (None, "None"):
             return str(service["spec"]["clusterIP"])
-        try:
-            endpoints = read_json(core.read_namespaced_endpoints, service_name, namespace)
-        except ApiException as exc:
-            if exc.status == 404:
-                raise NoSuchName(name) from None
-            raise
+        endpoints = read(core.read_namespaced_endpoints)
         for subset in endpoints.get("subsets") or []:
             for address in [*subset.get("addresses", []), *subset.get("notReadyAddresses", [])]:
                 if len(labels) == 3 or address.get("hostname") == labels[0]:
@@ -504,17 +492,19 @@ class RealNode:
     # -- teardown ----------------------------------------------------------------------------
 
     def _remove_containers(self) -> None:
+        """Kills every container's task, then deletes the tasks and the containers."""
+        steps = [
+            ("tasks", ("kill", "-s", "SIGKILL")),
+            ("tasks", ("delete", "-f")),
+            ("containers", ("delete",)),
+        ]
         with contextlib.suppress(NodeError, subprocess.TimeoutExpired):
-            for line in self.ctr("tasks", "ls", "-q", timeout=30).split():
-                with contextlib.suppress(NodeError):
-                    self.ctr("tasks", "kill", "-s", "SIGKILL", line, timeout=30)
-            time.sleep(0.5)
-            for line in self.ctr("tasks", "ls", "-q", timeout=30).split():
-                with contextlib.suppress(NodeError):
-                    self.ctr("tasks", "delete", "-f", line, timeout=30)
-            for line in self.ctr("containers", "ls", "-q", timeout=30).split():
-                with contextlib.suppress(NodeError):
-                    self.ctr("containers", "delete", line, timeout=30)
+            for kind, action in steps:
+                for name in self.ctr(kind, "ls", "-q", timeout=30).split():
+                    with contextlib.suppress(NodeError):
+                        self.ctr(kind, *action, name, timeout=30)
+                if action[0] == "kill":
+                    time.sleep(0.5)  # the kills land before the deletes
         remove_pod_netns(self.network.subnet)
 
     # -- helpers for tests -----------------------------------------------------------------
