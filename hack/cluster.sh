@@ -7,7 +7,7 @@
 #   bash hack/cluster.sh up       builds what is missing (cached in ~/.cache), starts the
 #                                 cluster in the background, prints `export KUBECONFIG=...`;
 #                                 and a Prometheus on 127.0.0.1:9091 (when installed: bash
-#                                 hack/testenv.sh) scraping every pod's `metrics` port
+#                                 hack/testenv.sh) scraping every running pod's `metrics` port
 #   bash hack/cluster.sh down     stops it and removes its bridge, containers and files
 #   bash hack/cluster.sh status   says whether it runs
 #
@@ -41,21 +41,22 @@ case "${1:-}" in
         [ -s "$KUBECONFIG_OUT" ] || { echo "cluster: not up in 300 s; see $STATE/cluster.log" >&2; exit 1; }
         echo "cluster: up (log $STATE/cluster.log)"
         if command -v prometheus >/dev/null; then
-            # Kubernetes service discovery of pods; each pod's port named "metrics" is scraped.
+            # The node writes the pods' metrics ports to scrape-targets.json every 5 s.
             cat > "$STATE/prometheus.yml" <<PROM
 global: {scrape_interval: 5s}
 scrape_configs:
   - job_name: fedcore-pods
-    kubernetes_sd_configs: [{role: pod, kubeconfig_file: $KUBECONFIG_OUT}]
-    relabel_configs:
-      - {source_labels: [__meta_kubernetes_pod_container_port_name], regex: metrics, action: keep}
-      - {source_labels: [__meta_kubernetes_namespace], target_label: namespace}
-      - {source_labels: [__meta_kubernetes_pod_name], target_label: pod}
+    file_sd_configs: [{files: ["$STATE/scrape-targets.json"], refresh_interval: 5s}]
 PROM
             nohup prometheus --config.file="$STATE/prometheus.yml" --storage.tsdb.path="$STATE/tsdb" \
                 --web.listen-address="127.0.0.1:$PROM_PORT" >"$STATE/prometheus.log" 2>&1 &
             echo $! > "$PROM_PIDFILE"
-            echo "cluster: Prometheus on http://127.0.0.1:$PROM_PORT scrapes every pod's metrics port"
+            sleep 1
+            if kill -0 "$(cat "$PROM_PIDFILE")" 2>/dev/null; then
+                echo "cluster: Prometheus on http://127.0.0.1:$PROM_PORT scrapes every pod's metrics port"
+            else
+                echo "cluster: Prometheus did not start; see $STATE/prometheus.log" >&2
+            fi
         fi
         echo "export KUBECONFIG=$KUBECONFIG_OUT"
         ;;

@@ -534,15 +534,36 @@ def wait_for_pod_phase(
     raise NodeError(f"pod {namespace}/{name} not in {phases} in {timeout} s: {pod.get('status')}")
 
 
+def write_scrape_targets(core: kubernetes.client.CoreV1Api, path: Path) -> None:
+    """Every running pod's container port named ``metrics``, as a Prometheus file_sd file."""
+    targets = [
+        {
+            "targets": [f"{pod.status.pod_ip}:{port.container_port}"],
+            "labels": {"namespace": pod.metadata.namespace, "pod": pod.metadata.name},
+        }
+        for pod in core.list_pod_for_all_namespaces().items
+        if pod.status.pod_ip and pod.status.phase == "Running"
+        for container in pod.spec.containers
+        for port in container.ports or []
+        if port.name == "metrics"
+    ]
+    part = path.with_suffix(".part")
+    part.write_text(json.dumps(targets))
+    part.replace(path)
+
+
 def main() -> None:
     """Starts a control plane and a real node, writes the kubeconfig, runs until SIGTERM/Ctrl-C.
 
     ``python -m tests.node.node [KUBECONFIG]``: the kubeconfig is copied to KUBECONFIG (default
-    ~/.cache/fedcore-cluster/kubeconfig); hack/cluster.sh up/down start and stop this.
+    ~/.cache/fedcore-cluster/kubeconfig); hack/cluster.sh up/down start and stop this. Every 5 s
+    it writes ``scrape-targets.json`` beside it: the pods' metrics ports, for a Prometheus's
+    ``file_sd_configs`` (Debian's Prometheus has no Kubernetes service discovery).
     """
     target = Path(
         sys.argv[1] if len(sys.argv) > 1 else Path.home() / ".cache/fedcore-cluster/kubeconfig"
     )
+    scrape = target.parent / "scrape-targets.json"
     signal.signal(signal.SIGTERM, lambda *_: (_ for _ in ()).throw(KeyboardInterrupt))
     network = PodNetwork().create()
     try:
@@ -553,10 +574,13 @@ def main() -> None:
             print(f"cluster up: export KUBECONFIG={target}", flush=True)
             with contextlib.suppress(KeyboardInterrupt):
                 while True:
-                    time.sleep(3600)
+                    with contextlib.suppress(Exception):
+                        write_scrape_targets(plane.core(), scrape)
+                    time.sleep(5)
     finally:
         network.remove()
         target.unlink(missing_ok=True)
+        scrape.unlink(missing_ok=True)
 
 
 if __name__ == "__main__":
