@@ -463,7 +463,11 @@ def test_s3_down_past_retry_seconds_fails_the_run_clearly_and_resume_continues(
     saved = [e["round"] for e in events if e["event"] == "checkpoint"]
     assert events[-1]["event"] == "failed" and events[-1]["round"] == saved[-1] + 1
     checkpointer = s3_checkpointer(s3, "e2e/exhausted", load_manifest(manifest), work)
-    assert checkpointer.rounds() == saved[-3:]
+    # The round being written when S3 went down may have landed whole with its answer lost
+    # (the server then counts it as failed, and cannot remove it while S3 is down): it is
+    # listed only if complete, and every listed round passes its checksums.
+    failed = saved[-1] + 1
+    assert checkpointer.rounds() in (saved[-3:], [*saved, failed][-3:])
     for round_ in checkpointer.rounds():
         checkpointer.load(round_)
     # ...and resuming once S3 is back ends with the uninterrupted model, bit for bit.
