@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Builds fedcore's container images with whatever builder this machine has.
 #
-#   bash hack/images.sh [options] [operator] [runtime] [runtime-cuda]     (default: operator runtime)
+#   bash hack/images.sh [options] [operator] [runtime] [runtime-cuda] [pause]   (default: operator runtime)
 #
 #   operator       ghcr.io/fedcore/fedcore-operator:VERSION   the operator, no torch
 #   runtime        ghcr.io/fedcore/fedcore:VERSION            every role's pod, torch's CPU build

@@ -9,5 +9,5 @@ if [ -s /run/secrets/extra-ca ]; then
     export PIP_CERT="$bundle"
 fi
 # TORCH_INDEX (a build argument): an extra index for torch's builds; empty, none.
-python -m pip install --find-links /opt/wheels ${TORCH_INDEX:+--extra-index-url "$TORCH_INDEX"} "$@"
+python -m pip install --progress-bar off --find-links /opt/wheels ${TORCH_INDEX:+--extra-index-url "$TORCH_INDEX"} "$@"
 rm -f "${bundle:-}"
