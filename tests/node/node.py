@@ -355,9 +355,6 @@ class RealNode:
         for archive in archives:
             self.ctr("images", "import", str(archive))
 
-    def _write_kubeconfig(self) -> Path:
-        return self.control_plane.kubeconfig
-
     def _start_kube_proxy(self) -> None:
         healthz, metrics = free_ports(2)
         self._spawn(
