@@ -51,6 +51,31 @@ class EvalResult:
     num_examples: int
 
 
+@dataclass(frozen=True)
+class EvalCounts:
+    """What scoring a model on some examples counts: sums, so that parts add up exactly.
+
+    Attributes:
+        total: the examples scored.
+        correct: those whose largest logit is the label's.
+        loss_sum: the summed loss (the training loss's definition, per example), float64.
+        class_total: per class, the examples scored (empty unless asked for).
+        class_correct: per class, those right (empty unless asked for).
+    """
+
+    total: int
+    correct: int
+    loss_sum: float
+    class_total: tuple[int, ...] = ()
+    class_correct: tuple[int, ...] = ()
+
+    def result(self) -> EvalResult:
+        """The mean loss and accuracy these counts give (NaN when nothing was scored)."""
+        if self.total == 0:
+            return EvalResult(float("nan"), float("nan"), 0)
+        return EvalResult(self.loss_sum / self.total, self.correct / self.total, self.total)
+
+
 class LocalLearner:
     """Trains a model on one client's shard, starting from weights it is given each round.
 
@@ -244,9 +269,10 @@ class Evaluator:
         training: the manifest's ``spec.training`` (for its loss).
         device: the torch device to score on.
         batch_size: the number of examples per forward pass.
+        allow_empty: take an empty data set (a client without held-out rows counts zeros).
 
     Raises:
-        ValueError: if ``data`` is empty or ``batch_size`` is below 1.
+        ValueError: if ``data`` is empty (unless ``allow_empty``) or ``batch_size`` is below 1.
     """
 
     def __init__(
@@ -257,8 +283,9 @@ class Evaluator:
         *,
         device: str = "cpu",
         batch_size: int = 2048,
+        allow_empty: bool = False,
     ) -> None:
-        if len(data) == 0:
+        if len(data) == 0 and not allow_empty:
             raise ValueError("The evaluation data set has no examples.")
         if batch_size < 1:
             raise ValueError(f"The evaluation batch size must be at least 1, got {batch_size}.")
@@ -283,12 +310,33 @@ class Evaluator:
         Raises:
             ValueError: if ``weights`` do not fit the model.
         """
+        return self.counts(weights, rows=rows).result()
+
+    def counts(
+        self,
+        weights: dict[str, np.ndarray],
+        *,
+        rows: tuple[int, int] | None = None,
+        per_class: bool = False,
+    ) -> EvalCounts:
+        """Scores ``weights`` on the data set and returns the counts (sums, not means).
+
+        Args:
+            weights: the weights to score; not changed.
+            rows: score only rows [start, stop) (default: all).
+            per_class: also count, per class, the examples and those right.
+
+        Raises:
+            ValueError: if ``weights`` do not fit the model.
+        """
         set_weights(self._model, weights)
         self._model.eval()
         first, last = (0, int(self._y.shape[0])) if rows is None else rows
-        n = last - first
+        classes = int(self._targets.shape[1])
         total = torch.zeros((), dtype=torch.float64, device=self._device)
         correct = torch.zeros((), dtype=torch.int64, device=self._device)
+        class_total = torch.zeros(classes, dtype=torch.int64, device=self._device)
+        class_correct = torch.zeros(classes, dtype=torch.int64, device=self._device)
         with torch.no_grad():
             for start in range(first, last, self._batch_size):
                 stop = min(start + self._batch_size, last)
@@ -301,8 +349,18 @@ class Evaluator:
                 else:
                     batch = F.cross_entropy(logits, labels, reduction="sum")
                 total += batch.to(torch.float64)
-                correct += (logits.argmax(dim=1) == labels).sum()
-        return EvalResult(float(total.item()) / n, int(correct.item()) / n, n)
+                right = logits.argmax(dim=1) == labels
+                correct += right.sum()
+                if per_class:
+                    class_total += torch.bincount(labels, minlength=classes)
+                    class_correct += torch.bincount(labels[right], minlength=classes)
+        return EvalCounts(
+            total=last - first,
+            correct=int(correct.item()),
+            loss_sum=float(total.item()),
+            class_total=tuple(int(v) for v in class_total.tolist()) if per_class else (),
+            class_correct=tuple(int(v) for v in class_correct.tolist()) if per_class else (),
+        )
 
     def evaluate_models(
         self, models: Sequence[dict[str, np.ndarray]], parts: int = 1

@@ -19,7 +19,7 @@ from safetensors.numpy import save_file
 
 from fedcore.checkpoint import Checkpointer, open_store
 from fedcore.errors import CheckpointError, FedcoreError
-from fedcore.learning.data import test_dataset
+from fedcore.learning.data import client_test_dataset, test_dataset
 from fedcore.learning.models import build_model
 from fedcore.learning.training import Evaluator
 from fedcore.observe.metrics import RoleMetrics
@@ -124,7 +124,9 @@ class PeerDuties:
             on_bytes=metrics.count_bytes,
         )
         self._checkpointer: Checkpointer | None = None
-        test = test_dataset(spec)
+        # A peer scores its own model: on its own held-out data, else on the shared test split.
+        own = spec.data.client_data is not None
+        test = client_test_dataset(spec, index) if own else test_dataset(spec)
         model = build_model(spec.model, test.input_shape, test.num_classes, seed=spec.seed)
         self.evaluator = Evaluator(model.to(device), test, spec.training, device=device)
         self._traffic = (0, 0)

@@ -10,10 +10,16 @@ from contextlib import AbstractContextManager
 from typing import Any
 
 from fedcore.errors import FedcoreError
-from fedcore.learning.data import client_dataset
+from fedcore.learning.data import client_dataset, client_test_dataset
+from fedcore.learning.evaluation import (
+    answer_meta,
+    is_evaluation,
+    requested_models,
+    score,
+)
 from fedcore.learning.models import build_model
 from fedcore.learning.poisoning import attack_of, overflow_upload
-from fedcore.learning.training import LocalLearner
+from fedcore.learning.training import Evaluator, LocalLearner
 from fedcore.local.threads import limit_threads
 from fedcore.observe.metrics import RoleMetrics
 from fedcore.protocols import ClientProtocol, KeyChannel, create_protocol
@@ -101,6 +107,18 @@ class Client:
                 client_index=index,
                 device=device,
             )
+            # What the server asks it to score (spec.evaluation.where Clients or Both): the
+            # models it holds anyway, on its own held-out examples.
+            self.evaluator: Evaluator | None = None
+            facts = protocol_facts(spec.protocol.name)
+            if spec.evaluation_where != "Server" and not facts.decentralized:
+                self.evaluator = Evaluator(
+                    model,
+                    client_test_dataset(spec, index),
+                    spec.training,
+                    device=device,
+                    allow_empty=True,
+                )
         self.protocol: ClientProtocol = create_protocol(spec.protocol.name).create_client(
             spec, index
         )
@@ -180,6 +198,11 @@ class Client:
                             log.info(
                                 "The server answered %s to an upload.", message.meta.get("status")
                             )
+                        elif kind == "task" and is_evaluation(
+                            message.meta.get("instruction") or {}
+                        ):
+                            last = (int(message.meta["round"]), int(message.meta["attempt"]))
+                            session.send(self._evaluation(last, message))
                         elif kind == "task":
                             last = (int(message.meta["round"]), int(message.meta["attempt"]))
                             session.send(self._upload(last, message))
@@ -229,6 +252,31 @@ class Client:
         return Payload(
             meta={"kind": "upload", "round": round_, "attempt": attempt, "upload": upload.meta},
             tensors=upload.tensors,
+        )
+
+    def _evaluation(self, task_id: tuple[int, int], task: Payload) -> Payload:
+        """Scores the models the server sent on this client's held-out examples; answers
+        with counts only."""
+        round_, attempt = task_id
+        if self.evaluator is None:
+            raise FedcoreError(
+                "The server asked for an evaluation, which this run's spec.evaluation.where "
+                "does not give the clients."
+            )
+        instruction = task.meta.get("instruction") or {}
+        with self.compute_lock:
+            counts = score(
+                self.evaluator,
+                requested_models(task.tensors),
+                bool(instruction.get("perClass")),
+            )
+        return Payload(
+            meta={
+                "kind": "upload",
+                "round": round_,
+                "attempt": attempt,
+                "upload": answer_meta(counts),
+            }
         )
 
 

@@ -35,6 +35,13 @@ from fedcore.errors import (
     UploadRefused,
 )
 from fedcore.learning.data import dataset_info, shard_sizes, test_dataset
+from fedcore.learning.evaluation import (
+    EVALUATION_ATTEMPT,
+    FederatedScore,
+    checked_answer,
+    evaluation_request,
+    summed,
+)
 from fedcore.learning.models import build_model, get_weights
 from fedcore.learning.training import Evaluator
 from fedcore.local.threads import limit_threads
@@ -292,9 +299,13 @@ class Server:
                 "Secret draws a secret sample, whose amplification is claimed.",
                 self.privacy.round_multiplier,
             )
-        self.evaluator = Evaluator(
-            model.to(device), test_dataset(self.spec), self.spec.training, device=device
-        )
+        self.where = self.spec.evaluation_where
+        self.num_classes = num_classes
+        self.evaluator: Evaluator | None = None
+        if self.where != "Clients" and self.spec.data.client_data is None:
+            self.evaluator = Evaluator(
+                model.to(device), test_dataset(self.spec), self.spec.training, device=device
+            )
         self.kdc: RpcClient | None = None
         if self.facts.server_uses_kdc:
             if kdc is None:
@@ -357,9 +368,15 @@ class Server:
                 self.metrics.rejected("stale", sender=f"client-{index}")
                 return "stale"
         try:
-            with self._check_lock:  # protocols need not be thread-safe
-                self.protocol.check_upload(attempt.round, index, upload)
-        except ProtocolError as exc:
+            if attempt.attempt == EVALUATION_ATTEMPT:
+                per_class = self.spec.evaluation.per_class
+                checked_answer(upload.meta, self.num_classes, per_class)
+                if upload.tensors:
+                    raise MessageRejected("An evaluation answer carries tensors.")
+            else:
+                with self._check_lock:  # protocols need not be thread-safe
+                    self.protocol.check_upload(attempt.round, index, upload)
+        except (ProtocolError, MessageRejected) as exc:
             self._count_refused(index, attempt.round, exc)
             status = "rejected"
         else:
@@ -374,10 +391,12 @@ class Server:
             board.cond.notify_all()
         return status
 
-    def _count_refused(self, index: int, round_: int, exc: ProtocolError) -> None:
-        """Counts and logs one refused upload with its sender (reason encoding, bound or
-        upload)."""
-        if isinstance(exc, EncodingRejected):
+    def _count_refused(self, index: int, round_: int, exc: ProtocolError | MessageRejected) -> None:
+        """Counts and logs one refused upload with its sender (reason encoding, bound,
+        evaluation or upload)."""
+        if isinstance(exc, MessageRejected):
+            reason = "evaluation"
+        elif isinstance(exc, EncodingRejected):
             reason = "encoding"
         elif isinstance(exc, UploadRefused):
             reason = "bound"
@@ -489,10 +508,10 @@ class Server:
             self.hold.after_round(round_)
         if stop_reason is not None and completed >= start_round:
             if not self.facts.decentralized:  # its clients evaluate themselves
-                last_eval = self._evaluate()
+                last_eval = self._evaluate(completed)
             self._maybe_checkpoint(completed, force=True)
         if not last_eval and not self.facts.decentralized:
-            last_eval = self._evaluate()
+            last_eval = self._evaluate(completed)
         self._release_model()
         summary = {
             "phase": "Succeeded",
@@ -501,6 +520,11 @@ class Server:
             "reason": stop_reason or "RoundsCompleted",
             "accuracy": last_eval.get("accuracy"),
             "loss": last_eval.get("loss"),
+            **{
+                key: last_eval[key]
+                for key in ("server_accuracy", "server_loss", "evaluated_examples", "per_class")
+                if key in last_eval
+            },
             "epsilon": self.privacy.epsilon(),
             "epsilon_claim": self.privacy.claim() or None,
             "bytes_sent": self.metrics.traffic()[0],
@@ -553,10 +577,10 @@ class Server:
             "epsilon": outcome.epsilon,
         }
 
-    def _maybe_evaluate(self, round_: int) -> dict[str, float]:
+    def _maybe_evaluate(self, round_: int) -> dict[str, Any]:
         every = self.spec.evaluation.every_rounds
         if round_ == self.spec.rounds or (every and round_ % every == 0):
-            return self._evaluate()
+            return self._evaluate(round_)
         return {}
 
     def _reported_evaluation(self, result: dict[str, Any]) -> dict[str, float]:
@@ -569,13 +593,53 @@ class Server:
             self.metrics.loss.set(found["loss"])
         return found
 
-    def _evaluate(self) -> dict[str, float]:
-        result = self.evaluator.evaluate_models(
-            self.protocol.models(), self.spec.data.clusters.count
-        )
-        self.metrics.accuracy.set(result.accuracy)
-        self.metrics.loss.set(result.loss)
-        return {"accuracy": result.accuracy, "loss": result.loss}
+    def _evaluate(self, round_: int) -> dict[str, Any]:
+        """Scores the models where spec.evaluation.where says: on the server's held-out split,
+        on the clients' own (their counts summed), or both (the clients' is the run's)."""
+        found: dict[str, Any] = {}
+        if self.evaluator is not None:
+            result = self.evaluator.evaluate_models(
+                self.protocol.models(), self.spec.data.clusters.count
+            )
+            found = {"accuracy": result.accuracy, "loss": result.loss}
+        if self.where != "Server":
+            if found:
+                found = {"server_accuracy": found["accuracy"], "server_loss": found["loss"]}
+            score = self._evaluate_on_clients(round_)
+            if score is not None:
+                found.update(score.metrics())
+        if "accuracy" in found:
+            self.metrics.accuracy.set(found["accuracy"])
+            self.metrics.loss.set(found["loss"])
+        return found
+
+    def _evaluate_on_clients(self, round_: int) -> FederatedScore | None:
+        """Asks every connected client to score the models on its held-out examples and sums
+        the answers that come within spec.failurePolicy.roundTimeoutSeconds (None if none
+        does: the round then reports no accuracy)."""
+        request = evaluation_request(self.protocol.models(), self.spec.evaluation.per_class)
+        plans = dict.fromkeys(range(self.spec.clients.count), request)
+        self.board.open_attempt(Attempt(round_, EVALUATION_ATTEMPT, plans), wait_for_absent=False)
+        deadline = time.monotonic() + self.spec.failure_policy.round_timeout_seconds
+        attempt = self.board.wait_settled(deadline)
+        per_class = self.spec.evaluation.per_class
+        answers = [
+            checked_answer(upload.meta, self.num_classes, per_class)
+            for _, upload in sorted(attempt.uploads.items())
+        ]
+        missing = sorted(attempt.failed)
+        if missing:
+            log.warning(
+                "Round %d's evaluation: clients %s did not answer (%s); the result is over the "
+                "%d that did.",
+                round_,
+                missing,
+                ", ".join(sorted(set(attempt.failed.values()))),
+                len(answers),
+            )
+        if not answers:
+            return None
+        return summed(answers)
 
     def _record_round(
         self, round_: int, result: dict[str, Any], evaluation: dict[str, float], seconds: float

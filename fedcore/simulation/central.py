@@ -18,10 +18,17 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from fedcore.errors import ProtocolError
-from fedcore.learning.data import client_dataset, dataset_info, shard_sizes, test_dataset
+from fedcore.learning.data import (
+    client_dataset,
+    client_test_dataset,
+    dataset_info,
+    shard_sizes,
+    test_dataset,
+)
+from fedcore.learning.evaluation import score, summed
 from fedcore.learning.models import build_model, get_weights
 from fedcore.learning.poisoning import attack_of, overflow_upload
-from fedcore.learning.training import Evaluator, LocalLearner
+from fedcore.learning.training import EvalCounts, Evaluator, LocalLearner
 from fedcore.local.threads import ROLE_THREADS, threads_limited
 from fedcore.privacy import PrivacyLedger
 from fedcore.protocols import (
@@ -33,7 +40,7 @@ from fedcore.protocols import (
     create_protocol,
 )
 from fedcore.rounds import AttemptReport, RoundPolicy, play_round
-from fedcore.spec import FederatedRun
+from fedcore.spec import FederatedRun, FederatedRunSpec
 from fedcore.transport import Identity, Payload
 
 
@@ -126,6 +133,20 @@ def simulate(
         return _simulate(run, rounds=rounds, observer=observer)
 
 
+def federated_evaluation(spec: FederatedRunSpec, models: list[Weights]) -> EvalCounts:
+    """The clients' evaluation of ``models`` as the server role sums it: every client scores
+    them on its own held-out examples (the model with the lowest loss there, when several),
+    and the counts are added."""
+    per_class = spec.evaluation.per_class
+    answers = []
+    for index in range(spec.clients.count):
+        test = client_test_dataset(spec, index)
+        model = build_model(spec.model, test.input_shape, test.num_classes, seed=spec.seed)
+        evaluator = Evaluator(model, test, spec.training, allow_empty=True)
+        answers.append(score(evaluator, models, per_class))
+    return summed(answers).counts
+
+
 def _simulate(
     run: FederatedRun, *, rounds: int | None, observer: Observer | None
 ) -> SimulationResult:
@@ -149,7 +170,11 @@ def _simulate(
     model = build_model(spec.model, input_shape, num_classes, seed=spec.seed)
     server = protocol.create_server(spec, get_weights(model))
     server.set_shard_sizes(shard_sizes(spec))
-    evaluator = Evaluator(model, test_dataset(spec), spec.training)
+    evaluator = (
+        Evaluator(model, test_dataset(spec), spec.training)
+        if spec.evaluation_where != "Clients"
+        else None
+    )
     kdc = protocol.create_kdc(spec)
     server.setup(
         LocalKeyChannel(kdc, Identity("server"), observer)
@@ -231,7 +256,11 @@ def _simulate(
             "epsilon": outcome.epsilon,
         }
         history.append(entry)
-    final = evaluator.evaluate_models(server.models(), spec.data.clusters.count)
+    if spec.evaluation_where == "Server":
+        assert evaluator is not None
+        final = evaluator.evaluate_models(server.models(), spec.data.clusters.count)
+    else:  # each client scores the models on its own held-out examples; counts are summed
+        final = federated_evaluation(spec, server.models()).result()
     return SimulationResult(
         weights=server.global_weights(),
         accuracy=final.accuracy,

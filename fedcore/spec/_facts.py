@@ -27,6 +27,10 @@ class ProtocolFacts:
         summary: one line for docs and ``fedcore validate``.
         server_uses_kdc: whether the server also calls the KDC (for its own keys); the runner
             and the operator then give the server the KDC's address.
+        clients_hold_model: whether clients receive the true global model (or models) in
+            their tasks, so that they may score it on their own data
+            (``spec.data.evaluation.where`` Clients); false where they only ever see a
+            perturbed one.
     """
 
     name: str
@@ -36,6 +40,7 @@ class ProtocolFacts:
     dropout_policy: DropoutPolicy
     summary: str
     server_uses_kdc: bool = False
+    clients_hold_model: bool = True
 
 
 PROTOCOL_FACTS: dict[str, ProtocolFacts] = {
@@ -65,6 +70,7 @@ PROTOCOL_FACTS: dict[str, ProtocolFacts] = {
             dropout_policy="Skip",
             summary="Accuracy-lossless model perturbation: clients train on a secretly "
             "perturbed model; the server recovers the exact FedSGD gradient (seed 001).",
+            clients_hold_model=False,
         ),
         ProtocolFacts(
             name="mpdp",
@@ -74,6 +80,7 @@ PROTOCOL_FACTS: dict[str, ProtocolFacts] = {
             dropout_policy="Redo",
             summary="MP_Server model perturbation plus DDP_Client noise with pairwise masks "
             "agreed over the KDC (seed 000).",
+            clients_hold_model=False,
         ),
         ProtocolFacts(
             name="lppa",

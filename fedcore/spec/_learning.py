@@ -84,7 +84,25 @@ class TrainingSpec(SpecModel):
 
 
 class EvaluationSpec(SpecModel):
-    """Evaluation of the global model on the held-out split, on the server."""
+    """When and where the global model is scored: on the server's held-out split, or on each
+    client's own."""
+
+    where: Literal["Server", "Clients", "Both"] | None = Field(
+        None,
+        description="where evaluation runs. Server: on the held-out split of spec.data.source, "
+        "on the server. Clients: the server sends the models to the clients, each scores them "
+        "on its own held-out examples (with spec.data.clientData; else its block of the shared "
+        "test split) and answers with counts, which the server sums; protocols whose clients "
+        "never hold the true model refuse it. Both (shared source only): each, the clients' "
+        "sum reported as the run's accuracy and the server's as serverAccuracy; with a shared "
+        "source the two are equal, a check. Default: Clients with spec.data.clientData, else "
+        "Server.",
+    )
+    per_class: bool = Field(
+        False,
+        description="perClass also reports, per label, the examples scored and those right "
+        "(clients' evaluation only). Default false.",
+    )
 
     every_rounds: int = Field(
         1,

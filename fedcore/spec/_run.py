@@ -67,7 +67,9 @@ class FederatedRunSpec(SpecModel):
         "it may weigh; the server refuses an upload past either bound.",
     )
     evaluation: EvaluationSpec = Field(
-        default_factory=EvaluationSpec, description="evaluation on the server's held-out split."
+        default_factory=EvaluationSpec,
+        description="evaluation: when the global model is scored, on the server's held-out "
+        "split or on the clients' own.",
     )
     checkpoint: CheckpointSpec = Field(
         default_factory=CheckpointSpec, description="checkpoint schedule and store."
@@ -113,6 +115,14 @@ class FederatedRunSpec(SpecModel):
         "Secret, a DP protocol's secure noise). At most "
         "2^53 - 1, the largest integer every JSON reader (and the API server) keeps exact.",
     )
+
+    @property
+    def evaluation_where(self) -> Literal["Server", "Clients", "Both"]:
+        """Where evaluation runs: ``evaluation.where``, else Clients when every client has its
+        own data (``data.clientData``) and Server otherwise."""
+        if self.evaluation.where is not None:
+            return self.evaluation.where
+        return "Clients" if self.data.client_data is not None else "Server"
 
 
 class ObjectMeta(SpecModel):

@@ -13,6 +13,7 @@ from typing import Any
 from pydantic import BaseModel, ValidationError
 
 from fedcore.errors import SpecError, SpecIssue
+from fedcore.spec._data import FORMAT_INPUTS
 from fedcore.spec._datasets import BUILTIN_DATASETS, split_sizes
 from fedcore.spec._facts import protocol_facts
 from fedcore.spec._loading import (
@@ -316,6 +317,7 @@ def semantic_issues(run: FederatedRun) -> list[SpecIssue]:
             )
         )
     issues.extend(_data_issues(spec))
+    issues.extend(_client_data_issues(spec))
     issues.extend(_precondition_issues(run))
     issues.extend(
         pod_template_issues(
@@ -330,6 +332,81 @@ def semantic_issues(run: FederatedRun) -> list[SpecIssue]:
             }
         )
     )
+    return issues
+
+
+def _client_data_issues(spec: FederatedRunSpec) -> list[SpecIssue]:
+    """What clients' own sources (spec.data.clientData), the schema and the evaluation's place
+    need from the rest of the manifest."""
+    data = spec.data
+    own = data.client_data
+    schema = data.schema_
+    issues: list[SpecIssue] = []
+    facts = protocol_facts(spec.protocol.name)
+    where = spec.evaluation_where
+    if where != "Server" and not facts.clients_hold_model:
+        issues.append(
+            SpecIssue(
+                "spec.evaluation.where",
+                f"{where!r}: protocol {facts.name!r}'s clients never hold the true model, so "
+                f"they cannot score it; allowed here: 'Server' (with spec.data.source).",
+            )
+        )
+    if own is None:
+        return issues
+    if where != "Clients":
+        issues.append(
+            SpecIssue(
+                "spec.evaluation.where",
+                f"{where!r} needs a held-out split on the server, which has no data with "
+                f"spec.data.clientData; allowed here: 'Clients'.",
+            )
+        )
+    for field in ("source", "partition"):
+        if field in data.model_fields_set:
+            issues.append(
+                SpecIssue(
+                    f"spec.data.{field}",
+                    "cannot be set with spec.data.clientData: each client reads its own "
+                    "source; remove one of the two.",
+                )
+            )
+    if data.clusters.count > 1:
+        issues.append(
+            SpecIssue(
+                "spec.data.clusters.count",
+                "must be 1 with spec.data.clientData: the clusters of an experiment are drawn "
+                "from a shared source.",
+            )
+        )
+    if own.sources is not None and len(own.sources) != spec.clients.count:
+        issues.append(
+            SpecIssue(
+                "spec.data.clientData.sources",
+                f"lists {len(own.sources)} sources for spec.clients.count {spec.clients.count}; "
+                f"give one per client.",
+            )
+        )
+    if schema is None:
+        issues.append(
+            SpecIssue(
+                "spec.data.schema",
+                "is required with spec.data.clientData: the server builds the model from it, "
+                "and each client checks its data against it.",
+            )
+        )
+    else:
+        allowed = FORMAT_INPUTS[own.format]
+        given = next(name for name in ("features", "image", "shape") if getattr(schema, name))
+        if given not in allowed:
+            issues.append(
+                SpecIssue(
+                    f"spec.data.schema.{given}",
+                    f"does not describe {own.format} data; allowed for format {own.format}: "
+                    + " or ".join(f"spec.data.schema.{name}" for name in allowed)
+                    + ".",
+                )
+            )
     return issues
 
 

@@ -56,7 +56,8 @@ _STALE_SECONDS = 24 * 3600
 """How old a writer's leftover temporary folder must be before another writer removes it."""
 
 Sink = Callable[[str, np.ndarray, np.ndarray], None]
-"""What a parser hands each part of its source to: ``sink(part, x, y)``."""
+"""What a parser hands each part of its source to: ``sink(part, x, y)``, once or in several
+batches (rows are appended; every batch of a part has the same example shape)."""
 
 Parser = Callable[[Sink], tuple[int, str]]
 """Parses a source, hands every part to the sink, and returns ``(num_classes, where)``."""
@@ -236,23 +237,16 @@ def _write(root: Path, entry: str, key: Mapping[str, Any], parse: Parser) -> Sto
     temp = root / f".{entry}.tmp-{os.getpid()}-{secrets.token_hex(4)}"
     temp.mkdir()
     try:
-        parts: dict[str, dict[str, Any]] = {}
-        shapes: list[tuple[int, ...]] = []
-
-        def sink(part: str, x: np.ndarray, y: np.ndarray) -> None:
-            x, y = _typed(x, y)
-            np.save(temp / f"{part}.x.npy", x, allow_pickle=False)
-            np.save(temp / f"{part}.y.npy", y, allow_pickle=False)
-            parts[part] = {"rows": len(y), "y_sha256": _digest(y)}
-            shapes.append(tuple(int(size) for size in x.shape[1:]))
-
-        num_classes, where = _parse(parse, sink)
+        with _PartWriter(temp) as writer:
+            num_classes, where = _parse(parse, writer.sink)
+            parts = writer.finish()
+        shape = writer.input_shape()
         meta = {
             "format": FORMAT_VERSION,
             "key": key,
             "where": where,
             "num_classes": num_classes,
-            "input_shape": list(shapes[0]),
+            "input_shape": list(shape),
             "parts": parts,
         }
         (temp / "meta.json").write_text(json.dumps(meta, indent=1), encoding="utf-8")
@@ -264,18 +258,90 @@ def _write(root: Path, entry: str, key: Mapping[str, Any], parse: Parser) -> Sto
         shutil.rmtree(temp, ignore_errors=True)
         raise
     rows = {part: int(facts["rows"]) for part, facts in parts.items()}
-    return Stored(where, num_classes, shapes[0], rows, final)
+    return Stored(where, num_classes, shape, rows, final)
+
+
+class _PartWriter:
+    """Writes each part's rows as they come: a parser may hand a part over in many batches
+    (a table's row groups, a folder's images), so that no part is ever whole in memory.
+
+    Features go to ``<part>.x.raw`` as they arrive and become ``<part>.x.npy`` (header, then
+    the raw bytes copied in blocks) when the parse is over; labels (8 bytes a row) are kept.
+    """
+
+    _BLOCK = 16 << 20
+
+    def __init__(self, folder: Path) -> None:
+        self.folder = folder
+        self.raw: dict[str, Any] = {}
+        self.labels: dict[str, list[np.ndarray]] = {}
+        self.rows: dict[str, int] = {}
+        self.shapes: dict[str, tuple[int, ...]] = {}
+
+    def __enter__(self) -> _PartWriter:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        for handle in self.raw.values():
+            handle.close()
+
+    def sink(self, part: str, x: np.ndarray, y: np.ndarray) -> None:
+        x, y = _typed(x, y)
+        shape = tuple(int(size) for size in x.shape[1:])
+        known = self.shapes.setdefault(part, shape)
+        if known != shape or len(x) != len(y):
+            raise ValueError(
+                f"part {part!r} got rows of shape {shape} ({len(x)} rows, {len(y)} labels) "
+                f"after rows of shape {known}"
+            )
+        if part not in self.raw:
+            self.raw[part] = (self.folder / f"{part}.x.raw").open("wb")
+            self.labels[part] = []
+            self.rows[part] = 0
+        if x.size:
+            self.raw[part].write(memoryview(x).cast("B"))
+        self.labels[part].append(y)
+        self.rows[part] += len(y)
+
+    def input_shape(self) -> tuple[int, ...]:
+        return next(iter(self.shapes.values()))
+
+    def finish(self) -> dict[str, dict[str, Any]]:
+        """Turns every part's raw features into ``.npy`` files; returns each part's facts."""
+        parts: dict[str, dict[str, Any]] = {}
+        for part, handle in self.raw.items():
+            handle.close()
+            raw = self.folder / f"{part}.x.raw"
+            shape = (self.rows[part], *self.shapes[part])
+            header = {"descr": np.lib.format.dtype_to_descr(np.dtype(np.float32))}
+            with (self.folder / f"{part}.x.npy").open("wb") as out, raw.open("rb") as source:
+                np.lib.format.write_array_header_1_0(
+                    out, {**header, "fortran_order": False, "shape": shape}
+                )
+                shutil.copyfileobj(source, out, self._BLOCK)
+            raw.unlink()
+            labels = np.concatenate(self.labels[part]) if self.labels[part] else np.empty(0)
+            labels = labels.astype(np.int64)
+            np.save(self.folder / f"{part}.y.npy", labels, allow_pickle=False)
+            parts[part] = {"rows": self.rows[part], "y_sha256": _digest(labels)}
+        return parts
 
 
 def _in_memory(parse: Parser) -> Stored:
     """Parses the source into memory, for this process only."""
-    held: dict[str, tuple[np.ndarray, np.ndarray]] = {}
+    pieces: dict[str, list[tuple[np.ndarray, np.ndarray]]] = {}
 
     def sink(part: str, x: np.ndarray, y: np.ndarray) -> None:
-        x, y = _typed(x, y)
-        held[part] = (_frozen(x), _frozen(y))
+        pieces.setdefault(part, []).append(_typed(x, y))
 
     num_classes, where = _parse(parse, sink)
+    held = {
+        part: (
+            _frozen(np.concatenate([x for x, _ in batches])),
+            _frozen(np.concatenate([y for _, y in batches])),
+        )
+        for part, batches in pieces.items()
+    }
     shape = next(iter(held.values()))[0].shape[1:]
     rows = {part: len(y) for part, (_, y) in held.items()}
     return Stored(where, num_classes, tuple(int(s) for s in shape), rows, memory=held)

@@ -8,6 +8,7 @@ import numpy as np
 
 from fedcore.errors import DataError
 from fedcore.learning.data._clusters import check_clusters, clustered_test, experiment_shard
+from fedcore.learning.data._own import own_data
 from fedcore.learning.data._sources import (
     ArrayDataset,
     data_shape,
@@ -133,8 +134,10 @@ def client_dataset(spec: FederatedRunSpec, index: int) -> ArrayDataset:
     """Returns the training examples of client ``index``.
 
     The partition is seeded by ``spec.seed``; with kind ByFile the client reads its own
-    ``client-<index>.npz``. Only the client's rows are read from the (machine-wide cached)
-    source, into arrays of their own: no other client's rows stay in this process.
+    ``client-<index>.npz``; with ``spec.data.clientData``, its own source (``own_data``).
+    Only the client's rows are read from the (machine-wide cached) source, into arrays of
+    their own (its own source's: read-only maps of the cache): no other client's rows stay
+    in this process.
 
     Args:
         spec: the run's spec.
@@ -150,6 +153,8 @@ def client_dataset(spec: FederatedRunSpec, index: int) -> ArrayDataset:
     count = spec.clients.count
     if not 0 <= index < count:
         raise ValueError(f"Client index {index} is out of range for {count} clients.")
+    if spec.data.client_data is not None:
+        return own_data(spec, index).train
     partition = spec.data.partition
     if partition.kind == "ByFile":
         own = load_client_file(spec.data.source, index)
@@ -166,12 +171,13 @@ def client_dataset(spec: FederatedRunSpec, index: int) -> ArrayDataset:
 def shard_sizes(spec: FederatedRunSpec) -> tuple[int, ...] | None:
     """Returns every client's shard size, by index, when the spec decides the partition.
 
-    None with kind ByFile: each client reads its own file, which the server cannot count.
+    None with kind ByFile or clients' own data: each client reads its own, which the server
+    cannot count.
 
     Raises:
         DataError: if the data cannot be loaded or the partition is refused.
     """
-    if spec.data.partition.kind == "ByFile":
+    if spec.data.partition.kind == "ByFile" or spec.data.client_data is not None:
         return None
     return tuple(len(shard) for shard in _shards(spec.data, spec.clients.count, spec.seed))
 
@@ -182,23 +188,52 @@ def test_dataset(spec: FederatedRunSpec) -> ArrayDataset:
     With ``spec.data.clusters``, one relabelled copy per cluster, in cluster order.
 
     Raises:
+        DataError: if the data cannot be loaded, or the run has no shared source (its clients
+            hold all of its data, ``spec.data.clientData``).
+    """
+    if spec.data.client_data is not None:
+        raise DataError(
+            "This run's data is the clients' own (spec.data.clientData): there is no held-out "
+            "split outside them; the clients evaluate."
+        )
+    return clustered_test(spec, held_out_split(spec.data))
+
+
+def client_test_dataset(spec: FederatedRunSpec, index: int) -> ArrayDataset:
+    """Returns client ``index``'s held-out examples, on which it scores the model it holds.
+
+    With ``spec.data.clientData``, the held-out part of the client's own source. With a shared
+    source, the client's block of the shared test split: ``np.array_split`` of its rows (in
+    order) into ``spec.clients.count`` blocks, so that the clients' counts add up to the
+    server's evaluation of the whole split, exactly.
+
+    Raises:
         DataError: if the data cannot be loaded.
     """
-    return clustered_test(spec, held_out_split(spec.data))
+    if spec.data.client_data is not None:
+        return own_data(spec, index).test
+    test = test_dataset(spec)
+    blocks = np.array_split(np.arange(len(test)), spec.clients.count)
+    return test.subset(blocks[index])
 
 
 def dataset_info(spec: FederatedRunSpec) -> tuple[tuple[int, ...], int]:
     """Returns ``(input_shape, num_classes)`` of the run's data, to build the model.
 
-    Reads no example (the KDC and the server need only the shapes).
+    Reads no example (the KDC and the server need only the shapes); with clients' own data,
+    reads nothing: the shapes are the schema's.
 
     Raises:
         DataError: if the data cannot be loaded, or it has fewer classes than
             ``spec.data.clusters.count``.
     """
+    schema = spec.data.schema_
+    if spec.data.client_data is not None and schema is not None:
+        return schema.input_shape, len(schema.labels)
     input_shape, num_classes = data_shape(spec.data)
     check_clusters(spec.data.clusters.count, num_classes)
     return input_shape, num_classes
 
 
-test_dataset.__test__ = False  # type: ignore[attr-defined]  # not a pytest test, despite its name
+test_dataset.__test__ = False
+client_test_dataset.__test__ = False  # type: ignore[attr-defined]  # not a pytest test, despite its name
