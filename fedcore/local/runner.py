@@ -114,6 +114,9 @@ class LocalRunResult:
     """The run's events file (every attempt's, appended)."""
     logs: str = ""
     """This attempt's role logs (earlier attempts' in ``attempt-<n>/`` under it)."""
+    evaluation: dict[str, Any] = field(default_factory=dict)
+    """The final evaluation's other entries, when reported: evaluated_examples, per_class
+    (the clients' evaluation), server_accuracy and server_loss (where Both)."""
 
     def as_json(self) -> dict[str, Any]:
         """Returns the summary as one JSON-able object."""
@@ -136,6 +139,7 @@ class LocalRunResult:
             "server_bytes_sent": self.bytes_sent,
             "server_bytes_received": self.bytes_received,
             "restarts": dict(self.restarts),
+            **self.evaluation,
             "attempt": self.attempt,
             "events": self.events,
             "logs": self.logs,
@@ -667,6 +671,16 @@ class LocalRun:
                     result.rounds_completed = event.get("rounds_completed")
                     result.bytes_sent = event.get("bytes_sent")
                     result.bytes_received = event.get("bytes_received")
+                    result.evaluation = {
+                        key: event[key]
+                        for key in (
+                            "evaluated_examples",
+                            "per_class",
+                            "server_accuracy",
+                            "server_loss",
+                        )
+                        if key in event
+                    }
                 elif kind == "restarted":
                     result.restarts = dict(self.restarts)
                 elif kind == "failed":

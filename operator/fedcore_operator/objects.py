@@ -48,6 +48,11 @@ KEY_FILE_ENVS = frozenset(env for _, env in ROLE_KEYS.values())
 MANIFEST_DIR = "/etc/fedcore/run"
 MANIFEST_FILE = "run.yaml"
 WORK_DIR = "/var/lib/fedcore"
+DATA_DIR = "/var/lib/fedcore-data"
+"""Where a client's PersistentVolumeClaim (spec.data.clientData volumeClaim) is mounted."""
+DATA_CREDENTIALS_DIR = "/etc/fedcore/data-credentials"
+"""Where a client's S3 credentials Secret (spec.data.clientData s3.credentialsSecret) is
+mounted, as files."""
 CONTAINER = "fedcore"
 
 Object = dict[str, Any]
@@ -506,7 +511,7 @@ def network_policies(ctx: RunContext) -> list[Object]:
     server_egress = [dns, _to_cidrs(settings.api_cidrs, settings.api_ports), *store]
     if ctx.needs_kdc and ctx.server_uses_kdc:  # the server fetches its own keys (ebscfl)
         server_egress.append(to_role("kdc", settings.kdc_port))
-    client_egress = [dns, to_role("server", settings.server_port)]
+    client_egress = [dns, to_role("server", settings.server_port), *_client_data_egress(ctx)]
     client_ingress = [*scrapes]
     policies = [
         _policy(
@@ -556,19 +561,35 @@ def _to_cidrs(cidrs: tuple[str, ...], ports: tuple[int, ...]) -> dict[str, Any]:
 
 
 def _store_egress(ctx: RunContext) -> list[dict[str, Any]]:
-    """Egress to the S3 endpoint, when checkpoints go to S3.
+    """Egress to the S3 endpoint, when checkpoints go to S3 (``_s3_egress``)."""
+    s3 = ctx.run.spec.checkpoint.s3
+    return [] if s3 is None else _s3_egress(ctx, s3.endpoint)
+
+
+def _client_data_egress(ctx: RunContext) -> list[dict[str, Any]]:
+    """Egress to the S3 endpoints the clients read their own data from (``_s3_egress``)."""
+    own = ctx.run.spec.data.client_data
+    if own is None:
+        return []
+    endpoints = []
+    for index in range(ctx.run.spec.clients.count):
+        s3 = own.source_of(index).s3
+        if s3 is not None and s3.endpoint not in endpoints:
+            endpoints.append(s3.endpoint)
+    return [rule for endpoint in endpoints for rule in _s3_egress(ctx, endpoint)]
+
+
+def _s3_egress(ctx: RunContext, endpoint: str | None) -> list[dict[str, Any]]:
+    """Egress to an S3 endpoint.
 
     To the endpoint's own address when it is an IP (a /32 or /128); for a host name (or
     AWS's default endpoint) to ``settings.s3_to`` when the chart names it (CIDRs, or the
     selectors of an in-cluster store), else to any address, on the endpoint's port only.
     """
-    s3 = ctx.run.spec.checkpoint.s3
-    if s3 is None:
-        return []
     host: str | None = None
     port = 443
-    if s3.endpoint is not None:
-        url = urlparse(s3.endpoint)
+    if endpoint is not None:
+        url = urlparse(endpoint)
         host = url.hostname
         port = url.port or (443 if url.scheme == "https" else 80)
     ports = [{"protocol": "TCP", "port": port}]
@@ -687,6 +708,45 @@ def client_pod(ctx: RunContext, index: int) -> Object:
     pod["spec"]["hostname"] = f"client-{index}"
     pod["spec"]["subdomain"] = peers_service_name(ctx.name)
     return pod
+
+
+def _mount_client_data(ctx: RunContext, pod: Object, index: int) -> None:
+    """Mounts client ``index``'s own data source into its pod, and into no other: its
+    PersistentVolumeClaim read-only at ``DATA_DIR`` (its subPath only), or the Secret with its
+    S3 credentials, as 0440 files at ``DATA_CREDENTIALS_DIR``. Added before the pod template,
+    so that ``lock_pod`` keeps them as the operator's own volumes."""
+    own = ctx.run.spec.data.client_data
+    if own is None:
+        return
+    source = own.source_of(index)
+    container = pod["spec"]["containers"][0]
+    volumes = pod["spec"]["volumes"]
+    if source.volume_claim is not None:
+        claim = source.volume_claim
+        volumes.append(
+            {
+                "name": "data",
+                "persistentVolumeClaim": {"claimName": claim.claim_name, "readOnly": True},
+            }
+        )
+        mount: dict[str, Any] = {"name": "data", "mountPath": DATA_DIR, "readOnly": True}
+        if claim.sub_path:
+            mount["subPath"] = claim.sub_path
+        container["volumeMounts"].append(mount)
+        container["env"].append({"name": "FEDCORE_DATA_DIR", "value": DATA_DIR})
+    if source.s3 is not None and source.s3.credentials_secret:
+        volumes.append(
+            {
+                "name": "data-credentials",
+                "secret": {"secretName": source.s3.credentials_secret, "defaultMode": 0o440},
+            }
+        )
+        container["volumeMounts"].append(
+            {"name": "data-credentials", "mountPath": DATA_CREDENTIALS_DIR, "readOnly": True}
+        )
+        container["env"].append(
+            {"name": "FEDCORE_DATA_CREDENTIALS_DIR", "value": DATA_CREDENTIALS_DIR}
+        )
 
 
 def _listen_env(port: int) -> list[dict[str, Any]]:
@@ -814,6 +874,8 @@ def _pod(
         "metadata": _metadata(ctx, name, role_labels(ctx.name, role, index)),
         "spec": spec,
     }
+    if role == "client" and index is not None:
+        _mount_client_data(ctx, pod, index)
     return apply_pod_template(pod, placement.pod_template)
 
 

@@ -136,10 +136,14 @@ def _wait_stored_readable(server: S3Server, timeout: float = 60) -> None:
             time.sleep(0.2)
 
 
-def start_s3(folder: Path, host: str = "127.0.0.1") -> S3Server:
+def start_s3(
+    folder: Path, host: str = "127.0.0.1", identities: tuple[dict[str, object], ...] = ()
+) -> S3Server:
     """Starts SeaweedFS with a fresh data folder under ``folder`` and waits until S3 answers.
 
     ``host``: the address it listens on (a real node's pods need the pod network's gateway).
+    ``identities``: more SeaweedFS identities beside the admin, e.g. one whose actions are
+    ``Read:<bucket>/<prefix>/*`` and ``List:<bucket>/<prefix>/*`` (only that prefix).
     """
     folder.mkdir(parents=True, exist_ok=True)
     config = folder / "s3.json"
@@ -151,7 +155,8 @@ def start_s3(folder: Path, host: str = "127.0.0.1") -> S3Server:
                         "name": "admin",
                         "credentials": [{"accessKey": ACCESS_KEY, "secretKey": SECRET_KEY}],
                         "actions": ["Admin", "Read", "List", "Tagging", "Write"],
-                    }
+                    },
+                    *identities,
                 ]
             }
         )

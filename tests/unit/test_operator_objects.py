@@ -853,3 +853,100 @@ def test_a_template_gives_no_pod_another_roles_key(role: str) -> None:
         assert init_env == [] and wiring["mounts"] == []
         assert wiring["secrets"] == {}
     assert restricted_violations(pod) == []
+
+
+OWN_SCHEMA = {"labels": ["a", "b"], "features": [{"name": "x"}]}
+
+
+def own_data_manifest(template: dict[str, Any], **spec: Any) -> dict[str, Any]:
+    return manifest(
+        data={
+            "clientData": {"format": "Parquet", "template": template},
+            "schema": OWN_SCHEMA,
+        },
+        **spec,
+    )
+
+
+def test_each_client_pod_mounts_its_own_claim_read_only_and_no_other_pod_does() -> None:
+    ctx = context(
+        own_data_manifest(
+            {"volumeClaim": {"claimName": "site-{index}", "subPath": "study-{index}/v2"}},
+            roles={
+                "clients": {
+                    "podTemplate": {
+                        "spec": {
+                            # A template cannot swap the operator's data volume for another.
+                            "volumes": [
+                                {"name": "data", "persistentVolumeClaim": {"claimName": "site-0"}}
+                            ]
+                        }
+                    }
+                }
+            },
+        )
+    )
+    for index in range(3):
+        pod = objects.client_pod(ctx, index)
+        claims = [
+            volume["persistentVolumeClaim"]
+            for volume in pod["spec"]["volumes"]
+            if "persistentVolumeClaim" in volume
+        ]
+        assert claims == [{"claimName": f"site-{index}", "readOnly": True}]
+        container = pod["spec"]["containers"][0]
+        mount = next(m for m in container["volumeMounts"] if m["name"] == "data")
+        assert mount == {
+            "name": "data",
+            "mountPath": objects.DATA_DIR,
+            "readOnly": True,
+            "subPath": f"study-{index}/v2",
+        }
+        assert {"name": "FEDCORE_DATA_DIR", "value": objects.DATA_DIR} in container["env"]
+    server = objects.server_pod(ctx, resume=False)
+    assert not any("persistentVolumeClaim" in v for v in server["spec"]["volumes"])
+    assert "FEDCORE_DATA_DIR" not in {e["name"] for e in server["spec"]["containers"][0]["env"]}
+
+
+def test_each_client_pod_gets_its_own_s3_credentials_as_files_and_egress_to_the_store() -> None:
+    ctx = context(
+        own_data_manifest(
+            {
+                "s3": {
+                    "endpoint": "http://10.1.2.3:8333",
+                    "bucket": "hospital-{index}",
+                    "prefix": "records/",
+                    "credentialsSecret": "hospital-{index}-s3",
+                }
+            }
+        )
+    )
+    for index in range(3):
+        pod = objects.client_pod(ctx, index)
+        secrets = {
+            volume["secret"]["secretName"]: volume["secret"]["defaultMode"]
+            for volume in pod["spec"]["volumes"]
+            if "secret" in volume
+        }
+        assert secrets[f"hospital-{index}-s3"] == 0o440
+        assert not {f"hospital-{other}-s3" for other in range(3) if other != index} & set(secrets)
+        container = pod["spec"]["containers"][0]
+        assert {
+            "name": "data-credentials",
+            "mountPath": objects.DATA_CREDENTIALS_DIR,
+            "readOnly": True,
+        } in container["volumeMounts"]
+        assert "envFrom" not in container  # files, not variables
+    server = objects.server_pod(ctx, resume=False)
+    assert not any(
+        "hospital" in volume.get("secret", {}).get("secretName", "")
+        for volume in server["spec"]["volumes"]
+    )
+    policies = {p["metadata"]["name"]: p for p in objects.network_policies(ctx)}
+    egress = policies["demo-client"]["spec"]["egress"]
+    assert {
+        "to": [{"ipBlock": {"cidr": "10.1.2.3/32"}}],
+        "ports": [{"protocol": "TCP", "port": 8333}],
+    } in egress
+    server_egress = policies["demo-server"]["spec"]["egress"]
+    assert not any("10.1.2.3/32" in json.dumps(rule) for rule in server_egress)
