@@ -304,7 +304,8 @@ def data() -> None:
 @data.command("prepare")
 @click.argument("manifest", type=click.Path(exists=True, dir_okay=False, path_type=Path))
 def data_prepare(manifest: Path) -> None:
-    """Parses MANIFEST's data source into this machine's cache, unless it is there already.
+    """Parses MANIFEST's data source into this machine's cache, unless it is there already
+    (with spec.data.clientData, every client's own source that this machine can read).
 
     Every role reads its rows from that cache; the first role to miss it parses the source
     (seconds, for scikit-learn's digits mostly importing scikit-learn). `fedcore run` starts
@@ -317,6 +318,18 @@ def data_prepare(manifest: Path) -> None:
 
     configure_logging("data")
     run = load_manifest(manifest)
+    if run.spec.data.client_data is not None:  # on one machine, every client's own source
+        from fedcore.learning.data import own_data
+
+        loaded = [own_data(run.spec, index) for index in range(run.spec.clients.count)]
+        done = "parsed now" if parse_count() else "already cached"
+        click.echo(
+            f"{run.metadata.name}: {len(loaded)} clients' own data, "
+            f"{sum(len(own.train) for own in loaded):,} training and "
+            f"{sum(len(own.test) for own in loaded):,} held-out examples, {done} "
+            f"({cache_root()})."
+        )
+        return
     train, test = load_split(run.spec.data)
     done = "parsed now" if parse_count() else "already cached"
     click.echo(

@@ -77,6 +77,7 @@ def describe(
         },
         "privacy": _privacy(spec, sampled),
         "data": _data(spec, load_data=load_data, source=source),
+        "evaluation": spec.evaluation_where,
     }
 
 
@@ -128,6 +129,8 @@ def _data(spec: FederatedRunSpec, *, load_data: bool, source: str | None) -> dic
     """The data source, its split and the examples per client (or "computed at start")."""
     data = spec.data
     count = spec.clients.count
+    if data.client_data is not None:
+        return _own_data(spec, load_data=load_data, source=source)
     info: dict[str, Any] = {
         "source": data.source.kind,
         "path": data.source.path,
@@ -162,6 +165,57 @@ def _data(spec: FederatedRunSpec, *, load_data: bool, source: str | None) -> dic
             "median": int(median) if float(median).is_integer() else median,
             "max": max(sizes),
         }
+    return info
+
+
+def _own_data(spec: FederatedRunSpec, *, load_data: bool, source: str | None) -> dict[str, Any]:
+    """Each client's own source: where, in what format, under which schema; with
+    ``load_data``, each client's examples (read and checked as the clients will)."""
+    own = spec.data.client_data
+    schema = spec.data.schema_
+    assert own is not None and schema is not None
+    sample = own.template if own.template is not None else own.sources[0]  # type: ignore[index]
+    kind = "path" if sample.path else "volumeClaim" if sample.volume_claim else "s3"
+    if schema.features is not None:
+        shape = f"{len(schema.features)} features"
+    elif schema.image is not None:
+        image = schema.image
+        shape = f"{image.width}x{image.height} images, {image.channels} channel(s)"
+    else:
+        shape = f"examples of shape {list(schema.shape or [])}"
+    info: dict[str, Any] = {
+        "source": "ClientData",
+        "format": own.format,
+        "location": kind,
+        "template": own.template is not None,
+        "schema": f"{shape}, {len(schema.labels)} labels",
+        "examples": None,
+        "train": None,
+        "test": None,
+        "per_client": None,
+        "computed": AT_START,
+    }
+    if load_data:
+        from fedcore.learning.data import own_data
+
+        try:
+            loaded = [own_data(spec, index) for index in range(spec.clients.count)]
+        except ValueError as exc:
+            raise SpecError([SpecIssue("spec.data.clientData", str(exc))], source=source) from exc
+        sizes = [len(data.train) for data in loaded]
+        test = sum(len(data.test) for data in loaded)
+        median = statistics.median(sizes)
+        info.update(
+            examples=sum(sizes) + test,
+            train=sum(sizes),
+            test=test,
+            computed="loaded",
+            per_client={
+                "min": min(sizes),
+                "median": int(median) if float(median).is_integer() else median,
+                "max": max(sizes),
+            },
+        )
     return info
 
 
@@ -237,9 +291,16 @@ def summary_lines(summary: dict[str, Any]) -> list[str]:
         f"per round ({clients['sampling']} sample), quorum {clients['quorum']}",
         f"privacy:  {_privacy_text(summary['privacy'])}",
         f"data:     {_data_text(summary['data'], clients['count'])}",
+        f"evaluate: {_EVALUATION_WORDS[summary['evaluation']]}",
     ]
     return [f"  {line}" for line in lines]
 
+
+_EVALUATION_WORDS = {
+    "Server": "on the server's held-out split",
+    "Clients": "on the clients' held-out examples (their counts summed by the server)",
+    "Both": "on the server's held-out split and on the clients' (the clients' is the result)",
+}
 
 _PORT_WORDS = {
     "server": "the server",
@@ -269,6 +330,20 @@ def _privacy_text(privacy: dict[str, Any]) -> str:
 
 
 def _data_text(data: dict[str, Any], count: int) -> str:
+    if data["source"] == "ClientData":
+        given = "one template" if data["template"] else "one source per client"
+        text = (
+            f"each client's own {data['format']} data ({data['location']}, {given}); "
+            f"schema {data['schema']}"
+        )
+        if data["per_client"] is None:
+            return f"{text}; examples per client {AT_START} (--load-data reads them now)"
+        per_client = data["per_client"]
+        return (
+            f"{text}; {data['train']} training and {data['test']} held-out examples, "
+            f"{per_client['min']} / {per_client['median']} / {per_client['max']} per client "
+            f"(min / median / max)"
+        )
     where = data["source"] + (f" {data['path']}" if data["path"] else "")
     if data["examples"] is not None:
         where += (

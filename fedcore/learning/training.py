@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import contextlib
 import itertools
+import logging
+import os
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
@@ -15,6 +17,16 @@ from torch import nn
 from fedcore.learning.data import ArrayDataset
 from fedcore.learning.models import get_weights, set_weights
 from fedcore.spec import TrainingSpec
+
+log = logging.getLogger(__name__)
+
+RESIDENT_BYTES_ENV = "FEDCORE_RESIDENT_BYTES"
+"""Overrides :data:`RESIDENT_BYTES` (bytes)."""
+
+RESIDENT_BYTES = 1 << 30
+"""A shard mapped from the data cache whose features take more bytes than this is streamed:
+each batch is read from the map when it is used, instead of the whole shard being copied into
+memory (and onto the device) once."""
 
 _TORCH_SEED_TAG = 0x7F
 """Appended to the shuffle's seed words to seed torch's RNG (dropout) apart from the shuffle."""
@@ -116,12 +128,32 @@ class LocalLearner:
         self._training = training
         self._seed = seed
         self._client_index = client_index
-        self._x, self._y, self._targets = _as_tensors(model, data, self._device)
+        self._dtype = _model_dtype(model)
+        self._classes = data.num_classes
+        self._mapped: np.ndarray | None = None
+        if isinstance(data.x, np.memmap) and data.x.nbytes > _resident_bytes():
+            # Streamed: batches are read from the cache's map as they are used.
+            self._mapped = data.x
+            self._y = torch.tensor(data.y, dtype=torch.int64, device=self._device)
+            self._x = self._targets = torch.empty(0)
+            log.info(
+                "Client %d's shard (%d examples, %.0f MB) is streamed from the data cache.",
+                client_index,
+                len(data),
+                data.x.nbytes / 1e6,
+            )
+        else:
+            self._x, self._y, self._targets = _as_tensors(model, data, self._device)
 
     @property
     def num_examples(self) -> int:
         """The number of examples in the client's shard."""
         return int(self._y.shape[0])
+
+    @property
+    def streamed(self) -> bool:
+        """Whether the shard is read from the data cache batch by batch (too large to hold)."""
+        return self._mapped is not None
 
     @property
     def model(self) -> nn.Module:
@@ -130,7 +162,13 @@ class LocalLearner:
 
     @property
     def features(self) -> torch.Tensor:
-        """The shard's inputs, on the learner's device, in the model's dtype."""
+        """The shard's inputs, on the learner's device, in the model's dtype.
+
+        A streamed shard is read whole into memory by the first call (and kept): the
+        closed-form protocols that need it as one matrix (mpdp, perturb, lppa) cannot
+        stream it.
+        """
+        self._hold_whole()
         return self._x
 
     @property
@@ -141,7 +179,35 @@ class LocalLearner:
     @property
     def targets(self) -> torch.Tensor:
         """The shard's one-hot targets in the model's dtype (the MSE loss's targets)."""
+        self._hold_whole()
         return self._targets
+
+    def batch(self, rows: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The inputs, labels and one-hot targets of ``rows`` (None: the whole shard), on the
+        learner's device, in that order; read from the map when the shard is streamed."""
+        if self._mapped is None:
+            if rows is None:
+                return self._x, self._y, self._targets
+            return self._x[rows], self._y[rows], self._targets[rows]
+        if rows is None:
+            return self.features, self._y, self.targets
+        index = rows.to("cpu").numpy()
+        x = torch.from_numpy(np.take(self._mapped, index, axis=0))
+        x = x.to(device=self._device, dtype=self._dtype)
+        y = self._y[rows]
+        return x, y, F.one_hot(y, num_classes=self._classes).to(self._dtype)
+
+    def _hold_whole(self) -> None:
+        """Reads a streamed shard into memory, once."""
+        if self._mapped is not None and self._x.numel() == 0 and self.num_examples:
+            log.warning(
+                "Client %d's protocol needs its whole shard as one matrix: reading the "
+                "streamed shard into memory.",
+                self._client_index,
+            )
+            x = torch.tensor(np.asarray(self._mapped), dtype=self._dtype, device=self._device)
+            self._x = x
+            self._targets = F.one_hot(self._y, num_classes=self._classes).to(self._dtype)
 
     def train(
         self, weights: dict[str, np.ndarray], *, round: int, epochs: int | None = None
@@ -185,7 +251,8 @@ class LocalLearner:
                 for start in range(0, n, batch_size):
                     rows = permutation[start : start + batch_size]
                     optimizer.zero_grad(set_to_none=True)
-                    loss = self._loss(self._model(self._x[rows]), rows)
+                    x, y, targets = self.batch(rows)
+                    loss = self._loss(self._model(x), y, targets)
                     loss.backward()
                     optimizer.step()
                     losses.append(loss.detach())
@@ -220,8 +287,18 @@ class LocalLearner:
         self._model.train()
         self._model.zero_grad(set_to_none=True)
         with self._forked_rng(round):
-            loss = self._loss(self._model(self._x), None)
-            loss.backward()
+            if self._mapped is None:
+                loss = self._loss(self._model(self._x), self._y, self._targets)
+                loss.backward()
+            else:  # the mean over the shard, summed from blocks: the same gradient, streamed
+                loss = torch.zeros((), dtype=torch.float64, device=self._device)
+                n = self.num_examples
+                for start in range(0, n, _STREAM_BLOCK):
+                    rows = torch.arange(start, min(start + _STREAM_BLOCK, n))
+                    x, y, targets = self.batch(rows)
+                    part = self._loss(self._model(x), y, targets) * (len(rows) / n)
+                    part.backward()
+                    loss += part.detach().to(torch.float64)
         parameters = dict(self._model.named_parameters(remove_duplicate=False))
         gradients: dict[str, np.ndarray] = {}
         for name, tensor in self._model.state_dict().items():
@@ -231,12 +308,12 @@ class LocalLearner:
         self._model.zero_grad(set_to_none=True)
         return gradients, LocalStats(self.num_examples, float(loss.item()), 1)
 
-    def _loss(self, logits: torch.Tensor, rows: torch.Tensor | None) -> torch.Tensor:
-        """The mean training loss of ``logits`` against the labels of ``rows`` (None: all)."""
+    def _loss(
+        self, logits: torch.Tensor, labels: torch.Tensor, targets: torch.Tensor
+    ) -> torch.Tensor:
+        """The mean training loss of ``logits`` against the batch's labels (or targets)."""
         if self._training.loss == "MSE":
-            targets = self._targets if rows is None else self._targets[rows]
             return F.mse_loss(logits, targets)
-        labels = self._y if rows is None else self._y[rows]
         return F.cross_entropy(logits, labels)
 
     def _check_round(self, round: int) -> None:
@@ -387,11 +464,26 @@ class Evaluator:
         return EvalResult(loss / n, accuracy / n, n)
 
 
+_STREAM_BLOCK = 4096
+"""Examples per block when a streamed shard's full gradient is summed."""
+
+
+def _resident_bytes() -> int:
+    """The size above which a mapped shard is streamed (:data:`RESIDENT_BYTES`)."""
+    named = os.environ.get(RESIDENT_BYTES_ENV)
+    return int(named) if named and named.isdigit() else RESIDENT_BYTES
+
+
+def _model_dtype(model: nn.Module) -> torch.dtype:
+    """The dtype of the model's floating-point parameters (float32 when it has none)."""
+    return next((p.dtype for p in model.parameters() if p.is_floating_point()), torch.float32)
+
+
 def _as_tensors(
     model: nn.Module, data: ArrayDataset, device: torch.device
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Converts a data set once: features in the model's dtype, labels, one-hot targets."""
-    dtype = next((p.dtype for p in model.parameters() if p.is_floating_point()), torch.float32)
+    dtype = _model_dtype(model)
     x = torch.tensor(data.x, dtype=dtype, device=device)
     y = torch.tensor(data.y, dtype=torch.int64, device=device)
     targets = F.one_hot(y, num_classes=data.num_classes).to(dtype)

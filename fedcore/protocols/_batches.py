@@ -40,9 +40,8 @@ def _loss(
 
 def _select(learner: LocalLearner, rows: np.ndarray | None) -> tuple[torch.Tensor, ...]:
     if rows is None:
-        return learner.features, learner.labels, learner.targets
-    index = torch.as_tensor(rows, device=learner.features.device)
-    return learner.features[index], learner.labels[index], learner.targets[index]
+        return learner.batch(None)
+    return learner.batch(torch.as_tensor(rows, device=learner.labels.device))
 
 
 def batch_gradient(

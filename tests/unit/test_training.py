@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Literal
 
 import numpy as np
@@ -12,7 +13,13 @@ from torch import nn
 
 from fedcore.learning.data import ArrayDataset, load_split
 from fedcore.learning.models import build_model, get_weights, set_weights
-from fedcore.learning.training import EvalResult, Evaluator, LocalLearner, LocalStats
+from fedcore.learning.training import (
+    RESIDENT_BYTES_ENV,
+    EvalResult,
+    Evaluator,
+    LocalLearner,
+    LocalStats,
+)
 from fedcore.spec import DataSpec, ModelSpec, OptimizerSpec, TrainingSpec
 
 SEED = 5
@@ -395,3 +402,40 @@ def test_evaluator_init_refuses_empty_data() -> None:
     # Execute / Assert
     with pytest.raises(ValueError, match="no examples"):
         Evaluator(_model(), empty, TrainingSpec())
+
+
+def _mapped(data: ArrayDataset, folder: Path) -> ArrayDataset:
+    """The same examples with features in a read-only memory map, as the data cache gives."""
+    path = folder / "x.npy"
+    np.save(path, data.x)
+    return ArrayDataset(np.load(path, mmap_mode="r"), data.y, data.num_classes)
+
+
+@pytest.mark.parametrize("loss", ["CrossEntropy", "MSE"])
+def test_a_streamed_shard_trains_to_the_very_weights_of_a_held_one(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, loss: Literal["CrossEntropy", "MSE"]
+) -> None:
+    data = _shard(70)
+    training = _training(loss=loss, batch_size=16, local_epochs=2)
+    held = LocalLearner(_model(dtype="float64"), data, training, seed=4, client_index=1)
+    monkeypatch.setenv(RESIDENT_BYTES_ENV, "0")  # anything mapped is streamed
+    streamed = LocalLearner(
+        _model(dtype="float64"), _mapped(data, tmp_path), training, seed=4, client_index=1
+    )
+    assert streamed.streamed and not held.streamed
+    start = get_weights(_model(seed=9, dtype="float64"))
+    trained_held, stats_held = held.train(start, round=3)
+    trained_streamed, stats_streamed = streamed.train(start, round=3)
+    assert stats_held == stats_streamed
+    for name in trained_held:
+        assert np.array_equal(trained_held[name], trained_streamed[name]), name
+    gradient_held, _ = held.gradient(start, round=3)
+    gradient_streamed, g_stats = streamed.gradient(start, round=3)
+    for name in gradient_held:
+        np.testing.assert_allclose(
+            gradient_streamed[name], gradient_held[name], rtol=1e-12, atol=1e-15
+        )
+    assert g_stats.loss == pytest.approx(held.gradient(start, round=3)[1].loss, rel=1e-12)
+    # A protocol that needs the whole matrix gets it (read from the map once).
+    assert torch.equal(streamed.features, held.features)
+    assert torch.equal(streamed.targets, held.targets)
