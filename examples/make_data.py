@@ -74,7 +74,7 @@ def digit_images(out: Path) -> None:
     rng = np.random.default_rng(SEED)
     order = rng.permutation(len(digits.target))
     for client, rows in enumerate(np.array_split(order, DIGIT_CLIENTS)):
-        test = int(round(0.2 * len(rows)))
+        test = round(0.2 * len(rows))
         for part, part_rows in (("test", rows[:test]), ("train", rows[test:])):
             for row in part_rows:
                 folder = out / "digits-images" / f"client-{client}" / part / str(digits.target[row])

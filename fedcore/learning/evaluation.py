@@ -100,7 +100,9 @@ def checked_answer(meta: Mapping[str, Any], classes: int, per_class: bool) -> Ev
     if correct > total:
         raise MessageRejected(f"An evaluation answer has correct {correct} > total {total}.")
     loss = answer.get("lossSum")
-    if type(loss) not in (int, float) or not math.isfinite(loss) or loss < 0:
+    if not isinstance(loss, int | float) or isinstance(loss, bool):
+        raise MessageRejected("An evaluation answer's lossSum is not a finite, non-negative sum.")
+    if not math.isfinite(loss) or loss < 0:
         raise MessageRejected("An evaluation answer's lossSum is not a finite, non-negative sum.")
     class_total: tuple[int, ...] = ()
     class_correct: tuple[int, ...] = ()

@@ -75,6 +75,15 @@ def status_patch(run: FederatedRun, event: dict[str, Any]) -> dict[str, Any]:
                 "accuracy": event.get("accuracy"),
                 "loss": event.get("loss"),
                 "roundsCompleted": event.get("rounds_completed"),
+                **{
+                    name: event[key]
+                    for key, name in (
+                        ("evaluated_examples", "evaluatedExamples"),
+                        ("per_class", "perClass"),
+                        ("server_accuracy", "serverAccuracy"),
+                    )
+                    if key in event
+                },
             },
             "outcome": {"phase": "Succeeded", "reason": event.get("reason", "RoundsCompleted")},
         }

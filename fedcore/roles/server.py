@@ -474,7 +474,7 @@ class Server:
                 reason="NoClients",
                 round=start_round,
             )
-        last_eval: dict[str, float] = {}
+        last_eval: dict[str, Any] = {}
         completed = start_round - 1
         stop_reason: str | None = None
         for round_ in range(start_round, spec.rounds + 1):
@@ -513,7 +513,7 @@ class Server:
         if not last_eval and not self.facts.decentralized:
             last_eval = self._evaluate(completed)
         self._release_model()
-        summary = {
+        summary: dict[str, Any] = {
             "phase": "Succeeded",
             "rounds": spec.rounds,
             "rounds_completed": completed,

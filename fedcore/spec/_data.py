@@ -57,8 +57,9 @@ class VolumeClaimSourceSpec(SpecModel):
         pattern=_NAME_WITH_INDEX,
         description="claimName names the claim; '{index}' becomes the client's index. Required.",
     )
-    sub_path: str = Field(
-        "",
+    sub_path: str | None = Field(
+        None,
+        min_length=1,
         max_length=1024,
         description="subPath is the folder inside the claim that holds the client's data "
         "('{index}' becomes the client's index); relative, without '..'. Default: the claim's "
@@ -67,8 +68,8 @@ class VolumeClaimSourceSpec(SpecModel):
 
     @field_validator("sub_path")
     @classmethod
-    def _inside_the_claim(cls, value: str) -> str:
-        if value.startswith("/") or ".." in value.split("/"):
+    def _inside_the_claim(cls, value: str | None) -> str | None:
+        if value is not None and (value.startswith("/") or ".." in value.split("/")):
             raise ValueError("subPath must be relative and must not contain '..'")
         return value
 
@@ -82,8 +83,9 @@ class S3SourceSpec(SpecModel):
         pattern=r"^([a-z0-9]|\{index\})([a-z0-9.-]|\{index\}){1,61}([a-z0-9]|\{index\})$",
         description="bucket that holds the data; '{index}' becomes the client's index. Required.",
     )
-    prefix: str = Field(
-        "",
+    prefix: str | None = Field(
+        None,
+        min_length=1,
         max_length=1024,
         description="prefix of the data's keys; '{index}' becomes the client's index. Every "
         "object under it is read (a key ending in '/' is skipped). Default: the whole bucket.",

@@ -79,11 +79,33 @@ class CheckpointStatus(SpecModel):
     time: str | None = Field(None, description="time it was written (RFC 3339).")
 
 
+class ClassCount(SpecModel):
+    """The examples of one label the clients scored, and those right."""
+
+    total: int = Field(description="total examples of the label scored.")
+    correct: int = Field(description="correct: those the model got right.")
+
+
 class FinalMetrics(SpecModel):
     """What the finished run reports."""
 
-    accuracy: float | None = Field(None, description="accuracy on the held-out split.")
-    loss: float | None = Field(None, description="loss on the held-out split.")
+    accuracy: float | None = Field(
+        None,
+        description="accuracy on the held-out examples (spec.evaluation.where: the server's "
+        "split, or the clients' own, their counts summed).",
+    )
+    loss: float | None = Field(None, description="loss on the held-out examples.")
+    evaluated_examples: int | None = Field(
+        None, description="evaluatedExamples the clients scored (clients' evaluation only)."
+    )
+    per_class: list[ClassCount] | None = Field(
+        None,
+        description="perClass: per label, in spec.data.schema.labels order, the examples the "
+        "clients scored and those right (spec.evaluation.perClass).",
+    )
+    server_accuracy: float | None = Field(
+        None, description="serverAccuracy on the server's split (spec.evaluation.where Both)."
+    )
     rounds_completed: int | None = Field(None, description="roundsCompleted by the run.")
     wall_seconds: float | None = Field(None, description="wallSeconds the server ran.")
 

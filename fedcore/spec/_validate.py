@@ -362,8 +362,11 @@ def _client_data_issues(spec: FederatedRunSpec) -> list[SpecIssue]:
                 f"spec.data.clientData; allowed here: 'Clients'.",
             )
         )
+    # Compared with their defaults, not "was it set": the API server writes the CRD's
+    # defaults into every stored run.
+    defaults = type(data)()
     for field in ("source", "partition"):
-        if field in data.model_fields_set:
+        if getattr(data, field) != getattr(defaults, field):
             issues.append(
                 SpecIssue(
                     f"spec.data.{field}",

@@ -410,7 +410,7 @@ def test_the_manifest_refuses_what_client_data_cannot_run() -> None:
     assert "lists 1 sources" in spec_issue(
         data__clientData={"format": "Parquet", "sources": [{"path": "a"}]}
     )
-    assert "spec.data.source" in spec_issue(data__source={"kind": "Digits"})
+    assert "spec.data.source" in spec_issue(data__source={"kind": "MNISTSubset"})
     assert "'Server' needs a held-out split" in spec_issue(evaluation={"where": "Server"})
     assert "never hold the true model" in spec_issue(protocol={"name": "perturb"})
     assert "spec.data.schema" in spec_issue(data__schema=None)

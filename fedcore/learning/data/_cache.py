@@ -299,7 +299,7 @@ class _PartWriter:
             self.labels[part] = []
             self.rows[part] = 0
         if x.size:
-            self.raw[part].write(memoryview(x).cast("B"))
+            self.raw[part].write(x.tobytes())
         self.labels[part].append(y)
         self.rows[part] += len(y)
 

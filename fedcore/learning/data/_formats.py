@@ -416,7 +416,9 @@ def decode_image(data: bytes, image: ImageSchemaSpec, where: str) -> np.ndarray:
                     )
                 converted = opened.convert("L" if image.channels == 1 else "RGB")
                 if converted.size != (image.width, image.height):
-                    converted = converted.resize((image.width, image.height), Image.BILINEAR)
+                    converted = converted.resize(
+                        (image.width, image.height), Image.Resampling.BILINEAR
+                    )
                 pixels = np.asarray(converted, dtype=np.float32) / 255.0
     except DataError:
         raise

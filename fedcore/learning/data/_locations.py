@@ -124,8 +124,8 @@ class S3Location:
 
     def __init__(self, spec: S3SourceSpec, scratch: Path | None) -> None:
         self.spec = spec
-        self.prefix = spec.prefix
-        self.where = f"s3://{spec.bucket}/{spec.prefix}"
+        self.prefix = spec.prefix or ""
+        self.where = f"s3://{spec.bucket}/{self.prefix}"
         self.scratch = scratch
         self._client: Any = None
 
@@ -133,7 +133,7 @@ class S3Location:
         return {
             "endpoint": self.spec.endpoint,
             "bucket": self.spec.bucket,
-            "prefix": self.spec.prefix,
+            "prefix": self.prefix,
         }
 
     def client(self) -> Any:

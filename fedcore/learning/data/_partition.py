@@ -235,5 +235,5 @@ def dataset_info(spec: FederatedRunSpec) -> tuple[tuple[int, ...], int]:
     return input_shape, num_classes
 
 
-test_dataset.__test__ = False
-client_test_dataset.__test__ = False  # type: ignore[attr-defined]  # not a pytest test, despite its name
+test_dataset.__test__ = False  # type: ignore[attr-defined]  # not a pytest test, despite its name
+client_test_dataset.__test__ = False  # type: ignore[attr-defined]
