@@ -15,3 +15,6 @@ if [ ! -f "$stamp" ] || [ "$(cat "$stamp")" != "$want" ]; then
     .venv/bin/python -m pip install --quiet -e '.[dev]'
     echo "$want" > "$stamp"
 fi
+# The example data sets (examples/data, a few MB, seconds; kept once written):
+# examples/hospitals-tabular.yaml and examples/digits-imagefolder.yaml read them.
+.venv/bin/python examples/make_data.py > /dev/null

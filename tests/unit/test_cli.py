@@ -533,6 +533,7 @@ def test_validate_json_of_a_valid_manifest_is_the_verdict_and_the_summary(
                 "per_client": {"min": 143, "median": 144, "max": 144},
                 "computed": "counts",
             },
+            "evaluation": "Server",
         },
     }
     assert result.stderr == ""
@@ -615,6 +616,7 @@ def test_validate_summary_shows_roles_ports_rounds_privacy_and_data(cli: CliRunn
         "  privacy:  no DP claim",
         "  data:     Digits, 1797 examples (1437 training, 360 held out); IID over 10 clients: "
         "143 / 144 / 144 examples per client (min / median / max)",
+        "  evaluate: on the server's held-out split",
     ]
 
 
