@@ -8,6 +8,7 @@ pods that run the built runtime image in real containers, and the run must end a
 from __future__ import annotations
 
 import json
+import math
 import subprocess
 import sys
 import uuid
@@ -16,6 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import pyarrow.parquet as pq
 import pytest
 import yaml
 
@@ -226,3 +228,59 @@ def test_checkpoints_in_s3_survive_a_deleted_server_pod_and_prometheus_scrapes_i
         plane.kubectl("delete", "-n", release.runs, "federatedrun", "phoenix", "--wait=false",
                       check=False)  # fmt: skip
         s3.stop()
+
+
+def test_the_hospitals_example_reads_each_hospitals_claim_in_real_containers(
+    node: RealNode, release: Release, tmp_path: Path
+) -> None:
+    """examples/kubernetes: four hostPath volumes and claims, one per hospital, and the
+    dp-fedavg run over them. Each hospital holds a different number of patients, so the
+    held-out examples the clients report add up to the expected total only if each client
+    read its own claim."""
+    plane = node.control_plane
+    data = tmp_path / "data"
+    subprocess.run(
+        [sys.executable, str(ROOT / "examples" / "make_data.py"), "--out", str(data)],
+        check=True, capture_output=True,
+    )  # fmt: skip
+    claims = []
+    example_claims = (ROOT / "examples/kubernetes/hospitals-claims.yaml").read_text()
+    for item in yaml.safe_load_all(example_claims):
+        if item["kind"] == "PersistentVolume":
+            site = item["metadata"]["name"].rsplit("-", 1)[1]
+            item["metadata"]["name"] = f"{release.runs}-hospital-{site}"
+            item["spec"]["hostPath"]["path"] = str(data / "hospitals" / f"hospital-{site}")
+            item["spec"]["claimRef"]["namespace"] = release.runs
+        else:
+            item["metadata"]["namespace"] = release.runs
+            site = item["metadata"]["name"].rsplit("-", 1)[1]
+            item["spec"]["volumeName"] = f"{release.runs}-hospital-{site}"
+        claims.append(item)
+    plane.kubectl("apply", "-f", "-", input=yaml.safe_dump_all(claims))
+    manifest = ROOT / "examples/kubernetes/hospitals-tabular.yaml"
+    plane.kubectl("apply", "-n", release.runs, "-f", str(manifest))
+    run = wait_for_run(
+        plane, release.runs, "hospitals-tabular", _phase_is("Succeeded", "Failed"),
+        timeout=420, what="the end", debug=release.debug,
+    )  # fmt: skip
+    status = run["status"]
+    assert status["phase"] == "Succeeded", f"{status}\n{release.debug()}"
+    body = yaml.safe_load(manifest.read_text())
+    assert status["privacy"]["epsilon"] <= body["spec"]["privacy"]["targetEpsilon"]
+    final = status["finalMetrics"]
+    sizes = [
+        pq.read_metadata(data / "hospitals" / f"hospital-{site}" / "records.parquet").num_rows
+        for site in range(4)
+    ]
+    assert len(set(sizes)) == 4
+    assert final["evaluatedExamples"] == sum(math.ceil(0.2 * size) for size in sizes)
+    assert sum(entry["total"] for entry in final["perClass"]) == final["evaluatedExamples"]
+    pods = {pod.metadata.name: pod for pod in plane.core().list_namespaced_pod(release.runs).items}
+    for name, pod in pods.items():  # the finished clients' pods that are still there
+        mounted = [v.persistent_volume_claim for v in pod.spec.volumes if v.persistent_volume_claim]
+        if name.startswith("hospitals-tabular-client-"):
+            site = name.rsplit("-", 1)[1]
+            assert [(c.claim_name, c.read_only) for c in mounted] == [(f"hospital-{site}", True)]
+        elif name.startswith("hospitals-tabular-"):
+            assert mounted == [], name
+    plane.kubectl("delete", "-n", release.runs, "federatedrun", "hospitals-tabular", "--wait=false")
