@@ -20,7 +20,12 @@ import numpy as np
 
 from fedcore.audit._metrics import Estimate
 from fedcore.audit._views import ProtocolView
-from fedcore.learning.data import ArrayDataset, client_dataset, test_dataset
+from fedcore.learning.data import (
+    ArrayDataset,
+    client_dataset,
+    client_test_dataset,
+    test_dataset,
+)
 from fedcore.protocols import RoundResult, Weights
 from fedcore.simulation import Observer, SimulationResult
 from fedcore.spec import FederatedRun, FederatedRunSpec
@@ -180,8 +185,16 @@ class AuditContext:
         return self._shards[client]
 
     def test(self) -> ArrayDataset:
-        """The server's held-out split (non-members)."""
-        return test_dataset(self.spec)
+        """Held-out examples no client trained on (non-members): the server's split, or with
+        clients' own data the union of their held-out rows."""
+        if self.spec.data.client_data is None:
+            return test_dataset(self.spec)
+        parts = [client_test_dataset(self.spec, c) for c in range(self.spec.clients.count)]
+        return ArrayDataset(
+            np.concatenate([part.x for part in parts]),
+            np.concatenate([part.y for part in parts]),
+            parts[0].num_classes,
+        )
 
     def kept_rounds(self) -> list[int]:
         """The recorded rounds, ascending."""
