@@ -469,9 +469,13 @@ def run(
     from fedcore.cli.progress import RunProgress
     from fedcore.local.runner import LocalRun
     from fedcore.spec import load_manifest
+    from fedcore.spec._validate import local_run_issues
 
     try:
         spec_run = load_manifest(manifest)
+        local_issues = local_run_issues(spec_run)
+        if local_issues:
+            raise SpecError(local_issues, source=str(manifest))
     except SpecError as exc:
         if as_json:
             click.echo(

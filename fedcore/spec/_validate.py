@@ -335,6 +335,26 @@ def semantic_issues(run: FederatedRun) -> list[SpecIssue]:
     return issues
 
 
+def local_run_issues(run: FederatedRun) -> list[SpecIssue]:
+    """What a valid manifest needs that only Kubernetes gives, refused by ``fedcore run``: a
+    client whose data is a PersistentVolumeClaim (only the operator mounts one)."""
+    own = run.spec.data.client_data
+    if own is None:
+        return []
+    for index in range(run.spec.clients.count):
+        claim = own.source_of(index).volume_claim
+        if claim is not None:
+            return [
+                SpecIssue(
+                    "spec.data.clientData",
+                    f"client {index}'s source is the PersistentVolumeClaim "
+                    f"{claim.claim_name!r}, which only the operator mounts (into that "
+                    f"client's pod); fedcore run reads path and s3 sources.",
+                )
+            ]
+    return []
+
+
 def _client_data_issues(spec: FederatedRunSpec) -> list[SpecIssue]:
     """What clients' own sources (spec.data.clientData), the schema and the evaluation's place
     need from the rest of the manifest."""

@@ -97,6 +97,19 @@ def hospitals_manifest(
     return path
 
 
+def run_cli(manifest: Path, folder: Path) -> subprocess.CompletedProcess[str]:
+    """``fedcore run MANIFEST --json`` with its run folder and data cache under ``folder``."""
+    return fedcore(
+        "run",
+        str(manifest),
+        "--json",
+        "--workdir",
+        str(folder / "work"),
+        cwd=folder,
+        env={"FEDCORE_CACHE_DIR": str(folder / "cache")},
+    )
+
+
 def s3_source(s3: S3Server, creds: Path, prefix: str = "site-{index}/") -> dict[str, Any]:
     return {
         "format": "Parquet",
@@ -168,15 +181,7 @@ def test_a_run_over_s3_sources_equals_the_same_run_over_folders(
     exactly the run of the same tables from folders (simulated in one process)."""
     creds = credentials(tmp_path)
     manifest = hospitals_manifest(tmp_path, s3_source(s3, creds))
-    done = fedcore(
-        "run",
-        str(manifest),
-        "--json",
-        "--workdir",
-        str(tmp_path / "work"),
-        cwd=tmp_path,
-        env={"FEDCORE_CACHE_DIR": str(tmp_path / "cache")},
-    )
+    done = run_cli(manifest, tmp_path)
     assert done.returncode == 0, done.stderr[-3000:]
     summary = last_json(done.stdout)
     assert summary["phase"] == "Succeeded"
@@ -219,15 +224,7 @@ def test_a_client_whose_data_breaks_the_schema_stops_the_run_naming_it(
         {"format": "Parquet", "template": {"path": str(sites / "site-{index}")}},
         clients=2,
     )
-    done = fedcore(
-        "run",
-        str(manifest),
-        "--json",
-        "--workdir",
-        str(tmp_path / "work"),
-        cwd=tmp_path,
-        env={"FEDCORE_CACHE_DIR": str(tmp_path / "cache")},
-    )
+    done = run_cli(manifest, tmp_path)
     assert done.returncode != 0
     output = done.stdout + done.stderr
     assert "Client 1's data" in output and "'mean texture'" in output and "missing" in output
@@ -244,15 +241,7 @@ def test_the_examples_run_with_fedcore_run(example: str, hospitals: Path, tmp_pa
     path = tmp_path / example
     path.write_text(yaml.safe_dump(manifest))
     parse_manifest(manifest)
-    done = fedcore(
-        "run",
-        str(path),
-        "--json",
-        "--workdir",
-        str(tmp_path / "work"),
-        cwd=tmp_path,
-        env={"FEDCORE_CACHE_DIR": str(tmp_path / "cache")},
-    )
+    done = run_cli(path, tmp_path)
     assert done.returncode == 0, done.stderr[-3000:]
     summary = last_json(done.stdout)
     assert summary["phase"] == "Succeeded"

@@ -116,6 +116,20 @@ def test_validate_missing_file_is_a_usage_error(cli: CliRunner, tmp_path: Path) 
     assert "does not exist" in result.stderr
 
 
+def test_run_refuses_a_claim_it_cannot_mount_before_starting_anything(
+    cli: CliRunner, tmp_path: Path
+) -> None:
+    manifest = REPO / "examples" / "kubernetes" / "hospitals-tabular.yaml"
+    validated = cli.invoke(main, ["validate", str(manifest)])  # valid for Kubernetes
+    assert validated.exit_code == 0, validated.output
+    work = tmp_path / "work"
+    result = cli.invoke(main, ["run", str(manifest), "--quiet", "--json", "--workdir", str(work)])
+    assert result.exit_code == 1
+    assert "spec.data.clientData: client 0's source is the PersistentVolumeClaim" in result.stderr
+    assert json.loads(result.stdout.splitlines()[-1])["reason"] == "SpecError"
+    assert not work.exists()
+
+
 def test_run_invalid_manifest_exits_1_and_creates_no_run_folder(
     cli: CliRunner, invalid_manifest: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
