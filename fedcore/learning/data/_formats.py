@@ -281,8 +281,24 @@ class CsvReader(Reader):
         return list(reader.schema.names)
 
     def count(self, item: PartFile, path: Path) -> int:
-        _check_columns(self._header(item, path), self.schema, self.name(item))
-        return sum(batch.num_rows for batch in self._batches(item, path))
+        """The rows, from the label column alone (read as strings: types are checked when
+        the file is read)."""
+        import pyarrow as pa
+        import pyarrow.csv as csv
+
+        header = self._header(item, path)
+        _check_columns(header, self.schema, self.name(item))
+        convert = csv.ConvertOptions(
+            column_types={self.schema.label_column: pa.string()},
+            include_columns=[self.schema.label_column],
+        )
+        try:
+            reader = csv.open_csv(
+                path, read_options=csv.ReadOptions(block_size=8 << 20), convert_options=convert
+            )
+            return sum(batch.num_rows for batch in reader)
+        except (pa.ArrowException, OSError) as exc:
+            raise DataError(_csv_problem(self.name(item), exc, False, header)) from exc
 
     def _batches(self, item: PartFile, path: Path) -> Iterator[Any]:
         import pyarrow as pa
