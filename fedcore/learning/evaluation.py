@@ -26,6 +26,9 @@ EVALUATION_ATTEMPT = 0
 
 _MODEL_SEPARATOR = "/"
 
+REQUEST_KEY = "federatedEvaluation"
+"""The instruction key that marks an evaluation request; no protocol's instruction uses it."""
+
 
 def evaluation_request(models: Sequence[Mapping[str, np.ndarray]], per_class: bool) -> Any:
     """The instruction that asks a client to score ``models``: their weights as tensors named
@@ -37,12 +40,13 @@ def evaluation_request(models: Sequence[Mapping[str, np.ndarray]], per_class: bo
         for number, weights in enumerate(models)
         for name, array in weights.items()
     }
-    return Payload(meta={"evaluate": True, "perClass": per_class}, tensors=tensors)
+    return Payload(meta={REQUEST_KEY: True, "perClass": per_class}, tensors=tensors)
 
 
 def is_evaluation(instruction: Mapping[str, Any]) -> bool:
-    """Whether a task's instruction asks for an evaluation."""
-    return instruction.get("evaluate") is True
+    """Whether a task's instruction asks for an evaluation (not a protocol's own instruction,
+    whose keys are the protocol's: lppa's says ``evaluate`` to its peers)."""
+    return instruction.get(REQUEST_KEY) is True
 
 
 def requested_models(tensors: Mapping[str, np.ndarray]) -> list[dict[str, np.ndarray]]:

@@ -11,7 +11,16 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, Info
 import fedcore
 
 ROUND_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 300, 1800)
-REJECT_REASONS = ("malformed", "identity", "refused", "upload", "encoding", "bound", "stale")
+REJECT_REASONS = (
+    "malformed",
+    "identity",
+    "refused",
+    "upload",
+    "encoding",
+    "bound",
+    "evaluation",
+    "stale",
+)
 """The closed set of ``reason`` values of ``fedcore_rejected_messages_total``."""
 
 
@@ -70,7 +79,7 @@ class RoleMetrics:
         self._rejected = Counter(
             "fedcore_rejected_messages",
             "Inbound messages refused (reason: malformed, identity, refused, upload, encoding, "
-            "bound, stale).",
+            "bound, evaluation, stale).",
             [*labels, "reason"],
             registry=r,
         )

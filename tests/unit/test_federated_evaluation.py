@@ -25,6 +25,7 @@ from fedcore.learning.evaluation import (
     answer_meta,
     checked_answer,
     evaluation_request,
+    is_evaluation,
     requested_models,
     score,
     summed,
@@ -165,3 +166,10 @@ def test_a_malformed_answer_is_refused_with_what_is_wrong(change: dict[str, Any]
         checked_answer({"evaluation": {**GOOD, **change}}, 2, per_class=True)
     with pytest.raises(MessageRejected, match="holds no counts"):
         checked_answer({"upload": GOOD}, 2, per_class=True)
+
+
+def test_an_evaluation_request_is_not_mistaken_for_a_protocols_own_instruction() -> None:
+    request = evaluation_request([{"w": np.zeros(2)}], per_class=False)
+    assert is_evaluation(request.meta)
+    # lppa tells its peers to evaluate themselves with its own "evaluate" key.
+    assert not is_evaluation({"evaluate": True, "round": 3})
