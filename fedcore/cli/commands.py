@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import datetime as dt
 import functools
 import gc
 import json
@@ -1096,6 +1097,39 @@ def checkpoint_rollback(
         f"The checkpoint of {label} {round_} is now the latest; deleted {label}s "
         f"{deleted or 'none'}."
     )
+
+
+@checkpoint.command("history")
+@checkpoint_args
+@click.option("--json", "as_json", is_flag=True, help="Print one JSON object: attempt -> events.")
+def checkpoint_history(manifest: Path, workdir: Path | None, as_json: bool) -> None:
+    """Prints the events each server pod kept in the run's checkpoint store: one block per
+    attempt (a pod replaced mid-run leaves its events up to its last checkpoint there)."""
+    from fedcore.roles._history import read_history
+
+    store, _, _ = _checkpointers(manifest, workdir)
+    attempts = read_history(store)
+    if as_json:
+        click.echo(json.dumps({"store": store.describe(), "attempts": attempts}))
+        return
+    click.echo(f"Events kept in {store.describe()}:")
+    if not attempts:
+        click.echo("  (none: only pods keep their events there; fedcore run keeps events.jsonl)")
+    for name, events in attempts.items():
+        click.echo(f"  attempt {name}: {len(events)} events")
+        for event in events:
+            click.echo(f"    {_event_line(event)}")
+
+
+def _event_line(event: dict[str, Any]) -> str:
+    """One event as ``<UTC time> <event> <a few fields>``."""
+    when = dt.datetime.fromtimestamp(float(event.get("time", 0)), dt.UTC).strftime("%H:%M:%S")
+    fields = [
+        f"{key}={event[key]}"
+        for key in ("round", "start_round", "reason", "accuracy", "location", "message")
+        if event.get(key) is not None
+    ]
+    return " ".join([when, str(event.get("event")), *fields])
 
 
 @checkpoint.command("purge")

@@ -36,6 +36,10 @@ class EventLog:
         if path is not None:
             path.parent.mkdir(parents=True, exist_ok=True)
 
+    def add_listener(self, listener: EventListener) -> None:
+        """Hands every later event to ``listener`` too."""
+        self._listeners.append(listener)
+
     def emit(self, event: str, **fields: Any) -> None:
         """Appends ``{"event": event, "time": ..., **fields}`` as one line."""
         record = {"event": event, "time": time.time(), **fields}

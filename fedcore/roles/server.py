@@ -60,6 +60,7 @@ from fedcore.roles._common import (
     retry_of,
     role_checkpointer,
 )
+from fedcore.roles._history import StoreHistory
 from fedcore.roles._hold import HoldPoint
 from fedcore.roles.client import RpcKeyChannel
 from fedcore.rounds import AttemptReport, RoundPolicy, play_round
@@ -323,6 +324,9 @@ class Server:
                 on_bytes=self.metrics.count_bytes,
             )
         self.checkpointer = self._checkpointer()
+        if config.events is None and self.checkpointer is not None:
+            # A pod: no events file outlives it, so its events go beside its checkpoints.
+            self.events.add_listener(StoreHistory(self.checkpointer.store))
         self.board = RoundBoard(self)
         self._check_lock = threading.Lock()
         self.history: list[dict[str, Any]] = []

@@ -218,6 +218,25 @@ def test_killed_server_pod_is_recreated_and_resumes_from_its_checkpoint(
     assert "Resumed from the checkpoint of round" in log, log[-2000:]
     # The recreated server read its checkpoints with the run's key: the same Secret, unchanged.
     assert run_keys(control_plane, namespace, "phoenix") == keys
+    # Each server pod kept its events beside the checkpoints: the killed one's up to its last
+    # checkpoint, the new one's from its resume to the end.
+    client: Any = s3.client()
+    listed_keys = client.list_objects_v2(Bucket="runs", Prefix="phoenix/checkpoints/history/")
+    names = sorted(item["Key"] for item in listed_keys.get("Contents", []))
+    assert len(names) == 2, names
+    first, second = (
+        [
+            json.loads(line)
+            for line in client.get_object(Bucket="runs", Key=name)["Body"].read().splitlines()
+        ]
+        for name in names
+    )
+    assert first[0]["event"] == "ready" and first[0]["start_round"] == 1
+    # (the kill may land between a checkpoint's status report and its history write)
+    assert first[-1]["event"] == "checkpoint" and first[-1]["round"] >= 2
+    assert not any(event["event"] == "finished" for event in first)
+    assert second[0]["event"] == "ready" and second[0]["start_round"] > first[-1]["round"]
+    assert second[-1]["event"] == "finished" and second[-1]["rounds_completed"] == 30
 
 
 def test_operator_killed_mid_run_comes_back_without_duplicates_or_lost_status(
