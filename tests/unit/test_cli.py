@@ -969,3 +969,34 @@ def test_a_client_says_which_device_it_trains_on(caplog: pytest.LogCaptureFixtur
             "The role asks for GPUs but none is visible; using the CPU.",
             "Training on the CPU.",
         ]
+
+
+def test_checkpoint_history_prints_each_pods_events_kept_in_the_store(
+    cli: CliRunner, checkpointed: dict[str, Any]
+) -> None:
+    from fedcore.checkpoint import LocalObjectStore
+    from fedcore.roles._history import StoreHistory
+
+    args = [str(checkpointed["manifest"]), "--workdir", str(checkpointed["work"])]
+    empty = cli.invoke(main, ["checkpoint", "history", *args])
+    assert empty.exit_code == 0 and "(none" in empty.stdout
+    store = LocalObjectStore(checkpointed["folder"])
+    first = StoreHistory(store, attempt="20261126T070000Z-11")
+    first({"event": "ready", "time": 0.0, "start_round": 1})
+    first({"event": "checkpoint", "time": 1.0, "round": 3, "location": "round-00000003"})
+    second = StoreHistory(store, attempt="20261126T070200Z-12")
+    second({"event": "ready", "time": 2.0, "start_round": 4})
+    second({"event": "finished", "time": 3.0, "reason": "RoundsCompleted", "accuracy": 0.9})
+    text = cli.invoke(main, ["checkpoint", "history", *args])
+    as_json = cli.invoke(main, ["checkpoint", "history", *args, "--json"])
+    assert text.exit_code == 0, text.output
+    lines = text.stdout.splitlines()
+    assert lines[1] == "  attempt 20261126T070000Z-11: 2 events"
+    assert lines[3] == "    00:00:01 checkpoint round=3 location=round-00000003"
+    assert lines[4] == "  attempt 20261126T070200Z-12: 2 events"
+    assert lines[6] == "    00:00:03 finished reason=RoundsCompleted accuracy=0.9"
+    attempts = json.loads(as_json.stdout)["attempts"]
+    assert [e["event"] for e in attempts["20261126T070200Z-12"]] == ["ready", "finished"]
+    # Checkpoints are listed as before: the history folder is not a round.
+    listed = json.loads(cli.invoke(main, ["checkpoint", "list", *args, "--json"]).stdout)
+    assert [entry["round"] for entry in listed["server"]] == [1, 2, 3]
