@@ -8,6 +8,8 @@ would send. The attackers are round(fraction * count) clients drawn by ``spec.at
 
 from __future__ import annotations
 
+from typing import Any
+
 import numpy as np
 
 from fedcore.spec import FederatedRunSpec
@@ -68,3 +70,12 @@ def tamper(upload: np.ndarray, scale: float, seed: int, round: int, client: int)
     noise = rng.standard_normal(upload.shape)
     noise *= scale * float(np.linalg.norm(upload)) / max(float(np.linalg.norm(noise)), 1e-300)
     return upload + noise
+
+
+def misreport_evaluation(answer: dict[str, Any]) -> dict[str, Any]:
+    """MisreportEvaluation: an evaluation answer claiming one more example right than were
+    scored (the server must refuse it). The client runtime applies it to its own answer
+    (``spec.attack.kind`` MisreportEvaluation)."""
+    counts = dict(answer["evaluation"])
+    counts["correct"] = int(counts["total"]) + 1
+    return {**answer, "evaluation": counts}

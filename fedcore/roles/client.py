@@ -18,7 +18,7 @@ from fedcore.learning.evaluation import (
     score,
 )
 from fedcore.learning.models import build_model
-from fedcore.learning.poisoning import attack_of, overflow_upload
+from fedcore.learning.poisoning import attack_of, misreport_evaluation, overflow_upload
 from fedcore.learning.training import Evaluator, LocalLearner
 from fedcore.local.threads import limit_threads
 from fedcore.observe.metrics import RoleMetrics
@@ -270,13 +270,11 @@ class Client:
                 requested_models(task.tensors),
                 bool(instruction.get("perClass")),
             )
+        answer = answer_meta(counts)
+        if attack_of(self.spec, self.index) == "MisreportEvaluation":  # an experiment's attacker
+            answer = misreport_evaluation(answer)
         return Payload(
-            meta={
-                "kind": "upload",
-                "round": round_,
-                "attempt": attempt,
-                "upload": answer_meta(counts),
-            }
+            meta={"kind": "upload", "round": round_, "attempt": attempt, "upload": answer}
         )
 
 

@@ -17,7 +17,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from fedcore.errors import ProtocolError
+from fedcore.errors import MessageRejected, ProtocolError
 from fedcore.learning.data import (
     client_dataset,
     client_test_dataset,
@@ -25,9 +25,9 @@ from fedcore.learning.data import (
     shard_sizes,
     test_dataset,
 )
-from fedcore.learning.evaluation import score, summed
+from fedcore.learning.evaluation import answer_meta, checked_answer, score, summed
 from fedcore.learning.models import build_model, get_weights
-from fedcore.learning.poisoning import attack_of, overflow_upload
+from fedcore.learning.poisoning import attack_of, misreport_evaluation, overflow_upload
 from fedcore.learning.training import EvalCounts, Evaluator, LocalLearner
 from fedcore.local.threads import ROLE_THREADS, threads_limited
 from fedcore.privacy import PrivacyLedger
@@ -143,7 +143,13 @@ def federated_evaluation(spec: FederatedRunSpec, models: list[Weights]) -> EvalC
         test = client_test_dataset(spec, index)
         model = build_model(spec.model, test.input_shape, test.num_classes, seed=spec.seed)
         evaluator = Evaluator(model, test, spec.training, allow_empty=True)
-        answers.append(score(evaluator, models, per_class))
+        answer = answer_meta(score(evaluator, models, per_class))
+        if attack_of(spec, index) == "MisreportEvaluation":
+            answer = misreport_evaluation(answer)
+        try:  # as the server role checks each answer, refusing a malformed one
+            answers.append(checked_answer(answer, test.num_classes, per_class))
+        except MessageRejected:
+            continue
     return summed(answers).counts
 
 

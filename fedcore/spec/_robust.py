@@ -48,7 +48,13 @@ class AttackSpec(SpecModel):
     """Byzantine clients for robustness experiments: an experiment knob, never for production."""
 
     kind: Literal[
-        "LabelFlip", "SignFlip", "Scale", "MalformedEncoding", "Overflow", "InflateExamples"
+        "LabelFlip",
+        "SignFlip",
+        "Scale",
+        "MalformedEncoding",
+        "Overflow",
+        "InflateExamples",
+        "MisreportEvaluation",
     ] = Field(
         description="kind of attack. LabelFlip: the attackers train on labels y -> classes-1-y. "
         "SignFlip: they upload -scale times their honest update. Scale: scale times it. "
@@ -56,8 +62,10 @@ class AttackSpec(SpecModel):
         "server's verification must reject. Overflow (every protocol but lppa, whose clients "
         "upload no tensors): they set every tensor of their upload to its type's largest "
         "finite value. InflateExamples (fedavg only): they claim scale times their shard's "
-        "example count. The server's checks (spec.uploads) must refuse the last two. "
-        "Required."
+        "example count. The server's checks (spec.uploads) must refuse these two. "
+        "MisreportEvaluation (spec.evaluation.where Clients or Both): they answer the server's "
+        "evaluation requests with more examples right than they scored, which the server must "
+        "refuse. Required."
     )
     fraction: float = Field(
         0.2,

@@ -372,6 +372,16 @@ def _client_data_issues(spec: FederatedRunSpec) -> list[SpecIssue]:
                 f"they cannot score it; allowed here: 'Server' (with spec.data.source).",
             )
         )
+    misreports = spec.attack is not None and spec.attack.kind == "MisreportEvaluation"
+    if misreports and (where == "Server" or facts.decentralized):
+        issues.append(
+            SpecIssue(
+                "spec.attack.kind",
+                "'MisreportEvaluation' misreports the clients' evaluation, which this run does "
+                "not ask for; set spec.evaluation.where to 'Clients' or 'Both' (not for "
+                "decentralized protocols, whose clients score their own models).",
+            )
+        )
     if own is None:
         return issues
     if where != "Clients":

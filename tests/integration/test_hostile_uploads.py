@@ -174,3 +174,47 @@ def test_an_overflowing_upload_is_refused_by_every_protocol_that_can_see_it(
     for name, weights in reference.items():
         assert np.all(np.isfinite(released[name]))
         np.testing.assert_allclose(released[name], weights, rtol=0, atol=1e-5)
+
+
+def test_a_misreported_evaluation_is_refused_counted_logged_and_left_out_of_the_sum(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A client answers the server's evaluation requests with more right than it scored: the
+    server refuses each answer under the sender's name and sums the honest clients' counts,
+    exactly as the one-process run does."""
+    manifest = write_manifest(
+        tmp_path / "run.yaml",
+        clients={"count": 4, "quorum": 3},
+        rounds=3,
+        checkpoint={"everyRounds": 0},
+        evaluation={"where": "Both", "perClass": True},
+        attack={"kind": "MisreportEvaluation", "fraction": 0.25},
+    )
+    run_spec = load_manifest(manifest)
+    (bad,) = attackers(run_spec.spec)
+    work = tmp_path / "work"
+    hold = ServerHold(monkeypatch, tmp_path, 2)
+    run = LocalRun(run_spec, manifest, workdir=work)
+    run.start()
+    try:
+        wait_for_event(run, "held", round=2)
+        metrics = scrape(run.metrics_ports["server"])
+        hold.release()
+        result = run.wait()
+    finally:
+        run.stop()
+    log = (work / "logs" / "server.log").read_text(encoding="utf-8")
+    rounds = [e for e in events_of(run.events_path) if e["event"] == "round"]
+    assert result.phase == "Succeeded"
+    assert refused_from(metrics, f"client-{bad}", "evaluation") == 2.0  # rounds 1 and 2
+    assert re.search(
+        rf"Refused the upload of client {bad} in round 1 \(sender client-{bad}, reason "
+        rf"evaluation\): An evaluation answer has correct \d+ > total \d+",
+        log,
+    )
+    # Training is untouched (every client uploads); the evaluation is the three honest ones'.
+    assert [(e["participants"], e["evaluated_clients"]) for e in rounds] == [(4, 3)] * 3
+    simulated = simulate(load_manifest(manifest))
+    assert result.accuracy == simulated.accuracy
+    # With a shared source, each client scores its block of the server's split (Both).
+    assert all(e["server_accuracy"] >= 0 for e in rounds)

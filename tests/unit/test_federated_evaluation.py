@@ -173,3 +173,26 @@ def test_an_evaluation_request_is_not_mistaken_for_a_protocols_own_instruction()
     assert is_evaluation(request.meta)
     # lppa tells its peers to evaluate themselves with its own "evaluate" key.
     assert not is_evaluation({"evaluate": True, "round": 3})
+
+
+def test_misreporting_needs_a_clients_evaluation_and_the_simulation_leaves_it_out() -> None:
+    from fedcore.errors import SpecError
+    from fedcore.learning.poisoning import attackers
+    from fedcore.simulation.central import federated_evaluation
+
+    attack = {"attack": {"kind": "MisreportEvaluation", "fraction": 0.25}}
+    with pytest.raises(SpecError, match="'MisreportEvaluation' misreports"):
+        run_spec({"source": {"kind": "Digits"}}, clients=4, **attack)
+    spec = run_spec(
+        {"source": {"kind": "Digits"}}, clients=4, evaluation={"where": "Both"}, **attack
+    )
+    (bad,) = attackers(spec)
+    weights = trained_weights(spec, seed=2)
+    honest = [index for index in range(4) if index != bad]
+    fed = federated_evaluation(spec, [weights])
+    blocks = [client_test_dataset(spec, index) for index in honest]
+    union = ArrayDataset(
+        np.concatenate([b.x for b in blocks]), np.concatenate([b.y for b in blocks]), 10
+    )
+    whole = central(spec, union, weights)
+    assert (fed.total, fed.correct) == (whole.total, whole.correct)
