@@ -129,7 +129,9 @@ class S3ObjectStore(ObjectStore):
             self._extra["ServerSideEncryption"] = server_side_encryption
             if kms_key_id:
                 self._extra["SSEKMSKeyId"] = kms_key_id
-        self.client = client or boto3.client(
+        # A session of its own: boto3's default session caches the first credentials it
+        # resolves for the life of the process (a later change of the environment is ignored).
+        self.client = client or boto3.session.Session().client(
             "s3",
             endpoint_url=endpoint,
             region_name=region,

@@ -142,7 +142,9 @@ class S3Location:
             import boto3
             from botocore.config import Config
 
-            self._client = boto3.client(
+            # A session of its own: boto3's default session caches the credentials it first
+            # resolves, which would then be shared by every client of this process.
+            self._client = boto3.session.Session().client(
                 "s3",
                 endpoint_url=self.spec.endpoint,
                 region_name=self.spec.region,
