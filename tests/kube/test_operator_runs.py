@@ -235,7 +235,8 @@ def test_killed_server_pod_is_recreated_and_resumes_from_its_checkpoint(
     # (the kill may land between a checkpoint's status report and its history write)
     assert first[-1]["event"] == "checkpoint" and first[-1]["round"] >= 2
     assert not any(event["event"] == "finished" for event in first)
-    assert second[0]["event"] == "ready" and second[0]["start_round"] > first[-1]["round"]
+    resumed = next(event for event in second if event["event"] == "ready")
+    assert second[0]["event"] == "resumed" and resumed["start_round"] > first[-1]["round"]
     assert second[-1]["event"] == "finished" and second[-1]["rounds_completed"] == 30
 
 
