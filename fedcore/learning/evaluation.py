@@ -20,6 +20,7 @@ import numpy as np
 
 from fedcore.errors import MessageRejected
 from fedcore.learning.training import EvalCounts, Evaluator
+from fedcore.transport import Payload
 
 EVALUATION_ATTEMPT = 0
 """The attempt number of an evaluation exchange (a round's training attempts count from 1)."""
@@ -30,11 +31,9 @@ REQUEST_KEY = "federatedEvaluation"
 """The instruction key that marks an evaluation request; no protocol's instruction uses it."""
 
 
-def evaluation_request(models: Sequence[Mapping[str, np.ndarray]], per_class: bool) -> Any:
+def evaluation_request(models: Sequence[Mapping[str, np.ndarray]], per_class: bool) -> Payload:
     """The instruction that asks a client to score ``models``: their weights as tensors named
     ``<k>/<weight>``."""
-    from fedcore.transport import Payload
-
     tensors = {
         f"{number}{_MODEL_SEPARATOR}{name}": array
         for number, weights in enumerate(models)

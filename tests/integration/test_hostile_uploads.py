@@ -11,7 +11,9 @@ from __future__ import annotations
 
 import json
 import re
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -40,6 +42,40 @@ def refused_from(metrics: str, sender: str, reason: str) -> float | None:
     return None
 
 
+@dataclass
+class HeldRun:
+    """A finished run of one attacker, with the server's metrics read while it was held."""
+
+    bad: int
+    result: Any
+    metrics: str
+    log: str
+    rounds: list[dict[str, Any]]
+
+
+def run_held_after_round_2(
+    manifest: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> HeldRun:
+    """Runs ``manifest`` (one attacker) with ``LocalRun``, the server held after round 2 so
+    that its metrics are read while it is up; the run folder is ``tmp_path/work``."""
+    run_spec = load_manifest(manifest)
+    (bad,) = attackers(run_spec.spec)
+    work = tmp_path / "work"
+    hold = ServerHold(monkeypatch, tmp_path, 2)
+    run = LocalRun(run_spec, manifest, workdir=work)
+    run.start()
+    try:
+        wait_for_event(run, "held", round=2)
+        metrics = scrape(run.metrics_ports["server"])
+        hold.release()
+        result = run.wait()
+    finally:
+        run.stop()
+    log = (work / "logs" / "server.log").read_text(encoding="utf-8")
+    rounds = [e for e in events_of(run.events_path) if e["event"] == "round"]
+    return HeldRun(bad, result, metrics, log, rounds)
+
+
 @pytest.mark.parametrize(
     ("attack", "why"),
     [
@@ -59,24 +95,12 @@ def test_a_hostile_upload_is_refused_counted_logged_and_the_run_keeps_the_honest
         checkpoint={"everyRounds": 0},
         attack={"kind": attack, "fraction": 0.25, "scale": 1000},
     )
-    run_spec = load_manifest(manifest)
-    (bad,) = attackers(run_spec.spec)
+    # Execute
+    held = run_held_after_round_2(manifest, tmp_path, monkeypatch)
+    bad, result, metrics, log, rounds = held.bad, held.result, held.metrics, held.log, held.rounds
     work = tmp_path / "work"
-    hold = ServerHold(monkeypatch, tmp_path, 2)
-    run = LocalRun(run_spec, manifest, workdir=work)
-    run.start()
-    try:
-        wait_for_event(run, "held", round=2)
-        # Execute
-        metrics = scrape(run.metrics_ports["server"])
-        hold.release()
-        result = run.wait()
-    finally:
-        run.stop()
     # Assert: refused twice by the hold, under its own name; each round combined the three
     # honest uploads; the released model is the one-process run's, bit for bit
-    log = (work / "logs" / "server.log").read_text(encoding="utf-8")
-    rounds = [e for e in events_of(run.events_path) if e["event"] == "round"]
     released = load_file(str(work / "model.safetensors"))
     reference = simulate(load_manifest(manifest)).weights
     assert result.phase == "Succeeded"
@@ -190,21 +214,8 @@ def test_a_misreported_evaluation_is_refused_counted_logged_and_left_out_of_the_
         evaluation={"where": "Both", "perClass": True},
         attack={"kind": "MisreportEvaluation", "fraction": 0.25},
     )
-    run_spec = load_manifest(manifest)
-    (bad,) = attackers(run_spec.spec)
-    work = tmp_path / "work"
-    hold = ServerHold(monkeypatch, tmp_path, 2)
-    run = LocalRun(run_spec, manifest, workdir=work)
-    run.start()
-    try:
-        wait_for_event(run, "held", round=2)
-        metrics = scrape(run.metrics_ports["server"])
-        hold.release()
-        result = run.wait()
-    finally:
-        run.stop()
-    log = (work / "logs" / "server.log").read_text(encoding="utf-8")
-    rounds = [e for e in events_of(run.events_path) if e["event"] == "round"]
+    held = run_held_after_round_2(manifest, tmp_path, monkeypatch)
+    bad, result, metrics, log, rounds = held.bad, held.result, held.metrics, held.log, held.rounds
     assert result.phase == "Succeeded"
     assert refused_from(metrics, f"client-{bad}", "evaluation") == 2.0  # rounds 1 and 2
     assert re.search(

@@ -36,26 +36,29 @@ def cache(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Path]:
     _own._LOADED.clear()
 
 
-def manifest(
-    data_format: str, path: str, schema: dict[str, Any], clients: int = 2, **data: Any
-) -> FederatedRun:
-    return parse_manifest(
-        {
-            "apiVersion": "fedcore.dev/v1alpha1",
-            "kind": "FederatedRun",
-            "metadata": {"name": "own-data"},
-            "spec": {
-                "protocol": {"name": "fedavg"},
-                "data": {
-                    "clientData": {"format": data_format, "template": {"path": path}},
-                    "schema": schema,
-                    **data,
-                },
-                "clients": {"count": clients},
-                "rounds": 1,
+def document(
+    data_format: str, source: dict[str, Any], schema: dict[str, Any], **data: Any
+) -> dict[str, Any]:
+    """A two-client manifest whose clients read ``source`` (a template) in ``data_format``."""
+    return {
+        "apiVersion": "fedcore.dev/v1alpha1",
+        "kind": "FederatedRun",
+        "metadata": {"name": "own-data"},
+        "spec": {
+            "protocol": {"name": "fedavg"},
+            "data": {
+                "clientData": {"format": data_format, "template": source},
+                "schema": schema,
+                **data,
             },
-        }
-    )
+            "clients": {"count": 2},
+            "rounds": 1,
+        },
+    }
+
+
+def manifest(data_format: str, path: str, schema: dict[str, Any], **data: Any) -> FederatedRun:
+    return parse_manifest(document(data_format, {"path": path}, schema, **data))
 
 
 TABLE_SCHEMA = {
@@ -205,7 +208,8 @@ def test_npz_files_are_read_against_the_declared_shape(tmp_path: Path) -> None:
 
 
 def test_a_hugging_face_folder_written_by_save_to_disk_is_read(tmp_path: Path) -> None:
-    datasets = pytest.importorskip("datasets")  # a dev dependency: present in the suite
+    import datasets  # a dev dependency, to write real save_to_disk folders
+
     features = datasets.Features(
         {
             "radius": datasets.Value("float64"),
@@ -241,7 +245,8 @@ def test_a_hugging_face_folder_written_by_save_to_disk_is_read(tmp_path: Path) -
 
 
 def test_a_hugging_face_image_data_set_is_read(tmp_path: Path) -> None:
-    datasets = pytest.importorskip("datasets")
+    import datasets
+
     rng = np.random.default_rng(5)
     images = [Image.fromarray(rng.integers(0, 256, (4, 3), dtype=np.uint8)) for _ in range(6)]
     labels = [0, 1, 1, 0, 1, 0]
@@ -377,28 +382,15 @@ def test_npz_of_another_shape_is_refused(tmp_path: Path) -> None:
 
 
 def spec_issue(**changes: Any) -> str:
-    document: dict[str, Any] = {
-        "apiVersion": "fedcore.dev/v1alpha1",
-        "kind": "FederatedRun",
-        "metadata": {"name": "own-data"},
-        "spec": {
-            "protocol": {"name": "fedavg"},
-            "data": {
-                "clientData": {"format": "Parquet", "template": {"path": "d/{index}"}},
-                "schema": TABLE_SCHEMA,
-            },
-            "clients": {"count": 2},
-            "rounds": 1,
-        },
-    }
+    body = document("Parquet", {"path": "d/{index}"}, TABLE_SCHEMA)
     for path, value in changes.items():
-        node = document["spec"]
+        node = body["spec"]
         *parents, last = path.split("__")
         for key in parents:
             node = node.setdefault(key, {})
         node[last] = value
     with pytest.raises(SpecError) as caught:
-        parse_manifest(document)
+        parse_manifest(body)
     return str(caught.value)
 
 
@@ -433,24 +425,7 @@ def test_the_manifest_refuses_what_client_data_cannot_run() -> None:
 
 def test_a_volume_claim_is_refused_outside_a_pod(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv("FEDCORE_DATA_DIR", raising=False)
-    run = parse_manifest(
-        {
-            "apiVersion": "fedcore.dev/v1alpha1",
-            "kind": "FederatedRun",
-            "metadata": {"name": "own-data"},
-            "spec": {
-                "protocol": {"name": "fedavg"},
-                "data": {
-                    "clientData": {
-                        "format": "Parquet",
-                        "template": {"volumeClaim": {"claimName": "site-{index}"}},
-                    },
-                    "schema": TABLE_SCHEMA,
-                },
-                "clients": {"count": 2},
-                "rounds": 1,
-            },
-        }
-    )
+    claim = {"volumeClaim": {"claimName": "site-{index}"}}
+    run = parse_manifest(document("Parquet", claim, TABLE_SCHEMA))
     with pytest.raises(DataError, match=r"PersistentVolumeClaim 'site-1'.*only the operator"):
         own_data(run.spec, 1)

@@ -12,6 +12,7 @@ Each reader sorts a location's files into parts: ``train`` and, where the source
 
 from __future__ import annotations
 
+import contextlib
 import json
 import re
 import zipfile
@@ -66,6 +67,15 @@ class Reader:
     def read(self, item: PartFile, path: Path, emit: Emit) -> None:
         """Reads one file, checking it, and emits its examples in batches to ``item.part``."""
         raise NotImplementedError
+
+    def prepare(self, files: Sequence[SourceFile]) -> None:
+        """Reads what the format keeps beside its data (HuggingFace's dataset_info.json)."""
+
+    def read_all(self, items: Sequence[PartFile], emit: Emit) -> None:
+        """Reads every file in turn, each fetched from the location while it is read."""
+        for item in items:
+            with self.location.local(item.file) as path:
+                self.read(item, path, emit)
 
     def name(self, item: PartFile) -> str:
         """The file as messages name it."""
@@ -241,106 +251,64 @@ class CsvReader(Reader):
             if file.name.endswith((".csv", ".csv.gz"))
         ]
 
-    def _reader(self, item: PartFile, path: Path, typed: bool) -> Any:
-        import pyarrow as pa
-        import pyarrow.csv as csv
-
-        where = self.name(item)
-        schema = self.schema
-        assert schema.features is not None
-        if typed:
-            types: dict[str, Any] = {f.name: pa.float64() for f in schema.features}
-            types.update({f.name: _ARROW_TYPES[f.type]() for f in schema.features})
-            types[schema.label_column] = (
-                pa.string() if isinstance(schema.labels[0], str) else pa.int64()
-            )
-            convert = csv.ConvertOptions(
-                column_types=types,
-                include_columns=[schema.label_column, *(f.name for f in schema.features)],
-            )
-        else:
-            convert = csv.ConvertOptions(include_columns=[])
-        try:
-            return csv.open_csv(
-                path,
-                read_options=csv.ReadOptions(block_size=8 << 20),
-                convert_options=convert,
-            )
-        except (pa.ArrowException, OSError) as exc:
-            header = self._header(item, path) if typed else ()
-            raise DataError(_csv_problem(where, exc, typed, header)) from exc
-
     def _header(self, item: PartFile, path: Path) -> list[str]:
+        """The header's column names, after checking that the schema's columns are there."""
         import pyarrow as pa
         import pyarrow.csv as csv
 
         try:
             reader = csv.open_csv(path, read_options=csv.ReadOptions(block_size=1 << 20))
         except (pa.ArrowException, OSError) as exc:
-            raise DataError(_csv_problem(self.name(item), exc, False)) from exc
-        return list(reader.schema.names)
+            raise DataError(_csv_problem(self.name(item), exc)) from exc
+        header = list(reader.schema.names)
+        _check_columns(header, self.schema, self.name(item))
+        return header
+
+    def _batches(self, item: PartFile, path: Path, types: dict[str, Any]) -> Iterator[Any]:
+        """The file's record batches, holding only the columns of ``types``, each parsed as
+        its type (a cell that is not refuses the file, naming its column)."""
+        import pyarrow as pa
+        import pyarrow.csv as csv
+
+        header = self._header(item, path)
+        convert = csv.ConvertOptions(column_types=types, include_columns=list(types))
+        try:
+            reader = csv.open_csv(
+                path, read_options=csv.ReadOptions(block_size=8 << 20), convert_options=convert
+            )
+            yield from reader
+        except (pa.ArrowException, OSError) as exc:
+            raise DataError(_csv_problem(self.name(item), exc, header)) from exc
 
     def count(self, item: PartFile, path: Path) -> int:
         """The rows, from the label column alone (read as strings: types are checked when
         the file is read)."""
         import pyarrow as pa
-        import pyarrow.csv as csv
 
-        header = self._header(item, path)
-        _check_columns(header, self.schema, self.name(item))
-        convert = csv.ConvertOptions(
-            column_types={self.schema.label_column: pa.string()},
-            include_columns=[self.schema.label_column],
-        )
-        try:
-            reader = csv.open_csv(
-                path, read_options=csv.ReadOptions(block_size=8 << 20), convert_options=convert
-            )
-            return sum(batch.num_rows for batch in reader)
-        except (pa.ArrowException, OSError) as exc:
-            raise DataError(_csv_problem(self.name(item), exc, False, header)) from exc
-
-    def _batches(self, item: PartFile, path: Path) -> Iterator[Any]:
-        import pyarrow as pa
-
-        reader = self._reader(item, path, typed=True)
-        while True:
-            try:
-                batch = reader.read_next_batch()
-            except StopIteration:
-                return
-            except (pa.ArrowException, OSError) as exc:
-                header = self._header(item, path)
-                raise DataError(_csv_problem(self.name(item), exc, True, header)) from exc
-            yield batch
+        label = {self.schema.label_column: pa.string()}
+        return sum(batch.num_rows for batch in self._batches(item, path, label))
 
     def read(self, item: PartFile, path: Path, emit: Emit) -> None:
-        where = self.name(item)
-        _check_columns(self._header(item, path), self.schema, where)
-        labels = _Labels(self.schema)
-        for batch in self._batches(item, path):
-            emit(item.part, *_table_batch(batch, self.schema, labels, where))
-
-
-def _arrow_type(name: str) -> Callable[[], Any]:
-    def make() -> Any:
         import pyarrow as pa
 
-        return getattr(pa, name)()
-
-    return make
-
-
-_ARROW_TYPES: dict[str, Callable[[], Any]] = {
-    "float32": _arrow_type("float32"),
-    "float64": _arrow_type("float64"),
-    "int32": _arrow_type("int32"),
-    "int64": _arrow_type("int64"),
-    "bool": _arrow_type("bool_"),
-}
+        schema = self.schema
+        assert schema.features is not None
+        label = pa.string() if isinstance(schema.labels[0], str) else pa.int64()
+        types = {schema.label_column: label}
+        types.update({f.name: _arrow_type(f.type) for f in schema.features})
+        labels = _Labels(schema)
+        for batch in self._batches(item, path, types):
+            emit(item.part, *_table_batch(batch, schema, labels, self.name(item)))
 
 
-def _csv_problem(where: str, exc: Exception, typed: bool, header: Sequence[str] = ()) -> str:
+def _arrow_type(name: str) -> Any:
+    """The Arrow type of a declared feature type (``bool`` is Arrow's ``bool_``)."""
+    import pyarrow as pa
+
+    return getattr(pa, "bool_" if name == "bool" else name)()
+
+
+def _csv_problem(where: str, exc: Exception, header: Sequence[str] = ()) -> str:
     """Arrow's CSV error, without the cell it quotes (the column named from the header)."""
     text = str(exc)
     if "conversion error" in text.lower() or "invalid value" in text.lower():
@@ -382,11 +350,20 @@ class ImageFolderReader(Reader):
     def count(self, item: PartFile, path: Path) -> int:
         return 1
 
-    def read(self, item: PartFile, path: Path, emit: Emit) -> None:
-        raise NotImplementedError("images are read in batches: read_many")
+    def read_all(self, items: Sequence[PartFile], emit: Emit) -> None:
+        """Reads the images :data:`IMAGE_BATCH` files at a time, each batch of one part."""
+        by_part: dict[str, list[PartFile]] = {}
+        for item in items:
+            by_part.setdefault(item.part, []).append(item)
+        for part_items in by_part.values():
+            for start in range(0, len(part_items), IMAGE_BATCH):
+                batch = part_items[start : start + IMAGE_BATCH]
+                with contextlib.ExitStack() as fetched:
+                    paths = [fetched.enter_context(self.location.local(i.file)) for i in batch]
+                    self._read_batch(list(zip(batch, paths, strict=True)), emit)
 
-    def read_many(self, items: Sequence[tuple[PartFile, Path]], emit: Emit) -> None:
-        """Reads images of one part, emitting them together."""
+    def _read_batch(self, items: Sequence[tuple[PartFile, Path]], emit: Emit) -> None:
+        """Decodes and checks images of one part; emits them together."""
         image = self.schema.image
         assert image is not None
         classes = {str(label): position for position, label in enumerate(self.schema.labels)}
@@ -528,7 +505,8 @@ class HuggingFaceReader(Reader):
 
     def __init__(self, schema: DataSchemaSpec, location: Location) -> None:
         super().__init__(schema, location)
-        self._infos: list[dict[str, Any]] = []
+        self._names: list[str] | None = None
+        """The label column's ClassLabel names, from ``dataset_info.json`` (``prepare``)."""
 
     def parts(self, files: Sequence[SourceFile]) -> list[PartFile]:
         names = {file.name for file in files}
@@ -612,7 +590,7 @@ class HuggingFaceReader(Reader):
 
         if not isinstance(self.schema.labels[0], str) or not pa.types.is_integer(column.type):
             return column
-        names = self._class_names()
+        names = self._names
         if names is None:
             return column
         indices = column.to_numpy(zero_copy_only=False)
@@ -620,31 +598,24 @@ class HuggingFaceReader(Reader):
             return pa.array([None] * len(indices), type=pa.string())
         return pa.array([names[int(i)] for i in indices], type=pa.string())
 
-    def _class_names(self) -> list[str] | None:
-        """The ClassLabel names of the label column, from ``dataset_info.json``."""
-        if not hasattr(self, "_names"):
-            self._names: list[str] | None = None
-            for info in self._infos:
-                feature = (info.get("features") or {}).get(self.schema.label_column) or {}
-                if feature.get("_type") == "ClassLabel" and feature.get("names"):
-                    self._names = [str(name) for name in feature["names"]]
-                    break
-        return self._names
-
-    def load_infos(self, files: Sequence[SourceFile]) -> None:
-        """Reads the data set's ``dataset_info.json`` files (small) for class names."""
-        infos = []
+    def prepare(self, files: Sequence[SourceFile]) -> None:
+        """Reads the data set's ``dataset_info.json`` files (small): the label column's
+        ClassLabel names, if it has them."""
         for file in files:
-            if Path(file.name).name == "dataset_info.json":
-                with self.location.local(file) as path:
-                    try:
-                        infos.append(json.loads(path.read_text(encoding="utf-8")))
-                    except (OSError, ValueError) as exc:
-                        raise DataError(
-                            f"{self.location.where.rstrip('/')}/{file.name} cannot be read as "
-                            f"JSON ({type(exc).__name__})."
-                        ) from exc
-        self._infos = infos
+            if Path(file.name).name != "dataset_info.json":
+                continue
+            with self.location.local(file) as path:
+                try:
+                    info = json.loads(path.read_text(encoding="utf-8"))
+                except (OSError, ValueError) as exc:
+                    raise DataError(
+                        f"{self.location.where.rstrip('/')}/{file.name} cannot be read as "
+                        f"JSON ({type(exc).__name__})."
+                    ) from exc
+            feature = (info.get("features") or {}).get(self.schema.label_column) or {}
+            if feature.get("_type") == "ClassLabel" and feature.get("names"):
+                self._names = [str(name) for name in feature["names"]]
+                return
 
 
 def _image_bytes(value: Any, where: str) -> bytes:

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import functools
 import os
-from collections import defaultdict
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -21,17 +20,8 @@ import numpy as np
 
 from fedcore.errors import DataError
 from fedcore.learning.data._cache import Sink, cache_root, open_source
-from fedcore.learning.data._formats import (
-    IMAGE_BATCH,
-    READERS,
-    TEST,
-    TRAIN,
-    HuggingFaceReader,
-    ImageFolderReader,
-    PartFile,
-    Reader,
-)
-from fedcore.learning.data._locations import Location, open_location
+from fedcore.learning.data._formats import READERS, TEST, TRAIN, Reader
+from fedcore.learning.data._locations import Location, SourceFile, open_location
 from fedcore.learning.data._sources import ArrayDataset, shuffle_split
 from fedcore.spec import FederatedRunSpec
 from fedcore.spec._data import ClientDataSpec, DataSchemaSpec
@@ -136,7 +126,7 @@ def _scratch(root: Path | None) -> Path | None:
 def _parse(
     reader: Reader,
     location: Location,
-    files: list[Any],
+    files: list[SourceFile],
     data_format: str,
     test_fraction: float,
     seed: int,
@@ -145,8 +135,7 @@ def _parse(
 ) -> tuple[int, str]:
     """Reads every file of the client's source into the sink's train and test parts."""
     schema = reader.schema
-    if isinstance(reader, HuggingFaceReader):
-        reader.load_infos(files)
+    reader.prepare(files)
     items = reader.parts(files)
     if not items:
         raise DataError(f"{location.where} holds no {data_format} files.")
@@ -157,38 +146,10 @@ def _parse(
             with location.local(item.file) as path:
                 total += reader.count(item, path)
         emit = _Router(sink, total, test_fraction, seed)
-    if isinstance(reader, ImageFolderReader):
-        _read_images(reader, location, items, emit)
-    else:
-        for item in items:
-            with location.local(item.file) as path:
-                reader.read(item, path, emit)
+    reader.read_all(items, emit)
     empty = np.empty((0, *schema.input_shape), dtype=np.float32)
     sink(TRAIN, empty, np.empty(0, dtype=np.int64))  # the part exists even when empty
     return len(schema.labels), location.where
-
-
-def _read_images(
-    reader: ImageFolderReader, location: Location, items: list[PartFile], emit: Sink
-) -> None:
-    """Reads image files a batch at a time (each batch of one part)."""
-    by_part: dict[str, list[PartFile]] = defaultdict(list)
-    for item in items:
-        by_part[item.part].append(item)
-    for part_items in by_part.values():
-        for start in range(0, len(part_items), IMAGE_BATCH):
-            batch = part_items[start : start + IMAGE_BATCH]
-            opened = []
-            contexts = []
-            try:
-                for item in batch:
-                    context = location.local(item.file)
-                    opened.append((item, context.__enter__()))
-                    contexts.append(context)
-                reader.read_many(opened, emit)
-            finally:
-                for context in reversed(contexts):
-                    context.__exit__(None, None, None)
 
 
 class _Router:
