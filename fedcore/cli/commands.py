@@ -27,6 +27,7 @@ from fedcore.cli.crash import (
     EXIT_TERMINATED,
     LOG_DIR_KEY,
     one_line,
+    raise_interrupt,
     report_internal_error,
 )
 from fedcore.errors import FedcoreError, RunAborted, SpecError, SpecIssue
@@ -85,6 +86,13 @@ ROLE_OPTIONS = {
         show_default=True,
         help="Torch threads in this process.",
     ),
+    "revoked-sites": click.option(
+        "--revoked-sites",
+        type=click.Path(dir_okay=False, path_type=Path),
+        default=None,
+        envvar="FEDCORE_REVOKED_SITES",
+        help="The hub's file of revoked sites: their clients are refused (server and KDC).",
+    ),
     "log-level": click.option(
         "--log-level",
         type=click.Choice(["DEBUG", "INFO", "WARNING", "ERROR"]),
@@ -133,6 +141,7 @@ def role_config(options: dict[str, Any]) -> Any:
         metrics_address=options["metrics_address"],
         events=options["events"],
         threads=options["threads"],
+        revoked_sites=options.get("revoked_sites"),
     )
 
 
@@ -151,7 +160,7 @@ def role_errors(role: str) -> Iterator[None]:
     # kubelet's SIGKILL. It stops at once instead, without a goodbye, so that the clients wait
     # for the server's replacement.
     if threading.current_thread() is threading.main_thread():
-        signal.signal(signal.SIGTERM, _raise_interrupt)
+        signal.signal(signal.SIGTERM, raise_interrupt)
     try:
         yield
     except KeyboardInterrupt:
@@ -449,6 +458,14 @@ def json_safe(value: Any) -> Any:
     help="Run the protocol's maths in this one process (no network, no roles, no "
     "checkpoints): the same hooks in the same order, for a quick check of a manifest.",
 )
+@click.option(
+    "--site",
+    "site_policies",
+    multiple=True,
+    metavar="NAME=POLICY",
+    help="A site's policy file, for a manifest with spec.sites (default: <site>/policy.yaml "
+    "beside the manifest). Repeat per site.",
+)
 def run(
     manifest: Path,
     workdir: Path | None,
@@ -461,8 +478,12 @@ def run(
     spawn: str,
     clients_per_process: str,
     simulate: bool,
+    site_policies: tuple[str, ...],
 ) -> None:
-    """Runs MANIFEST on this machine: KDC, server and clients as processes over mutual TLS."""
+    """Runs MANIFEST on this machine: KDC, server and clients as processes over mutual TLS.
+
+    With spec.sites: the hub and each site as its own processes, with its own folder, keys
+    and policy file (docs/sites.md)."""
     if not simulate:
         from fedcore.local.launch import warm_up
 
@@ -492,24 +513,36 @@ def run(
                 )
             )
         raise
+    own = spec_run.spec.data.client_data
+    if simulate and own is not None and own.bound_by_sites:
+        raise click.UsageError(
+            "--simulate needs every client's data in one process, but each site binds its "
+            "own clients' data (spec.sites); run it without --simulate."
+        )
     if simulate:
         _simulate(spec_run, as_json=as_json)
         return
     folder = workdir or Path("runs") / spec_run.metadata.name
     # An internal error's traceback goes to the run's logs/ once the runner has made it.
     click.get_current_context().meta[LOG_DIR_KEY] = folder / "logs"
-    local = LocalRun(
-        spec_run,
-        manifest,
-        workdir=folder,
-        resume=resume or resume_if_possible,
-        require_checkpoint=not resume_if_possible,
-        metrics=not no_metrics,
-        threads=threads,
-        spawn="exec" if spawn == "exec" else "fork",
-        clients_per_process=_per_process(clients_per_process),
-    )
-    signal.signal(signal.SIGTERM, _raise_interrupt)
+    local: Any
+    if spec_run.spec.sites is not None:
+        local = _consortium(spec_run, manifest, folder, site_policies, resume=resume)
+    else:
+        if site_policies:
+            raise click.UsageError("--site is for a manifest with spec.sites.")
+        local = LocalRun(
+            spec_run,
+            manifest,
+            workdir=folder,
+            resume=resume or resume_if_possible,
+            require_checkpoint=not resume_if_possible,
+            metrics=not no_metrics,
+            threads=threads,
+            spawn="exec" if spawn == "exec" else "fork",
+            clients_per_process=_per_process(clients_per_process),
+        )
+    signal.signal(signal.SIGTERM, raise_interrupt)
     progress = RunProgress(stderr, spec_run, enabled=not quiet)
     try:
         with progress:
@@ -541,9 +574,30 @@ def run(
         raise
     summary = result.as_json()
     if not quiet:
-        progress.print_summary(summary, local.metrics_ports)
+        progress.print_summary(summary, getattr(local, "metrics_ports", {}))
     if as_json:
         click.echo(json.dumps(summary))
+
+
+def _consortium(
+    run: Any, manifest: Path, folder: Path, given: tuple[str, ...], *, resume: bool
+) -> Any:
+    """The hub and the sites of a manifest with spec.sites, on this machine."""
+    from fedcore.sites.consortium import ConsortiumRun, site_policies
+
+    policies: dict[str, Path] = {}
+    for item in given:
+        name, sep, path = item.partition("=")
+        if not sep or not name or not path:
+            raise click.BadParameter(f"{item!r} is not NAME=POLICY.", param_hint="--site")
+        policies[name] = Path(path)
+    return ConsortiumRun(
+        run,
+        manifest,
+        workdir=folder,
+        policies=site_policies(run, manifest, policies),
+        resume=resume,
+    )
 
 
 def _simulate(run: Any, *, as_json: bool) -> None:
@@ -655,10 +709,6 @@ def _per_process(value: str) -> int | None:
     return int(value)
 
 
-def _raise_interrupt(*_: Any) -> None:
-    raise KeyboardInterrupt
-
-
 @main.command()
 @role_options
 @click.option(
@@ -733,6 +783,14 @@ def server(
     envvar="FEDCORE_PEER_TEMPLATE",
     help="Peer address of any client, with {index} (e.g. client-{index}.run-clients.ns.svc:7072).",
 )
+@click.option(
+    "--site-binding",
+    type=click.Path(dir_okay=False, path_type=Path),
+    default=None,
+    envvar="FEDCORE_SITE_BINDING",
+    help="A site's approval of this run (written by fedcore site serve): the client's data "
+    "source, and the floor every task is checked against.",
+)
 def client(
     index: int,
     server_address: str,
@@ -740,6 +798,7 @@ def client(
     peer_listen: str | None,
     peer_addresses: tuple[str, ...],
     peer_template: str | None,
+    site_binding: Path | None,
     **options: Any,
 ) -> None:
     """Runs one client role of one run."""
@@ -767,6 +826,7 @@ def client(
             server=server_address,
             kdc=kdc_address,
             peers=peers,
+            site_binding=site_binding,
         )
 
 
@@ -1149,3 +1209,14 @@ def checkpoint_purge(manifest: Path, workdir: Path | None, yes: bool) -> None:
 def role_main(args: list[str]) -> None:
     """A forked role's entry point (``fedcore.local.launch.FEDCORE_ROLES``): ``fedcore <args>``."""
     main(args, prog_name="fedcore", standalone_mode=True)
+
+
+def _add_site_commands() -> None:
+    """``fedcore hub`` and ``fedcore site`` (``fedcore.cli.sites``)."""
+    from fedcore.cli.sites import hub, site
+
+    main.add_command(hub)
+    main.add_command(site)
+
+
+_add_site_commands()

@@ -105,3 +105,8 @@ def report_internal_error(exc: BaseException, log_dir: Path | None = None) -> No
     with contextlib.suppress(Exception):  # stderr itself broken: nothing more can be said
         click.echo(f"{click.style('InternalError', fg='red', bold=True)}: {line}", err=True)
     sys.exit(EXIT_INTERNAL)
+
+
+def raise_interrupt(*_: object) -> None:
+    """A SIGTERM handler that stops the command as Ctrl-C does (``KeyboardInterrupt``)."""
+    raise KeyboardInterrupt

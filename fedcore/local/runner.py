@@ -35,6 +35,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from fedcore._files import write_atomically
 from fedcore.checkpoint import (
     CHECKPOINT_KEY_ENV,
     CHECKPOINT_KEY_NAME,
@@ -213,6 +214,10 @@ class LocalRun:
         entry: what a role process runs (default: the ``fedcore`` command's roles).
         clients_per_process: clients that share one process (``fedcore clients``); None: as
             ``fedcore.local.groups.clients_per_process`` decides (1 for small runs).
+        with_clients: start the clients too; False for a hub, whose sites run them.
+        role_args: more arguments for the server and the KDC (e.g. ``--revoked-sites``).
+        check: called while the run starts and runs (until its clients joined); it raises
+            to stop the run (e.g. a site that refused it, or whose process died).
     """
 
     def __init__(
@@ -228,7 +233,13 @@ class LocalRun:
         spawn: SpawnMode = "fork",
         entry: RoleEntry = FEDCORE_ROLES,
         clients_per_process: int | None = None,
+        with_clients: bool = True,
+        role_args: tuple[str, ...] = (),
+        check: Callable[[], None] | None = None,
     ) -> None:
+        self.with_clients = with_clients
+        self.role_args = list(role_args)
+        self.check = check
         self.run = run
         self.manifest = manifest
         self.workdir = workdir
@@ -306,9 +317,16 @@ class LocalRun:
         # Every certificate carries only its own party's role name (client-3.fedcore.invalid),
         # which every caller checks whatever address it dials (the server, the KDC, a peer
         # link): no name such as localhost is shared, so no certificate passes as another's.
-        _, bundles = issue_run_bundles(self.run.metadata.name, num_clients=count)
+        if not self.with_clients:  # a hub: the sites make their clients' keys themselves
+            count = 0
+        ca, bundles = issue_run_bundles(self.run.metadata.name, num_clients=count)
         for common_name, bundle in bundles.items():
             bundle.write(pki / common_name)
+        if not self.with_clients:  # a hub signs its sites' clients' requests with it
+            cert_pem, key_pem = ca.to_pem()
+            (pki / "ca").mkdir(mode=0o700)
+            write_atomically(pki / "ca" / "ca.crt", cert_pem, mode=0o644)
+            write_atomically(pki / "ca" / "ca.key", key_pem, mode=0o600)
         shutil.copyfile(self.manifest, self.workdir / "manifest.yaml")
         # Each role's checkpoint key, kept across starts (a resume needs the same one): 0600
         # files in a 0700 folder, each handed to its own role only (role_env).
@@ -370,6 +388,8 @@ class LocalRun:
         ]
         if events is not None:
             args += ["--events", str(events)]
+        if role in ("server", "kdc"):
+            args += self.role_args
         return args, port
 
     def _spawn(self, name: str, args: list[str], port: int) -> Child:
@@ -444,6 +464,8 @@ class LocalRun:
         server = self._spawn("server", [*args, "--listen", f"{LOOPBACK}:0", *resume, *strict], port)
         self._ports["server"], _ = self._wait_ready(server, self.events_path, self._attempt_offset)
         server_address = f"{LOOPBACK}:{self._ports['server']}"
+        if not self.with_clients:
+            return
         peers = peer_arguments(spec) if protocol_facts(spec.protocol.name).decentralized else {}
         self._announce(
             on_event, "clients", clients=spec.clients.count, processes=len(self.client_groups)
@@ -501,6 +523,8 @@ class LocalRun:
             yield from found
             if not joined:
                 self._check_clients_started()
+                if self.check is not None:
+                    self.check()
             server = self.children["server"]
             exited = server.process.poll()
             if exited is not None:

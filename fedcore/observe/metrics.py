@@ -20,6 +20,7 @@ REJECT_REASONS = (
     "bound",
     "evaluation",
     "stale",
+    "revoked",
 )
 """The closed set of ``reason`` values of ``fedcore_rejected_messages_total``."""
 

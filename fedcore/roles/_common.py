@@ -19,7 +19,7 @@ from fedcore.spec import (
     load_manifest,
 )
 from fedcore.spec._runtime import message_limit
-from fedcore.transport import Limits, RetryPolicy, TlsBundle
+from fedcore.transport import Identity, Limits, RetryPolicy, RevokedSites, TlsBundle
 
 SERVER_SERVICE = "Server"
 KDC_SERVICE = "Kdc"
@@ -37,6 +37,7 @@ class RoleConfig:
         metrics_address: the address /metrics binds to.
         events: the JSON-lines progress file (None: no events).
         threads: torch's intra-op threads in this process.
+        revoked_sites: the hub's file of revoked sites (a hub's server and KDC), or None.
     """
 
     manifest: Path
@@ -46,10 +47,33 @@ class RoleConfig:
     metrics_address: str = "127.0.0.1"
     events: Path | None = None
     threads: int = 1
+    revoked_sites: Path | None = None
 
     def load(self) -> tuple[FederatedRun, TlsBundle]:
         """Loads the manifest and this role's TLS bundle."""
         return load_manifest(self.manifest), TlsBundle.load(self.tls_dir)
+
+
+def site_gate(
+    spec: FederatedRunSpec, revoked_sites: Path | None
+) -> Callable[[Identity], str | None] | None:
+    """What bars a client of a revoked site (``RpcServer``'s gate), None without sites."""
+    if spec.sites is None or revoked_sites is None:
+        return None
+    revoked = RevokedSites(revoked_sites)
+
+    def gate(peer: Identity) -> str | None:
+        if peer.role != "client" or peer.index is None:
+            return None
+        site = spec.site_of(peer.index)
+        if site is not None and site in revoked.names():
+            return (
+                f"{peer.common_name} belongs to site {site!r}, which the hub revoked; its "
+                "calls and uploads are refused."
+            )
+        return None
+
+    return gate
 
 
 def limits_of(spec: FederatedRunSpec, parameters: int) -> Limits:

@@ -7,6 +7,7 @@ import logging
 import random
 import time
 from contextlib import AbstractContextManager
+from pathlib import Path
 from typing import Any
 
 from fedcore.errors import FedcoreError
@@ -33,6 +34,8 @@ from fedcore.roles._common import (
     retry_of,
 )
 from fedcore.roles._peer_duties import PeerDuties, PeerSettings
+from fedcore.sites.binding import SiteBinding
+from fedcore.sites.policy import RoundGuard, SiteRefused
 from fedcore.spec import FederatedRun, protocol_facts
 from fedcore.transport import Identity, Payload, RemoteError, RpcClient, TlsBundle
 
@@ -63,6 +66,8 @@ class Client:
             that share a process (``run_client_group``) share one, so that torch's global
             state (its RNG, forked and reseeded per training call) is never used by two at
             once: each computes exactly what it would in a process of its own.
+        guard: a site's check of every task against its approval (a site's client): a task
+            it refuses is answered ``refused`` with the reason, and the client stops.
     """
 
     def __init__(
@@ -76,8 +81,10 @@ class Client:
         kdc: str | None = None,
         peers: PeerSettings | None = None,
         compute_lock: AbstractContextManager[Any] | None = None,
+        guard: RoundGuard | None = None,
     ) -> None:
         spec = run.spec
+        self.guard = guard
         if not 0 <= index < spec.clients.count:
             raise FedcoreError(
                 f"Client index {index} is outside 0..{spec.clients.count - 1} (spec.clients.count)."
@@ -198,6 +205,19 @@ class Client:
                             log.info(
                                 "The server answered %s to an upload.", message.meta.get("status")
                             )
+                        elif kind == "task" and (refused := self._refused(message)):
+                            session.send(
+                                Payload(
+                                    meta={
+                                        "kind": "refused",
+                                        "round": message.meta.get("round"),
+                                        "attempt": message.meta.get("attempt"),
+                                        "reason": refused.reason,
+                                        "message": str(refused),
+                                    }
+                                )
+                            )
+                            raise refused
                         elif kind == "task" and is_evaluation(
                             message.meta.get("instruction") or {}
                         ):
@@ -230,6 +250,22 @@ class Client:
                 self.kdc.close()
             if self.duties is not None:
                 self.duties.close()
+
+    def _refused(self, task: Payload) -> SiteRefused | None:
+        """The site's refusal of ``task``, None when it has no guard or the guard allows it.
+        An evaluation request (attempt 0) is checked for the spec only: it spends nothing."""
+        if self.guard is None:
+            return None
+        round_ = int(task.meta["round"])
+        try:
+            if is_evaluation(task.meta.get("instruction") or {}):
+                self.guard.check(min(round_, self.spec.rounds), task.meta.get("specDigest"))
+            else:
+                self.guard.check(round_, task.meta.get("specDigest"))
+        except SiteRefused as exc:
+            log.error("Site %s refuses this task: %s", self.guard.site, exc)
+            return exc
+        return None
 
     def _upload(self, task_id: tuple[int, int], task: Payload) -> Payload:
         round_, attempt = task_id
@@ -295,10 +331,19 @@ def run_client(
     server: str,
     kdc: str | None,
     peers: PeerSettings | None = None,
+    site_binding: Path | None = None,
 ) -> dict[str, Any]:
-    """The ``fedcore client`` entry point: takes part in one run to its end."""
+    """The ``fedcore client`` entry point: takes part in one run to its end.
+
+    With ``site_binding`` (a site's client), the client reads its data source from the
+    site's binding and checks every task against the site's approval before it computes."""
     run, tls = config.load()
     limit_threads(config.threads)
+    guard = None
+    if site_binding is not None:
+        binding = SiteBinding.load(site_binding)
+        guard = binding.guard(run)
+        run = binding.bind(run)
     return Client(
         run,
         config,
@@ -307,4 +352,5 @@ def run_client(
         server=server,
         kdc=kdc,
         peers=peers,
+        guard=guard,
     ).serve()

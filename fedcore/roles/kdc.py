@@ -39,6 +39,7 @@ from fedcore.roles._common import (
     limits_of,
     model_parameters,
     role_checkpointer,
+    site_gate,
 )
 from fedcore.spec import FederatedRun
 from fedcore.transport import CallContext, Identity, Payload, RpcServer, TlsBundle
@@ -100,6 +101,7 @@ class Kdc:
             callers={"IssueKeys": ["client"], "Submit": ["client", "server"]},
             on_rejected=lambda method, reason, sender: self.metrics.rejected(reason, sender),
             on_bytes=self.metrics.count_bytes,
+            gate=site_gate(run.spec, config.revoked_sites),
         )
 
     # -------------------------------------------------------------------------- calls

@@ -59,11 +59,13 @@ from fedcore.roles._common import (
     parameters_of,
     retry_of,
     role_checkpointer,
+    site_gate,
 )
 from fedcore.roles._history import StoreHistory
 from fedcore.roles._hold import HoldPoint
 from fedcore.roles.client import RpcKeyChannel
 from fedcore.rounds import AttemptReport, RoundPolicy, play_round
+from fedcore.sites.policy import spec_digest
 from fedcore.spec import FederatedRun, protocol_facts
 from fedcore.transport import (
     Identity,
@@ -93,6 +95,7 @@ class Attempt:
     uploads: dict[int, Payload] = field(default_factory=dict)
     failed: dict[int, str] = field(default_factory=dict)
     delivered: dict[int, ServerSession] = field(default_factory=dict)
+    spec_digest: str | None = None
 
     def deliver(self, client: int, session: ServerSession) -> bool:
         """Sends ``client`` its task on ``session`` unless it already went there."""
@@ -112,7 +115,8 @@ class Attempt:
         return client in self.plans and client not in self.uploads and client not in self.failed
 
     def task_for(self, client: int) -> Payload:
-        """Returns the message that carries ``client``'s instruction."""
+        """Returns the message that carries ``client``'s instruction, and the digest of the
+        spec the server runs (a site's client checks it against the one it approved)."""
         plan = self.plans[client]
         return Payload(
             meta={
@@ -120,6 +124,7 @@ class Attempt:
                 "round": self.round,
                 "attempt": self.attempt,
                 "instruction": plan.meta,
+                "specDigest": self.spec_digest,
             },
             tensors=plan.tensors,
         )
@@ -169,6 +174,13 @@ class RoundBoard(SessionHandler):
             status = self.server.accept_upload(index, message)
             if status != "accepted":
                 session.send(Payload(meta={"kind": "ack", "status": status}))
+        elif kind == "refused":
+            self.server.site_refused(index, message)
+            with self.cond:
+                attempt = self.current
+                if attempt is not None and attempt.pending(index):
+                    attempt.failed[index] = "refused"
+                self.cond.notify_all()
         else:
             raise MessageRejected(f"A client sent a message of unknown kind {kind!r}.")
 
@@ -270,6 +282,7 @@ class Server:
         self.resume = resume
         self.require_checkpoint = require_checkpoint
         self.facts = protocol_facts(self.spec.protocol.name)
+        self.spec_digest = spec_digest(run)
         self.round_policy = RoundPolicy(self.spec, self.facts)
         self.events = EventLog(config.events, listeners=status_listeners(run))
         self.hold = HoldPoint(self.events)
@@ -331,10 +344,12 @@ class Server:
         self._check_lock = threading.Lock()
         self.history: list[dict[str, Any]] = []
         limits = limits_of(self.spec, parameters_of(model))
+        self.gate = site_gate(self.spec, config.revoked_sites)
         self.rpc = RpcServer(
             listen,
             tls,
             {},
+            gate=self.gate,
             sessions={"Session": self.board},
             service=SERVER_SERVICE,
             limits=limits,
@@ -394,6 +409,40 @@ class Server:
                 attempt.failed[index] = "rejected"
             board.cond.notify_all()
         return status
+
+    def site_refused(self, index: int, message: Payload) -> None:
+        """Records a site's client refusing a task (its site's policy): event ``site_refused``
+        with the site's reason and message (bounded), and the log."""
+        reason = str(message.meta.get("reason") or "Refused")[:64]
+        text = str(message.meta.get("message") or "")[:1000]
+        site = self.spec.site_of(index)
+        log.warning(
+            "Client %d (site %s) refused round %s: %s (%s)",
+            index,
+            site,
+            message.meta.get("round"),
+            text,
+            reason,
+        )
+        self.events.emit(
+            "site_refused",
+            site=site,
+            client=index,
+            round=message.meta.get("round"),
+            reason=reason,
+            message=text,
+        )
+
+    def without_revoked(self, attempt: Attempt) -> Attempt:
+        """Moves the uploads of clients whose site was revoked meanwhile to ``failed``
+        (``revoked``): they are never combined."""
+        if self.gate is None:
+            return attempt
+        for index in list(attempt.uploads):
+            if self.gate(Identity("client", index)) is not None:
+                del attempt.uploads[index]
+                attempt.failed[index] = "revoked"
+        return attempt
 
     def _count_refused(self, index: int, round_: int, exc: ProtocolError | MessageRejected) -> None:
         """Counts and logs one refused upload with its sender (reason encoding, bound,
@@ -547,10 +596,15 @@ class Server:
             if number > 1:
                 self.metrics.redone_rounds.inc()
             # A redo exists to reach the quorum: it waits for dropped clients to reconnect.
-            self.board.open_attempt(Attempt(round_, number, plans), wait_for_absent=number > 1)
+            self.board.open_attempt(
+                Attempt(round_, number, plans, spec_digest=self.spec_digest),
+                wait_for_absent=number > 1,
+            )
             times["opened"] = time.monotonic()
-            attempt = self.board.wait_settled(
-                times["opened"] + timeout, stop_on_failure=self.round_policy.stop_on_failure
+            attempt = self.without_revoked(
+                self.board.wait_settled(
+                    times["opened"] + timeout, stop_on_failure=self.round_policy.stop_on_failure
+                )
             )
             times["settled"] = time.monotonic()
             report = AttemptReport(dict(attempt.uploads), dict(attempt.failed))
@@ -623,9 +677,12 @@ class Server:
         does: the round then reports no accuracy)."""
         request = evaluation_request(self.protocol.models(), self.spec.evaluation.per_class)
         plans = dict.fromkeys(range(self.spec.clients.count), request)
-        self.board.open_attempt(Attempt(round_, EVALUATION_ATTEMPT, plans), wait_for_absent=False)
+        self.board.open_attempt(
+            Attempt(round_, EVALUATION_ATTEMPT, plans, spec_digest=self.spec_digest),
+            wait_for_absent=False,
+        )
         deadline = time.monotonic() + self.spec.failure_policy.round_timeout_seconds
-        attempt = self.board.wait_settled(deadline)
+        attempt = self.without_revoked(self.board.wait_settled(deadline))
         per_class = self.spec.evaluation.per_class
         answers = [
             checked_answer(upload.meta, self.num_classes, per_class)

@@ -175,7 +175,9 @@ class ClientDataSpec(SpecModel):
     template: ClientSourceSpec | None = Field(
         None,
         description="template is one source for every client, in which '{index}' becomes the "
-        "client's index (it must appear: no two clients read the same data).",
+        "client's index (it must appear: no two clients read the same data). With spec.sites, "
+        "give neither template nor sources: each site binds its own clients' sources in its "
+        "policy, and the hub's manifest names none.",
     )
     sources: list[ClientSourceSpec] | None = Field(
         None,
@@ -186,8 +188,8 @@ class ClientDataSpec(SpecModel):
 
     @model_validator(mode="after")
     def _template_or_list(self) -> ClientDataSpec:
-        if (self.template is None) == (self.sources is None):
-            raise ValueError("give exactly one of template and sources")
+        if self.template is not None and self.sources is not None:
+            raise ValueError("give one of template and sources, not both")
         if self.template is not None and not self.template.mentions_index():
             raise ValueError(
                 "template never mentions '{index}', so every client would read the same data"
@@ -198,12 +200,21 @@ class ClientDataSpec(SpecModel):
         """Client ``index``'s source, its '{index}' replaced.
 
         Raises:
-            IndexError: the list has no source for ``index``.
+            IndexError: the list has no source for ``index``, or neither a template nor a
+                list is given (each site binds its own clients' sources: docs/sites.md).
         """
         if self.template is not None:
             return self.template.for_client(index)
-        assert self.sources is not None
+        if self.sources is None:
+            raise IndexError(
+                f"client {index}'s source is bound by its site, which this manifest does not name"
+            )
         return self.sources[index].for_client(index)
+
+    @property
+    def bound_by_sites(self) -> bool:
+        """Whether the manifest leaves each client's source to its site (no template, no list)."""
+        return self.template is None and self.sources is None
 
 
 class FeatureSpec(SpecModel):

@@ -31,6 +31,10 @@ class ProtocolFacts:
             their tasks, so that they may score it on their own data
             (``spec.data.evaluation.where`` Clients); false where they only ever see a
             perturbed one.
+        secure_aggregation: whether the server learns only the sum of the clients' updates
+            (secure aggregation). False for every protocol fedcore has: each server sees the
+            individual updates or their encodings (a site's policy may require it:
+            ``fedcore.sites.policy``).
     """
 
     name: str
@@ -41,6 +45,7 @@ class ProtocolFacts:
     summary: str
     server_uses_kdc: bool = False
     clients_hold_model: bool = True
+    secure_aggregation: bool = False
 
 
 PROTOCOL_FACTS: dict[str, ProtocolFacts] = {

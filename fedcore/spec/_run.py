@@ -17,6 +17,7 @@ from fedcore.spec._protocol import ProtocolSpec
 from fedcore.spec._robust import AttackSpec
 from fedcore.spec._roles import RolesSpec
 from fedcore.spec._runtime import FailurePolicySpec, TransportSpec
+from fedcore.spec._sites import SiteSpec, site_ranges
 from fedcore.spec._uploads import UploadsSpec
 
 API_GROUP = "fedcore.dev"
@@ -44,6 +45,15 @@ class FederatedRunSpec(SpecModel):
     model: ModelSpec = Field(default_factory=ModelSpec, description="model every party trains.")
     data: DataSpec = Field(default_factory=DataSpec, description="data of the clients.")
     clients: ClientsSpec = Field(description="clients: count, sampling and quorum. Required.")
+    sites: list[SiteSpec] | None = Field(
+        None,
+        min_length=1,
+        max_length=1_000,
+        description="sites spreads the clients over organizations that each run theirs on "
+        "their own machines, keep their own keys and data, and approve the run (docs/sites.md). "
+        "The clients of every site add up to spec.clients.count. Unset: every client runs "
+        "where the server runs.",
+    )
     rounds: int = Field(
         description="rounds is the number of federated rounds. Required; 1 to 1000000.",
         ge=1,
@@ -115,6 +125,19 @@ class FederatedRunSpec(SpecModel):
         "Secret, a DP protocol's secure noise). At most "
         "2^53 - 1, the largest integer every JSON reader (and the API server) keeps exact.",
     )
+
+    def site_of(self, index: int) -> str | None:
+        """The name of the site that runs client ``index`` (None without spec.sites)."""
+        if self.sites is None:
+            return None
+        for name, indices in site_ranges(self.sites).items():
+            if index in indices:
+                return name
+        return None
+
+    def site_clients(self, site: str) -> range:
+        """The client indices site ``site`` runs (empty for a site the run does not list)."""
+        return site_ranges(self.sites or []).get(site, range(0))
 
     @property
     def evaluation_where(self) -> Literal["Server", "Clients", "Both"]:

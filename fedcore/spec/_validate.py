@@ -318,6 +318,7 @@ def semantic_issues(run: FederatedRun) -> list[SpecIssue]:
         )
     issues.extend(_data_issues(spec))
     issues.extend(_client_data_issues(spec))
+    issues.extend(_site_issues(spec))
     issues.extend(_precondition_issues(run))
     issues.extend(
         pod_template_issues(
@@ -339,7 +340,7 @@ def local_run_issues(run: FederatedRun) -> list[SpecIssue]:
     """What a valid manifest needs that only Kubernetes gives, refused by ``fedcore run``: a
     client whose data is a PersistentVolumeClaim (only the operator mounts one)."""
     own = run.spec.data.client_data
-    if own is None:
+    if own is None or own.bound_by_sites:
         return []
     for index in range(run.spec.clients.count):
         claim = own.source_of(index).volume_claim
@@ -412,6 +413,22 @@ def _client_data_issues(spec: FederatedRunSpec) -> list[SpecIssue]:
                 "from a shared source.",
             )
         )
+    if own.bound_by_sites and spec.sites is None:
+        issues.append(
+            SpecIssue(
+                "spec.data.clientData",
+                "give template or sources: without spec.sites, the manifest names every "
+                "client's source.",
+            )
+        )
+    if not own.bound_by_sites and spec.sites is not None:
+        issues.append(
+            SpecIssue(
+                "spec.data.clientData." + ("template" if own.template is not None else "sources"),
+                "cannot be set with spec.sites: each site binds its own clients' sources in "
+                "its policy, and the hub's manifest names none (docs/sites.md).",
+            )
+        )
     if own.sources is not None and len(own.sources) != spec.clients.count:
         issues.append(
             SpecIssue(
@@ -440,6 +457,33 @@ def _client_data_issues(spec: FederatedRunSpec) -> list[SpecIssue]:
                     + ".",
                 )
             )
+    return issues
+
+
+def _site_issues(spec: FederatedRunSpec) -> list[SpecIssue]:
+    """What spec.sites needs: unique names and clients that add up to spec.clients.count."""
+    if spec.sites is None:
+        return []
+    issues: list[SpecIssue] = []
+    seen: set[str] = set()
+    for position, site in enumerate(spec.sites):
+        if site.name in seen:
+            issues.append(
+                SpecIssue(
+                    f"spec.sites[{position}].name",
+                    f"{site.name!r} is listed twice; each site appears once, with all its clients.",
+                )
+            )
+        seen.add(site.name)
+    total = sum(site.clients for site in spec.sites)
+    if total != spec.clients.count:
+        issues.append(
+            SpecIssue(
+                "spec.sites",
+                f"the sites run {total} clients but spec.clients.count is "
+                f"{spec.clients.count}; the sites' clients must add up to it.",
+            )
+        )
     return issues
 
 

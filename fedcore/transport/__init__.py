@@ -1,7 +1,17 @@
-"""Moving Payloads between roles: the chunked wire codec and the per-run mutual-TLS PKI."""
+"""Moving Payloads between roles: the chunked wire codec, the per-run mutual-TLS PKI, and a
+hub's one endpoint (routing by TLS server name, relays for parties that only dial out)."""
 
 from fedcore.transport._codec import PayloadDecoder, decode_chunks, encode_chunks
 from fedcore.transport._payload import Payload
+from fedcore.transport._revocations import RevokedSites
+from fedcore.transport._router import (
+    ConnectionHandler,
+    SniRouter,
+    TunnelBroker,
+    dial,
+    forward_to,
+    splice,
+)
 from fedcore.transport._rpc import (
     CallContext,
     ClientSession,
@@ -13,24 +23,42 @@ from fedcore.transport._rpc import (
     ServerSession,
     SessionHandler,
 )
-from fedcore.transport._tls import Identity, RunCa, TlsBundle, issue_run_bundles
+from fedcore.transport._tls import (
+    Identity,
+    RunCa,
+    TlsBundle,
+    certificate_facts,
+    fingerprint,
+    issue_run_bundles,
+    new_key_and_request,
+)
 
 __all__ = [
     "CallContext",
     "ClientSession",
+    "ConnectionHandler",
     "Identity",
     "Limits",
     "Payload",
     "PayloadDecoder",
     "RemoteError",
     "RetryPolicy",
+    "RevokedSites",
     "RpcClient",
     "RpcServer",
     "RunCa",
     "ServerSession",
     "SessionHandler",
+    "SniRouter",
     "TlsBundle",
+    "TunnelBroker",
+    "certificate_facts",
     "decode_chunks",
+    "dial",
     "encode_chunks",
+    "fingerprint",
+    "forward_to",
     "issue_run_bundles",
+    "new_key_and_request",
+    "splice",
 ]

@@ -303,6 +303,11 @@ class RpcServer:
     ended (its peer sees the stream end). Replacing rather than refusing lets a client whose
     old connection died unnoticed (a lost network, a killed process) come back at once, and it
     can only ever displace a session of the same certificate.
+
+    ``gate`` bars a party that holds a valid certificate (a revoked site's client): it is
+    asked at every new call or session and before every message is handed over, and a reason
+    it returns refuses the call, or ends the session, with PERMISSION_DENIED (counted as
+    ``revoked``).
     """
 
     def __init__(
@@ -318,7 +323,9 @@ class RpcServer:
         callers: Mapping[str, Collection[str]] | None = None,
         on_rejected: Callable[[str, str, str | None], None] | None = None,
         on_bytes: Callable[[int, int], None] | None = None,
+        gate: Callable[[Identity], str | None] | None = None,
     ) -> None:
+        self._gate = gate
         self._service = service
         self._handlers = dict(handlers)
         self._sessions = dict(sessions or {})
@@ -419,6 +426,9 @@ class RpcServer:
                 f"{self._service}.{name} takes calls from {sorted(roles)} only, not from "
                 f"{peer.common_name!r}.",
             )
+        barred = None if self._gate is None else self._gate(peer)
+        if barred is not None:
+            self._reject(context, name, "revoked", peer, grpc.StatusCode.PERMISSION_DENIED, barred)
         who = peer.common_name
         if not self._admission.enter(who):
             self._reject(
@@ -656,6 +666,17 @@ class RpcServer:
                                 session.peer.common_name,
                             )
                             old.close()
+                    barred = None if self._gate is None else self._gate(session.peer)
+                    if barred is not None:
+                        self._rejected(name, "revoked", session.peer.common_name)
+                        log.warning(
+                            "Closing the %s session of %s: %s",
+                            name,
+                            session.peer.common_name,
+                            barred,
+                        )
+                        session.abort(barred, code=grpc.StatusCode.PERMISSION_DENIED)
+                        return
                     handler.received(session, message)
             if received:
                 inbound.finish()  # raises: the peer half-closed inside a message

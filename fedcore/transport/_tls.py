@@ -20,9 +20,19 @@ from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 from fedcore._files import write_atomically
 from fedcore.errors import TransportError
 
-__all__ = ["ROLE_DOMAIN", "Identity", "Role", "RunCa", "TlsBundle", "issue_run_bundles"]
+__all__ = [
+    "ROLE_DOMAIN",
+    "Identity",
+    "Role",
+    "RunCa",
+    "TlsBundle",
+    "certificate_facts",
+    "fingerprint",
+    "issue_run_bundles",
+    "new_key_and_request",
+]
 
-Role = Literal["server", "kdc", "client", "runner"]
+Role = Literal["server", "kdc", "client", "runner", "hub"]
 _ROLES: frozenset[str] = frozenset(get_args(Role))
 _CLIENT_CN = re.compile(r"client-(0|[1-9][0-9]{0,8})")
 _MAX_CN_CHARS = 64
@@ -229,7 +239,8 @@ class Identity:
         """Read an identity from a certificate common name, strictly.
 
         Args:
-            common_name: ``server``, ``kdc``, ``runner`` or ``client-<i>`` where ``<i>`` is a
+            common_name: ``server``, ``kdc``, ``runner``, ``hub`` (a hub's endpoint, whose
+                certificate only its own CA signs) or ``client-<i>`` where ``<i>`` is a
                 decimal index without leading zeros.
 
         Returns:
@@ -239,14 +250,14 @@ class Identity:
             TransportError: the common name is anything else.
         """
         if isinstance(common_name, str):
-            if common_name in ("server", "kdc", "runner"):
+            if common_name in ("server", "kdc", "runner", "hub"):
                 return cls(role=cast(Role, common_name))
             match = _CLIENT_CN.fullmatch(common_name)
             if match is not None:
                 return cls(role="client", index=int(match.group(1)))
         raise TransportError(
             f"The certificate common name {common_name!r} is not a fedcore identity; expected "
-            "server, kdc, runner or client-<index>."
+            "server, kdc, runner, hub or client-<index>."
         )
 
 
@@ -266,12 +277,15 @@ class RunCa:
         self._cert_pem = certificate.public_bytes(serialization.Encoding.PEM)
 
     @classmethod
-    def generate(cls, run_name: str, *, valid_days: int = 365) -> RunCa:
+    def generate(
+        cls, run_name: str, *, valid_days: int = 365, common_name: str | None = None
+    ) -> RunCa:
         """Create a fresh CA for a run.
 
         Args:
             run_name: the run's name, written into the CA's common name.
             valid_days: how long the CA stays valid, in days from now.
+            common_name: the CA's common name (default ``fedcore run <run_name> CA``).
 
         Returns:
             The new CA (ECDSA P-256, self-signed, path length 0).
@@ -286,7 +300,7 @@ class RunCa:
         name = x509.Name(
             [
                 x509.NameAttribute(NameOID.ORGANIZATION_NAME, "fedcore"),
-                x509.NameAttribute(NameOID.COMMON_NAME, _ca_common_name(run_name)),
+                x509.NameAttribute(NameOID.COMMON_NAME, common_name or _ca_common_name(run_name)),
             ]
         )
         now = datetime.datetime.now(datetime.UTC)
@@ -443,7 +457,94 @@ class RunCa:
             names.append(x509.UniformResourceIdentifier(party.uri))
 
         key = ec.generate_private_key(ec.SECP256R1())
-        public_key = key.public_key()
+        certificate = self._sign(
+            common_name, key.public_key(), names, datetime.timedelta(days=valid_days)
+        )
+        return TlsBundle(
+            ca_pem=self._cert_pem,
+            cert_pem=certificate.public_bytes(serialization.Encoding.PEM),
+            key_pem=key.private_bytes(
+                serialization.Encoding.PEM,
+                serialization.PrivateFormat.PKCS8,
+                serialization.NoEncryption(),
+            ),
+        )
+
+    def sign_request(
+        self,
+        request_pem: bytes,
+        *,
+        common_name: str,
+        uri: str | None = None,
+        dns_names: Sequence[str] = (),
+        valid_for: datetime.timedelta,
+    ) -> bytes:
+        """Sign a certificate request whose key was made elsewhere (and never sent here).
+
+        The request must be a PEM PKCS#10 request with a valid self-signature, for an EC
+        P-256 key, naming exactly ``common_name``; the certificate gets the names given here,
+        never any the request asks for. A fedcore party's request (``common_name`` parses as an
+        :class:`Identity`) gets its role name and URI, as :meth:`issue` gives them.
+
+        Args:
+            request_pem: the certificate request.
+            common_name: the name the request must carry, and the certificate does.
+            uri: a URI name for a certificate that names no party (e.g. a site's).
+            dns_names: extra DNS names (never one under the role domain but the party's own).
+            valid_for: how long the certificate stays valid (capped at the CA's own end).
+
+        Returns:
+            The PEM certificate.
+
+        Raises:
+            TransportError: the request is malformed, badly signed, for another name or for
+                a key that is not EC P-256.
+        """
+        try:
+            request = x509.load_pem_x509_csr(request_pem)
+        except ValueError as exc:
+            raise TransportError("The certificate request is not a PEM PKCS#10 request.") from exc
+        if not request.is_signature_valid:
+            raise TransportError("The certificate request's signature does not verify.")
+        public_key = request.public_key()
+        if not isinstance(public_key, ec.EllipticCurvePublicKey) or not isinstance(
+            public_key.curve, ec.SECP256R1
+        ):
+            raise TransportError("The certificate request is not for an EC P-256 key.")
+        names = request.subject.get_attributes_for_oid(NameOID.COMMON_NAME)
+        asked = str(names[0].value) if len(names) == 1 else None
+        if asked != common_name:
+            raise TransportError(f"The certificate request names {asked!r}, not {common_name!r}.")
+        try:
+            party: Identity | None = Identity.parse(common_name)
+        except TransportError:
+            party = None
+        general: list[x509.GeneralName] = []
+        if party is not None:
+            general.append(x509.DNSName(party.dns_name))
+        for dns_name in dns_names:
+            if _is_role_name(dns_name) and (party is None or dns_name.lower() != party.dns_name):
+                raise TransportError(
+                    f"The DNS name {dns_name!r} is under {ROLE_DOMAIN!r} but is not "
+                    f"{common_name!r}'s own role name."
+                )
+            general.append(x509.DNSName(dns_name))
+        if party is not None:
+            general.append(x509.UniformResourceIdentifier(party.uri))
+        elif uri is not None:
+            general.append(x509.UniformResourceIdentifier(uri))
+        certificate = self._sign(common_name, public_key, general, valid_for)
+        return certificate.public_bytes(serialization.Encoding.PEM)
+
+    def _sign(
+        self,
+        common_name: str,
+        public_key: ec.EllipticCurvePublicKey,
+        names: Sequence[x509.GeneralName],
+        valid_for: datetime.timedelta,
+    ) -> x509.Certificate:
+        """A leaf certificate for ``public_key`` (TLS server and client), valid from now (less
+        the clock skew) for ``valid_for``, never past this CA's own end."""
         now = datetime.datetime.now(datetime.UTC)
         ca_not_after = self._certificate.not_valid_after_utc
         builder = (
@@ -460,7 +561,7 @@ class RunCa:
             .public_key(public_key)
             .serial_number(x509.random_serial_number())
             .not_valid_before(now - _CLOCK_SKEW)
-            .not_valid_after(min(now + datetime.timedelta(days=valid_days), ca_not_after))
+            .not_valid_after(min(now + valid_for, ca_not_after))
             .add_extension(x509.BasicConstraints(ca=False, path_length=None), critical=True)
             .add_extension(
                 x509.KeyUsage(
@@ -490,16 +591,69 @@ class RunCa:
         )
         if names:  # an outsider's client-only certificate may carry none
             builder = builder.add_extension(x509.SubjectAlternativeName(names), critical=False)
-        certificate = builder.sign(self._private_key, hashes.SHA256())
-        return TlsBundle(
-            ca_pem=self._cert_pem,
-            cert_pem=certificate.public_bytes(serialization.Encoding.PEM),
-            key_pem=key.private_bytes(
-                serialization.Encoding.PEM,
-                serialization.PrivateFormat.PKCS8,
-                serialization.NoEncryption(),
-            ),
+        return builder.sign(self._private_key, hashes.SHA256())
+
+
+def fingerprint(cert_pem: bytes) -> str:
+    """A certificate's fingerprint, ``sha256:<hex>`` of its DER form (what a site checks the
+    hub's CA against, given out of band with its join token).
+
+    Raises:
+        TransportError: ``cert_pem`` is not a PEM certificate.
+    """
+    try:
+        certificate = x509.load_pem_x509_certificate(cert_pem)
+    except ValueError as exc:
+        raise TransportError("Not a PEM certificate.") from exc
+    return "sha256:" + certificate.fingerprint(hashes.SHA256()).hex()
+
+
+def new_key_and_request(common_name: str) -> tuple[bytes, bytes]:
+    """A fresh EC P-256 key and a certificate request for it naming ``common_name``.
+
+    Returns:
+        ``(key_pem, request_pem)``: the PKCS#8 key (keep it where it was made) and the request.
+    """
+    key = ec.generate_private_key(ec.SECP256R1())
+    request = (
+        x509.CertificateSigningRequestBuilder()
+        .subject_name(
+            x509.Name(
+                [
+                    x509.NameAttribute(NameOID.ORGANIZATION_NAME, "fedcore"),
+                    x509.NameAttribute(NameOID.COMMON_NAME, common_name),
+                ]
+            )
         )
+        .sign(key, hashes.SHA256())
+    )
+    key_pem = key.private_bytes(
+        serialization.Encoding.PEM,
+        serialization.PrivateFormat.PKCS8,
+        serialization.NoEncryption(),
+    )
+    return key_pem, request.public_bytes(serialization.Encoding.PEM)
+
+
+def certificate_facts(cert_pem: bytes) -> tuple[str, int, datetime.datetime, datetime.datetime]:
+    """``(common name, serial, not before, not after)`` of a PEM certificate.
+
+    Raises:
+        TransportError: ``cert_pem`` is not a PEM certificate with one common name.
+    """
+    try:
+        certificate = x509.load_pem_x509_certificate(cert_pem)
+    except ValueError as exc:
+        raise TransportError("Not a PEM certificate.") from exc
+    names = certificate.subject.get_attributes_for_oid(NameOID.COMMON_NAME)
+    if len(names) != 1:
+        raise TransportError("The certificate has no single common name.")
+    return (
+        str(names[0].value),
+        certificate.serial_number,
+        certificate.not_valid_before_utc,
+        certificate.not_valid_after_utc,
+    )
 
 
 def _check_valid_days(valid_days: int) -> None:

@@ -16,6 +16,7 @@ from typing import Any
 
 from fedcore.errors import SpecError
 from fedcore.spec import RESUME_INSENSITIVE_FIELDS, parse_manifest
+from fedcore_operator.plan import kubernetes_issues
 
 Object = dict[str, Any]
 
@@ -43,10 +44,10 @@ def check(body: Object, old: Object | None, operation: str) -> list[str]:
 
 def _spec_problems(body: Object) -> list[str]:
     try:
-        parse_manifest(as_written(body))
+        run = parse_manifest(as_written(body))
     except SpecError as exc:
         return [f"{issue.path}: {issue.message}" for issue in exc.issues] or [str(exc)]
-    return []
+    return [f"{issue.path}: {issue.message}" for issue in kubernetes_issues(run)]
 
 
 def as_written(body: Object) -> Object:

@@ -42,7 +42,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from fedcore.errors import SpecError
+from fedcore.errors import SpecError, SpecIssue
 from fedcore.spec import FederatedRun, parse_manifest, resolve_share
 from fedcore.spec._status import MAX_FAILURES
 from fedcore_operator import objects
@@ -124,7 +124,7 @@ def manifest_of(body: Object) -> FederatedRun:
         SpecError: the stored spec is not a valid run (the webhook normally refuses those).
     """
     meta = body["metadata"]
-    return parse_manifest(
+    run = parse_manifest(
         {
             "apiVersion": body["apiVersion"],
             "kind": body["kind"],
@@ -132,6 +132,24 @@ def manifest_of(body: Object) -> FederatedRun:
             "spec": body.get("spec") or {},
         }
     )
+    issues = kubernetes_issues(run)
+    if issues:
+        raise SpecError(issues)
+    return run
+
+
+def kubernetes_issues(run: FederatedRun) -> list[SpecIssue]:
+    """What a valid manifest asks that the operator does not do yet: clients at sites (a hub
+    serves those: ``fedcore hub serve``, docs/sites.md)."""
+    if run.spec.sites is None:
+        return []
+    return [
+        SpecIssue(
+            "spec.sites",
+            "clients at sites are served by a hub (fedcore hub serve, docs/sites.md); the "
+            "operator does not run a hub or sites yet.",
+        )
+    ]
 
 
 def kinds_to_observe(body: Object) -> tuple[str, ...]:
