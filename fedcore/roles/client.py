@@ -41,6 +41,8 @@ from fedcore.transport import Identity, Payload, RemoteError, RpcClient, TlsBund
 
 log = logging.getLogger(__name__)
 
+GOODBYE_SECONDS = 10.0
+"""How long a client that refuses a task waits for the server to have heard it."""
 CALL_SECONDS = 120.0
 """Deadline of one Join or Push attempt (uploads of several GB need minutes)."""
 RECONNECT_CODES = frozenset(
@@ -217,6 +219,7 @@ class Client:
                                     }
                                 )
                             )
+                            session.finish(GOODBYE_SECONDS)  # the server hears it first
                             raise refused
                         elif kind == "task" and is_evaluation(
                             message.meta.get("instruction") or {}

@@ -181,6 +181,7 @@ class RoundBoard(SessionHandler):
                 if attempt is not None and attempt.pending(index):
                     attempt.failed[index] = "refused"
                 self.cond.notify_all()
+            session.close()  # the client leaves: heard
         else:
             raise MessageRejected(f"A client sent a message of unknown kind {kind!r}.")
 

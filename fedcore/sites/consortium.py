@@ -87,6 +87,8 @@ class ConsortiumRun:
         policies: each site's policy file (``site_policies``).
         resume: resume the server from its latest checkpoint.
         entry: what every role process runs.
+        site_env: more environment for the sites' processes (e.g. ``https_proxy``: a site
+            behind a proxy).
     """
 
     def __init__(
@@ -98,7 +100,9 @@ class ConsortiumRun:
         policies: Mapping[str, Path],
         resume: bool = False,
         entry: RoleEntry = FEDCORE_ROLES,
+        site_env: Mapping[str, str] | None = None,
     ) -> None:
+        self.site_env = dict(site_env or {})
         self.run = run
         self.workdir = Path(workdir)
         self.policies = dict(policies)
@@ -138,7 +142,7 @@ class ConsortiumRun:
             folder = self._site_dir(name)
             folder.mkdir(parents=True, exist_ok=True)
             log = folder / "site.log"
-            env = dict(os.environ, PYTHONUNBUFFERED="1")
+            env = {**os.environ, "PYTHONUNBUFFERED": "1", **self.site_env}
             if not self._joined(name):
                 token = self._tokens[name]
                 join = self._command(

@@ -98,7 +98,7 @@ class HubServe:
     def _emit(self, event: str, **fields: Any) -> None:
         if event == "site_refused":
             self.refusal = dict(fields)
-        EventLog(self.local.events_path).emit(event, stage="review", **fields)
+        EventLog(self.local.events_path).emit(event, **fields)
 
     def _check(self) -> None:
         """Stops the run when a site refused it at its review."""

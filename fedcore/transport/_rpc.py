@@ -14,6 +14,7 @@ form, which answers from the park instead of running the handler a second time.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import itertools
 import logging
@@ -1044,6 +1045,22 @@ class ClientSession:
         if received:
             decoder.finish()  # raises: the stream ended inside a message
         return None
+
+    def finish(self, timeout: float) -> None:
+        """Ends our side of the session after what was sent, and waits up to ``timeout``
+        seconds for the peer to end its side (so that our last message reaches it); then
+        cancels the call."""
+        self._queue.put(_END)
+        watchdog = threading.Timer(timeout, self._call.cancel)
+        watchdog.daemon = True
+        watchdog.start()
+        try:
+            with contextlib.suppress(RemoteError, MessageRejected):
+                while self.receive() is not None:
+                    pass
+        finally:
+            watchdog.cancel()
+            self._call.cancel()
 
     def close(self) -> None:
         """Ends our side of the session and cancels the call."""
