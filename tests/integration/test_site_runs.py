@@ -420,3 +420,50 @@ def test_clients_refuse_a_server_that_runs_another_spec_than_the_one_approved(
     assert '"event": "round"' not in "\n".join(lines)  # no round was ever combined
     log = tmp_path / "work" / "sites" / "hospital-b" / "runs" / "two-faced" / "logs"
     assert "changed after" in (log / "client-2.log").read_text()
+
+
+def test_a_protocol_with_a_kdc_runs_with_its_clients_at_sites(tmp_path: Path) -> None:
+    """mpdp: each site's clients reach the KDC, like the server, only through the hub's
+    endpoint (the only address they are given)."""
+    document = yaml.safe_load((ROOT / "examples" / "digits-mpdp.yaml").read_text())
+    document["metadata"]["name"] = "mpdp-sites"
+    spec = document["spec"]
+    spec["clients"] = {"count": 4, "quorum": "100%"}
+    spec["rounds"] = 2
+    spec["sites"] = [{"name": "east", "clients": 2}, {"name": "west", "clients": 2}]
+    run = consortium(tmp_path, document, None)
+    result = run.execute()
+    assert result.phase == "Succeeded" and result.rounds_completed == 2
+    assert [event["participants"] for event in round_events(run)] == [4, 4]
+    kdc_log = (run.hub.local.workdir / "logs" / "kdc.log").read_text()
+    assert "Refused" not in kdc_log
+
+
+def test_the_consortium_example_runs_as_docs_sites_md_says(tmp_path: Path) -> None:
+    """`fedcore run examples/sites/consortium.yaml`, with the examples' data beside it: each
+    policy file approves the example's current digest (a changed example must be approved
+    again), and the run keeps its budget."""
+    shutil.copytree(ROOT / "examples" / "sites", tmp_path / "sites")
+    subprocess.run(
+        [sys.executable, str(ROOT / "examples" / "make_data.py"), "--out", str(tmp_path / "data")],
+        check=True,
+        capture_output=True,
+    )
+    done = fedcore(
+        "run",
+        "sites/consortium.yaml",
+        "--workdir",
+        str(tmp_path / "work"),
+        "--json",
+        "--quiet",
+        cwd=tmp_path,
+    )
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
+    summary = last_json(done.stdout)
+    assert summary["phase"] == "Succeeded" and summary["rounds_completed"] == 15
+    assert summary["epsilon"] <= 8 and summary["evaluated_examples"] > 0
+    assert sorted(p.name for p in (tmp_path / "work" / "sites").iterdir()) == [
+        "hospital-a",
+        "hospital-b",
+        "hospital-c",
+    ]

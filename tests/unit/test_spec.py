@@ -550,3 +550,114 @@ def test_a_schema_issue_records_its_value_and_what_is_allowed_as_data() -> None:
     unknown = issues["spec.trainning"]
     assert unknown.value is None and unknown.allowed is not None
     assert "training" in unknown.allowed.split(", ")
+
+
+# ---------------------------------------------------------------------------------- spec.sites
+
+SITES = [{"name": "north", "clients": 6}, {"name": "south", "clients": 4}]
+"""BASE's 10 clients spread over two sites."""
+
+OWN_DATA = {
+    "clientData": {"format": "Parquet"},
+    "schema": {"labelColumn": "y", "labels": ["a", "b"], "features": [{"name": "x"}]},
+}
+"""Clients' own data that names no source: each site binds its own."""
+
+
+def _by_path(document: dict[str, Any]) -> dict[str, str]:
+    return {issue.path: issue.message for issue in _issues(document)}
+
+
+def test_sites_that_add_up_to_the_client_count_are_valid() -> None:
+    # Execute
+    run = parse_manifest(_mutated({("spec", "sites"): copy.deepcopy(SITES)}))
+    # Assert
+    assert run.spec.sites is not None
+    assert [(site.name, site.clients) for site in run.spec.sites] == [("north", 6), ("south", 4)]
+
+
+def test_sites_whose_clients_do_not_add_up_are_refused_at_spec_sites() -> None:
+    # Prepare
+    sites = [{"name": "north", "clients": 6}, {"name": "south", "clients": 3}]
+    # Execute
+    issues = _by_path(_mutated({("spec", "sites"): sites}))
+    # Assert
+    assert list(issues) == ["spec.sites"]
+    assert "the sites run 9 clients but spec.clients.count is 10" in issues["spec.sites"]
+
+
+def test_a_site_listed_twice_is_refused_at_its_second_name() -> None:
+    # Prepare
+    sites = [{"name": "north", "clients": 6}, {"name": "north", "clients": 4}]
+    # Execute
+    issues = _by_path(_mutated({("spec", "sites"): sites}))
+    # Assert
+    assert list(issues) == ["spec.sites[1].name"]
+    assert "'north' is listed twice" in issues["spec.sites[1].name"]
+
+
+@pytest.mark.parametrize("name", ["North", "1st", "a_b", "ends-", "a" * 41, ""])
+def test_a_site_name_that_is_no_dns_label_is_refused(name: str) -> None:
+    # Prepare
+    sites = [{"name": name, "clients": 6}, {"name": "south", "clients": 4}]
+    # Execute
+    issues = _by_path(_mutated({("spec", "sites"): sites}))
+    # Assert
+    assert "spec.sites[0].name" in issues
+    assert "is not a site name" in issues["spec.sites[0].name"]
+
+
+def test_client_data_naming_no_source_needs_sites() -> None:
+    # Execute
+    issues = _by_path(_mutated({("spec", "data"): copy.deepcopy(OWN_DATA)}))
+    # Assert
+    assert list(issues) == ["spec.data.clientData"]
+    assert "give template or sources: without spec.sites" in issues["spec.data.clientData"]
+
+
+def test_client_data_naming_no_source_is_valid_with_sites() -> None:
+    # Execute
+    run = parse_manifest(
+        _mutated({("spec", "data"): copy.deepcopy(OWN_DATA), ("spec", "sites"): SITES})
+    )
+    # Assert
+    assert run.spec.data.client_data is not None
+    assert run.spec.data.client_data.bound_by_sites
+
+
+@pytest.mark.parametrize(
+    ("own", "path"),
+    [
+        ({"template": {"path": "/data/{index}"}}, "spec.data.clientData.template"),
+        ({"sources": [{"path": f"/data/{i}"} for i in range(10)]}, "spec.data.clientData.sources"),
+    ],
+    ids=["template", "sources"],
+)
+def test_client_data_naming_sources_is_refused_with_sites(own: dict[str, Any], path: str) -> None:
+    # Prepare
+    data = copy.deepcopy(OWN_DATA)
+    data["clientData"].update(own)
+    # Execute
+    issues = _by_path(_mutated({("spec", "data"): data, ("spec", "sites"): SITES}))
+    # Assert
+    assert list(issues) == [path]
+    assert "cannot be set with spec.sites" in issues[path]
+
+
+def test_site_of_and_site_clients_follow_the_order_of_the_sites() -> None:
+    # Prepare
+    with_sites = parse_manifest(_mutated({("spec", "sites"): copy.deepcopy(SITES)})).spec
+    without = parse_manifest(copy.deepcopy(BASE)).spec
+    # Execute / Assert
+    assert [with_sites.site_of(index) for index in (0, 5, 6, 9, 10)] == [
+        "north",
+        "north",
+        "south",
+        "south",
+        None,
+    ]
+    assert with_sites.site_clients("north") == range(0, 6)
+    assert with_sites.site_clients("south") == range(6, 10)
+    assert with_sites.site_clients("east") == range(0)
+    assert without.site_of(0) is None
+    assert without.site_clients("north") == range(0)

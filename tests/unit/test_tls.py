@@ -10,6 +10,9 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
+import datetime
+import hashlib
+
 import grpc
 import pytest
 from cryptography import x509
@@ -30,7 +33,10 @@ from fedcore.transport import (
     RpcServer,
     RunCa,
     TlsBundle,
+    certificate_facts,
+    fingerprint,
     issue_run_bundles,
+    new_key_and_request,
 )
 
 SERVICE = "fedcore.test.Echo"
@@ -748,3 +754,223 @@ def test_rpc_server_refuses_callers_for_a_method_it_does_not_serve(
             limits=LIMITS,
             callers={"Nope": ["client"]},
         )
+
+
+# ------------------------------------------------------------------ requests signed by the CA
+
+
+def _request(
+    common_name: str,
+    *,
+    curve: ec.EllipticCurve | None = None,
+    sans: list[x509.GeneralName] | None = None,
+) -> bytes:
+    """A PEM certificate request for a fresh key on ``curve`` (P-256 unless given)."""
+    key = ec.generate_private_key(curve or ec.SECP256R1())
+    builder = x509.CertificateSigningRequestBuilder().subject_name(
+        x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, common_name)])
+    )
+    if sans:
+        builder = builder.add_extension(x509.SubjectAlternativeName(sans), critical=False)
+    return builder.sign(key, hashes.SHA256()).public_bytes(serialization.Encoding.PEM)
+
+
+def _names(certificate: x509.Certificate) -> tuple[list[str], list[str]]:
+    """The certificate's DNS and URI subject alternative names."""
+    try:
+        sans = certificate.extensions.get_extension_for_class(x509.SubjectAlternativeName).value
+    except x509.ExtensionNotFound:
+        return [], []
+    return (
+        sans.get_values_for_type(x509.DNSName),
+        sans.get_values_for_type(x509.UniformResourceIdentifier),
+    )
+
+
+WEEK = datetime.timedelta(days=7)
+
+
+def test_sign_request_gives_a_party_its_role_name_and_uri_from_the_ca(run_ca: RunCa) -> None:
+    # Prepare: a request for client-3's key that asks for the server's names too
+    key_pem, request_pem = new_key_and_request("client-3")
+    # Execute
+    cert_pem = run_ca.sign_request(request_pem, common_name="client-3", valid_for=WEEK)
+    # Assert
+    certificate = _cert(cert_pem)
+    assert _common_name(certificate) == "client-3"
+    assert _names(certificate) == (
+        ["client-3.fedcore.invalid"],
+        ["spiffe://fedcore.invalid/client-3"],
+    )
+    assert Identity.from_certificate(cert_pem) == Identity("client", 3)
+    certificate.verify_directly_issued_by(run_ca.certificate)
+    key = serialization.load_pem_private_key(key_pem, password=None)
+    spki = (serialization.Encoding.DER, serialization.PublicFormat.SubjectPublicKeyInfo)
+    assert certificate.public_key().public_bytes(*spki) == key.public_key().public_bytes(*spki)
+
+
+def test_sign_request_never_gives_the_names_a_request_asks_for(run_ca: RunCa) -> None:
+    # Prepare
+    request_pem = _request(
+        "client-3",
+        sans=[
+            x509.DNSName("server.fedcore.invalid"),
+            x509.DNSName("evil.example"),
+            x509.UniformResourceIdentifier("spiffe://fedcore.invalid/server"),
+        ],
+    )
+    # Execute
+    certificate = _cert(run_ca.sign_request(request_pem, common_name="client-3", valid_for=WEEK))
+    # Assert
+    assert _names(certificate) == (
+        ["client-3.fedcore.invalid"],
+        ["spiffe://fedcore.invalid/client-3"],
+    )
+
+
+def test_sign_request_gives_a_site_only_the_uri_given(run_ca: RunCa) -> None:
+    # Prepare
+    _, request_pem = new_key_and_request("north")
+    # Execute
+    cert_pem = run_ca.sign_request(
+        request_pem,
+        common_name="north",
+        uri="spiffe://fedcore.invalid/site/north",
+        valid_for=datetime.timedelta(hours=1),
+    )
+    # Assert
+    certificate = _cert(cert_pem)
+    assert _common_name(certificate) == "north"
+    assert _names(certificate) == ([], ["spiffe://fedcore.invalid/site/north"])
+    name, serial, not_before, not_after = certificate_facts(cert_pem)
+    assert (name, serial) == ("north", certificate.serial_number)
+    assert not_after - not_before == datetime.timedelta(hours=1, minutes=5)  # the clock skew
+
+
+def test_sign_request_never_outlives_the_ca(run_ca: RunCa) -> None:
+    # Prepare
+    _, request_pem = new_key_and_request("north")
+    # Execute
+    cert_pem = run_ca.sign_request(
+        request_pem, common_name="north", valid_for=datetime.timedelta(days=10_000)
+    )
+    # Assert
+    assert certificate_facts(cert_pem)[3] == run_ca.certificate.not_valid_after_utc
+
+
+def test_sign_request_refuses_a_role_name_for_a_site(run_ca: RunCa) -> None:
+    # Prepare
+    _, request_pem = new_key_and_request("north")
+    # Execute / Assert
+    with pytest.raises(TransportError, match="is under 'fedcore.invalid' but is not 'north'"):
+        run_ca.sign_request(
+            request_pem,
+            common_name="north",
+            dns_names=["server.fedcore.invalid"],
+            valid_for=WEEK,
+        )
+
+
+def test_sign_request_refuses_a_request_for_another_name(run_ca: RunCa) -> None:
+    # Prepare
+    _, request_pem = new_key_and_request("client-4")
+    # Execute / Assert
+    with pytest.raises(TransportError, match="names 'client-4', not 'client-3'"):
+        run_ca.sign_request(request_pem, common_name="client-3", valid_for=WEEK)
+
+
+def test_sign_request_refuses_a_request_with_no_common_name(run_ca: RunCa) -> None:
+    # Prepare
+    key = ec.generate_private_key(ec.SECP256R1())
+    request_pem = (
+        x509.CertificateSigningRequestBuilder()
+        .subject_name(x509.Name([x509.NameAttribute(NameOID.ORGANIZATION_NAME, "fedcore")]))
+        .sign(key, hashes.SHA256())
+        .public_bytes(serialization.Encoding.PEM)
+    )
+    # Execute / Assert
+    with pytest.raises(TransportError, match="names None, not 'north'"):
+        run_ca.sign_request(request_pem, common_name="north", valid_for=WEEK)
+
+
+def test_sign_request_refuses_a_request_whose_signature_does_not_verify(run_ca: RunCa) -> None:
+    # Prepare: the last byte of the DER is the signature's; change it
+    request = x509.load_pem_x509_csr(new_key_and_request("client-3")[1])
+    der = bytearray(request.public_bytes(serialization.Encoding.DER))
+    der[-1] ^= 0x01
+    tampered = x509.load_der_x509_csr(bytes(der)).public_bytes(serialization.Encoding.PEM)
+    # Execute / Assert
+    with pytest.raises(TransportError, match="signature does not verify"):
+        run_ca.sign_request(tampered, common_name="client-3", valid_for=WEEK)
+
+
+@pytest.mark.parametrize(
+    "request_pem",
+    [
+        b"not a request",
+        b"-----BEGIN CERTIFICATE REQUEST-----\nZ2FyYmFnZQ==\n-----END CERTIFICATE REQUEST-----\n",
+        b"",
+    ],
+    ids=["text", "garbage-pem", "empty"],
+)
+def test_sign_request_refuses_what_is_not_a_pem_request(run_ca: RunCa, request_pem: bytes) -> None:
+    with pytest.raises(TransportError, match="not a PEM PKCS#10 request"):
+        run_ca.sign_request(request_pem, common_name="client-3", valid_for=WEEK)
+
+
+def test_sign_request_refuses_a_certificate_in_place_of_a_request(run_ca: RunCa) -> None:
+    with pytest.raises(TransportError, match="not a PEM PKCS#10 request"):
+        run_ca.sign_request(run_ca.cert_pem, common_name="client-3", valid_for=WEEK)
+
+
+def test_sign_request_refuses_a_key_that_is_not_p256(run_ca: RunCa) -> None:
+    # Prepare
+    request_pem = _request("client-3", curve=ec.SECP384R1())
+    # Execute / Assert
+    with pytest.raises(TransportError, match="not for an EC P-256 key"):
+        run_ca.sign_request(request_pem, common_name="client-3", valid_for=WEEK)
+
+
+def test_new_key_and_request_makes_a_p256_key_and_a_signed_request() -> None:
+    # Execute
+    key_pem, request_pem = new_key_and_request("north")
+    # Assert
+    key = serialization.load_pem_private_key(key_pem, password=None)
+    request = x509.load_pem_x509_csr(request_pem)
+    assert isinstance(key, ec.EllipticCurvePrivateKey)
+    assert isinstance(key.curve, ec.SECP256R1)
+    assert request.is_signature_valid
+    assert _common_name(request) == "north"  # type: ignore[arg-type]
+
+
+def test_fingerprint_is_the_sha256_of_the_der(run_ca: RunCa) -> None:
+    # Prepare
+    der = run_ca.certificate.public_bytes(serialization.Encoding.DER)
+    # Execute
+    printed = fingerprint(run_ca.cert_pem)
+    # Assert
+    assert printed == "sha256:" + hashlib.sha256(der).hexdigest()
+    assert printed != fingerprint(RunCa.generate("another").cert_pem)
+
+
+@pytest.mark.parametrize("call", [fingerprint, certificate_facts])
+def test_fingerprint_and_facts_refuse_what_is_not_a_certificate(call: Any) -> None:
+    with pytest.raises(TransportError, match="Not a PEM certificate"):
+        call(b"-----BEGIN CERTIFICATE-----\nZ2FyYmFnZQ==\n-----END CERTIFICATE-----\n")
+
+
+def test_the_hub_is_a_party_with_its_own_role_name(run_ca: RunCa) -> None:
+    # Execute
+    hub = Identity.parse("hub")
+    bundle = run_ca.issue("hub")
+    # Assert
+    assert hub == Identity("hub")
+    assert (hub.common_name, hub.dns_name, hub.uri) == (
+        "hub",
+        "hub.fedcore.invalid",
+        "spiffe://fedcore.invalid/hub",
+    )
+    assert bundle.identity == hub
+    assert _names(_cert(bundle.cert_pem)) == (["hub.fedcore.invalid"], [hub.uri])
+    with pytest.raises(TransportError, match="The hub identity takes no index"):
+        Identity("hub", 0)
