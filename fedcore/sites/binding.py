@@ -13,7 +13,7 @@ from pathlib import Path
 
 from fedcore._files import write_atomically
 from fedcore.errors import FedcoreError
-from fedcore.sites.policy import Approval, RoundGuard
+from fedcore.sites.policy import Approval, RoundGuard, spec_digest
 from fedcore.spec import FederatedRun
 from fedcore.spec._data import ClientDataSpec
 
@@ -71,12 +71,23 @@ class SiteBinding:
         clients = run.spec.site_clients(self.site)
         if len(clients) == 0:
             raise FedcoreError(f"Run {run.metadata.name!r} has no clients at site {self.site!r}.")
+        if spec_digest(run) != self.digest:
+            raise FedcoreError(
+                f"The manifest of run {run.metadata.name!r} is not the one site {self.site!r} "
+                f"approved (approved {self.digest}, this one {spec_digest(run)})."
+            )
         if own is None or self.approval.data is None:
             return run
         data = self.approval.data
-        sources = [data.source_of(0)] * run.spec.clients.count
-        for local, index in enumerate(clients):
-            sources[index] = data.source_of(local)
+        try:
+            sources = [data.source_of(0)] * run.spec.clients.count
+            for local, index in enumerate(clients):
+                sources[index] = data.source_of(local)
+        except IndexError as exc:
+            raise FedcoreError(
+                f"Site {self.site!r} binds data for {self.approval.clients} clients, but run "
+                f"{run.metadata.name!r} gives it {len(clients)}: {exc}."
+            ) from exc
         # Other sites' entries repeat this site's first source and are never read: a client
         # reads only its own index's (the hub's manifest names no site's data at all).
         bound = ClientDataSpec.model_construct(format=own.format, template=None, sources=sources)

@@ -64,11 +64,16 @@ class HubServe:
         known = {site["name"]: site["state"] for site in registry.sites()}
         for site in run.spec.sites:
             state = known.get(site.name)
-            if state is None or state == "Revoked":
+            if state is None:
                 raise RunAborted(
-                    f"spec.sites names site {site.name!r}, which this hub "
-                    + ("revoked" if state else "does not know")
-                    + f"; add it first (fedcore site add {site.name}).",
+                    f"spec.sites names site {site.name!r}, which this hub does not know; add "
+                    f"it first (fedcore site add {site.name}).",
+                    reason="UnknownSite",
+                )
+            if state == "Revoked":
+                raise RunAborted(
+                    f"spec.sites names site {site.name!r}, which this hub revoked; a revoked "
+                    "site stays revoked: add its replacement under a new name.",
                     reason="UnknownSite",
                 )
         self.registry = registry

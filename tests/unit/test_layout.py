@@ -122,10 +122,30 @@ def test_the_package_has_no_import_circle() -> None:
 
 def test_lower_layers_never_import_the_command_line() -> None:
     graph = import_graph()
-    for layer in ("fedcore.local", "fedcore.roles", "fedcore.simulation", "fedcore.protocols"):
+    layers = (
+        "fedcore.local",
+        "fedcore.roles",
+        "fedcore.simulation",
+        "fedcore.protocols",
+        "fedcore.sites",
+    )
+    for layer in layers:
         for module in [m for m in graph if m == layer or m.startswith(layer + ".")]:
             above = {m for m in reaches(graph, module) if m.startswith("fedcore.cli")}
             assert not above, f"{module} reaches {sorted(above)}"
+
+
+def test_sites_never_import_a_role_or_the_simulation() -> None:
+    """sites/ sits below roles/ (a site's client imports its binding and guard): it starts
+    role processes through local/, never imports them."""
+    graph = import_graph()
+    for module in [m for m in graph if m.startswith("fedcore.sites")]:
+        above = {
+            m
+            for m in reaches(graph, module)
+            if m.startswith(("fedcore.roles", "fedcore.simulation", "fedcore.audit"))
+        }
+        assert not above, f"{module} reaches {sorted(above)}"
 
 
 def test_spec_and_observe_import_no_runtime_layer() -> None:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import datetime
+import hashlib
 import ipaddress
 import stat
 from collections.abc import Iterator
@@ -9,9 +11,6 @@ from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
-
-import datetime
-import hashlib
 
 import grpc
 import pytest
@@ -862,7 +861,7 @@ def test_sign_request_refuses_a_role_name_for_a_site(run_ca: RunCa) -> None:
     # Prepare
     _, request_pem = new_key_and_request("north")
     # Execute / Assert
-    with pytest.raises(TransportError, match="is under 'fedcore.invalid' but is not 'north'"):
+    with pytest.raises(TransportError, match=r"is under 'fedcore\.invalid' but is not 'north'"):
         run_ca.sign_request(
             request_pem,
             common_name="north",
