@@ -527,7 +527,14 @@ def run(
     click.get_current_context().meta[LOG_DIR_KEY] = folder / "logs"
     local: Any
     if spec_run.spec.sites is not None:
-        local = _consortium(spec_run, manifest, folder, site_policies, resume=resume)
+        local = _consortium(
+            spec_run,
+            manifest,
+            folder,
+            site_policies,
+            resume=resume or resume_if_possible,
+            require_checkpoint=not resume_if_possible,
+        )
     else:
         if site_policies:
             raise click.UsageError("--site is for a manifest with spec.sites.")
@@ -580,7 +587,13 @@ def run(
 
 
 def _consortium(
-    run: Any, manifest: Path, folder: Path, given: tuple[str, ...], *, resume: bool
+    run: Any,
+    manifest: Path,
+    folder: Path,
+    given: tuple[str, ...],
+    *,
+    resume: bool,
+    require_checkpoint: bool,
 ) -> Any:
     """The hub and the sites of a manifest with spec.sites, on this machine."""
     from fedcore.sites.consortium import ConsortiumRun, site_policies
@@ -597,6 +610,7 @@ def _consortium(
         workdir=folder,
         policies=site_policies(run, manifest, policies),
         resume=resume,
+        require_checkpoint=require_checkpoint,
     )
 
 

@@ -86,6 +86,7 @@ class ConsortiumRun:
             its clients' logs).
         policies: each site's policy file (``site_policies``).
         resume: resume the server from its latest checkpoint.
+        require_checkpoint: with ``resume``, refuse to start without one (``NoCheckpoint``).
         entry: what every role process runs.
         site_env: more environment for the sites' processes (e.g. ``https_proxy``: a site
             behind a proxy).
@@ -99,6 +100,7 @@ class ConsortiumRun:
         workdir: Path,
         policies: Mapping[str, Path],
         resume: bool = False,
+        require_checkpoint: bool = True,
         entry: RoleEntry = FEDCORE_ROLES,
         site_env: Mapping[str, str] | None = None,
     ) -> None:
@@ -117,13 +119,25 @@ class ConsortiumRun:
             run,
             manifest,
             self.registry,
-            listen=f"{LOOPBACK}:{free_port()}",
+            listen=f"{LOOPBACK}:{self._endpoint_port()}",
             workdir=self.workdir / "hub" / "run",
             resume=resume,
+            require_checkpoint=require_checkpoint,
             entry=entry,
         )
         self.hub.local.check = self._check
         self.sites: dict[str, SiteProcess] = {}
+
+    def _endpoint_port(self) -> int:
+        """The hub endpoint's port: the one an earlier start of this folder used (its sites
+        joined that address), else a free one, recorded for a resume."""
+        record = self.workdir / "hub" / "endpoint-port"
+        if record.is_file():
+            return int(record.read_text())
+        port = free_port()
+        record.parent.mkdir(parents=True, exist_ok=True)
+        record.write_text(str(port))
+        return port
 
     def _site_dir(self, name: str) -> Path:
         return self.workdir / "sites" / name
@@ -135,41 +149,40 @@ class ConsortiumRun:
         return dying_with_parent([sys.executable, "-m", self.entry.module, *args])
 
     def start(self, on_event: ProgressCallback | None = None) -> None:
-        """Starts the hub, then joins and starts every site."""
+        """Starts the hub, then joins every site that has not joined (all at once), then
+        starts every site."""
         port = self.hub.start(on_event)
         address = f"{LOOPBACK}:{port}"
-        for name, policy in self.policies.items():
+        env = {**os.environ, "PYTHONUNBUFFERED": "1", **self.site_env}
+        joining: dict[str, subprocess.Popen[bytes]] = {}
+        for name in self.policies:
             folder = self._site_dir(name)
             folder.mkdir(parents=True, exist_ok=True)
-            log = folder / "site.log"
-            env = {**os.environ, "PYTHONUNBUFFERED": "1", **self.site_env}
-            if not self._joined(name):
-                token = self._tokens[name]
-                join = self._command(
-                    "site",
-                    "join",
-                    "--hub",
-                    address,
-                    "--fingerprint",
-                    self.registry.fingerprint,
-                    "--dir",
-                    str(folder),
+            if self._joined(name):
+                continue
+            join = self._command(
+                "site", "join", "--hub", address, "--fingerprint", self.registry.fingerprint,
+                "--dir", str(folder),
+            )  # fmt: skip
+            with (folder / "site.log").open("ab") as out:
+                joining[name] = subprocess.Popen(
+                    join,
+                    env={**env, TOKEN_ENV: self._tokens[name]},
+                    stdin=subprocess.DEVNULL,
+                    stdout=out,
+                    stderr=subprocess.STDOUT,
+                    start_new_session=True,
                 )
-                with log.open("ab") as out:
-                    done = subprocess.run(
-                        join,
-                        env={**env, TOKEN_ENV: token},
-                        stdout=out,
-                        stderr=subprocess.STDOUT,
-                        check=False,
-                        timeout=120,
-                    )
-                if done.returncode != 0:
-                    raise RoleFailed(f"site {name}", f"could not join the hub: see {log}")
+        for name, process in joining.items():
+            if process.wait(timeout=120) != 0:
+                log = self._site_dir(name) / "site.log"
+                raise RoleFailed(f"site {name}", f"could not join the hub:\n{_tail(log)}")
+        for name, policy in self.policies.items():
+            folder = self._site_dir(name)
             serve = self._command(
                 "site", "serve", "--dir", str(folder), "--policy", str(policy.absolute())
             )
-            with log.open("ab") as out:
+            with (folder / "site.log").open("ab") as out:
                 process = subprocess.Popen(
                     serve,
                     env=env,
@@ -178,7 +191,7 @@ class ConsortiumRun:
                     stderr=subprocess.STDOUT,
                     start_new_session=True,
                 )
-            self.sites[name] = SiteProcess(name, process, log)
+            self.sites[name] = SiteProcess(name, process, folder / "site.log")
 
     def _check(self) -> None:
         """Stops the run when a site refused it or its process failed before the run began."""

@@ -38,6 +38,7 @@ class HubServe:
         listen: the endpoint's ``host:port``.
         workdir: the run's folder at the hub.
         resume: start the server from the latest checkpoint.
+        require_checkpoint: with ``resume``, refuse to start (``NoCheckpoint``) without one.
         entry: what the KDC and server processes run.
         spawn: fork the roles from a warm forkserver, or exec each.
     """
@@ -51,6 +52,7 @@ class HubServe:
         listen: str,
         workdir: Path,
         resume: bool = False,
+        require_checkpoint: bool = True,
         entry: RoleEntry = FEDCORE_ROLES,
         spawn: Any = "fork",
         threads: int = ROLE_THREADS,
@@ -83,7 +85,7 @@ class HubServe:
             manifest,
             workdir=workdir,
             resume=resume,
-            require_checkpoint=False,
+            require_checkpoint=require_checkpoint,
             entry=entry,
             spawn=spawn,
             threads=threads,

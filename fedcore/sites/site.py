@@ -29,7 +29,14 @@ from typing import Any
 
 from fedcore._files import write_atomically
 from fedcore.errors import FedcoreError, TransportError
-from fedcore.local.launch import FEDCORE_ROLES, RoleEntry, RoleProcess, start_role
+from fedcore.local.launch import (
+    FEDCORE_ROLES,
+    RoleEntry,
+    RoleProcess,
+    SpawnMode,
+    start_role,
+    warm_up,
+)
 from fedcore.local.ports import LOOPBACK, free_port
 from fedcore.sites._api import HubApiClient, HubRefused
 from fedcore.sites.binding import BINDING_FILE, SiteBinding
@@ -134,6 +141,8 @@ class SiteAgent:
             folder, ``runs/<run>``).
         entry: what a client process runs.
         wait_seconds: how long to wait for the hub to serve a run for this site.
+        spawn: fork the clients from a warm forkserver (started while the site reviews the
+            run, so that each client does not import torch again) or exec each.
     """
 
     def __init__(
@@ -144,7 +153,9 @@ class SiteAgent:
         workdir: Path | None = None,
         entry: RoleEntry = FEDCORE_ROLES,
         wait_seconds: float = 600.0,
+        spawn: SpawnMode = "fork",
     ) -> None:
+        self.spawn: SpawnMode = spawn
         self.directory = Path(directory)
         self.config = SiteConfig.load(self.directory)
         self.policy_path = Path(policy)
@@ -193,15 +204,21 @@ class SiteAgent:
                 in time (NoRun).
         """
         deadline = time.monotonic() + self.wait_seconds
+        said = 0.0
         while True:
             try:
                 return self.api.call("GET", "/v1/run")
             except HubRefused as exc:
                 if exc.reason != "NoRun" or time.monotonic() > deadline:
                     raise
-            except TransportError:
+                problem = str(exc)
+            except (TransportError, OSError) as exc:
                 if time.monotonic() > deadline:
                     raise
+                problem = f"the hub at {self.config.hub} is unreachable: {exc}"
+            if time.monotonic() - said > 30:
+                log.warning("Waiting for a run: %s", problem)
+                said = time.monotonic()
             time.sleep(1.0)
 
     def review(self, offered: dict[str, Any]) -> tuple[FederatedRun, SiteBinding]:
@@ -232,6 +249,7 @@ class SiteAgent:
             SiteRefused: the policy refused the run (the hub was told).
             FedcoreError: the hub refused the site, or a client failed.
         """
+        warm_up(self.spawn, self.entry)  # its imports overlap the review
         self.renew_if_due()
         offered = self.fetch_run()
         run, binding = self.review(offered)
@@ -309,7 +327,7 @@ class SiteAgent:
             env = dict(os.environ)
             env["PYTHONUNBUFFERED"] = "1"
             self.children[index] = start_role(
-                "exec", self.entry, args, workdir / "logs" / f"client-{index}.log", env
+                self.spawn, self.entry, args, workdir / "logs" / f"client-{index}.log", env
             )
 
     def _wait_clients(self) -> dict[str, Any]:

@@ -467,3 +467,38 @@ def test_the_consortium_example_runs_as_docs_sites_md_says(tmp_path: Path) -> No
         "hospital-b",
         "hospital-c",
     ]
+
+
+def test_a_consortium_stopped_mid_run_resumes_with_the_sites_it_has(
+    tmp_path: Path, hospitals: Path
+) -> None:
+    """`fedcore run --resume` of a folder whose sites joined: the hub comes back on the address
+    they joined, they are not asked to join again, get new client certificates from the new
+    run CA and go on from the last checkpoint."""
+    data = {
+        "hospital-a": {"template": {"path": str(hospitals / "hospital-{index}")}},
+        "hospital-b": {"sources": [{"path": str(hospitals / "hospital-2")}]},
+        "hospital-c": {"sources": [{"path": str(hospitals / "hospital-3")}]},
+    }
+    document = manifest(tmp_path, "resumed", rounds=5)
+    first = consortium(tmp_path, document, data)
+
+    def stop(event: dict[str, Any]) -> None:
+        if event.get("event") == "round" and event["round"] == 2:
+            raise KeyboardInterrupt
+
+    with pytest.raises(Exception, match="interrupted"):
+        first.execute(stop)
+    identity = (tmp_path / "work" / "sites" / "hospital-a" / "identity" / "tls.crt").read_bytes()
+    second = consortium(tmp_path, document, data, resume=True)
+    result = second.execute()
+    assert result.phase == "Succeeded" and result.rounds_completed == 5 and result.attempt == 2
+    assert second.hub.endpoint is not None and first.hub.endpoint is not None
+    assert second.hub.endpoint.port == first.hub.endpoint.port
+    assert (tmp_path / "work" / "sites" / "hospital-a" / "identity" / "tls.crt").read_bytes() == (
+        identity
+    )  # the same enrollment
+    lines = second.hub.local.events_path.read_text().splitlines()
+    resumed = [json.loads(line) for line in lines if '"event": "resumed"' in line]
+    # Stopped at round 2's event, which comes before that round's checkpoint is written.
+    assert resumed and resumed[0]["round"] in (1, 2)
