@@ -60,10 +60,22 @@ def hub() -> None:
 )
 @click.option("--resume", is_flag=True, help="Continue from the latest good checkpoint.")
 @click.option(
+    "--metrics-port",
+    type=click.IntRange(0, 65535),
+    default=0,
+    help="Serve the endpoint's /metrics (fedcore_hub_*) on this port of 127.0.0.1 (0: no).",
+)
+@click.option(
     "--json", "as_json", is_flag=True, help="Print one JSON summary as the last line of stdout."
 )
 def hub_serve(
-    manifest: Path, hub_dir: Path, listen: str, workdir: Path | None, resume: bool, as_json: bool
+    manifest: Path,
+    hub_dir: Path,
+    listen: str,
+    workdir: Path | None,
+    resume: bool,
+    metrics_port: int,
+    as_json: bool,
 ) -> None:
     """Serves MANIFEST (a run with spec.sites) to its sites until it ends."""
     from fedcore.cli.crash import raise_interrupt
@@ -81,6 +93,7 @@ def hub_serve(
         listen=listen,
         workdir=workdir or hub_dir / "runs" / run.metadata.name,
         resume=resume,
+        metrics_port=metrics_port,
     )
     signal.signal(signal.SIGTERM, raise_interrupt)
     try:

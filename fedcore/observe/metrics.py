@@ -152,3 +152,47 @@ class RoleMetrics:
         """Serves ``/metrics`` on ``address:port`` from a daemon thread (port 0: no server)."""
         if port:
             start_http_server(port, addr=address, registry=self.registry)
+
+
+HUB_ROUTES = ("server", "kdc", "api", "relay")
+"""The closed set of ``route`` values of ``fedcore_hub_connections_total``."""
+
+
+class HubMetrics:
+    """The metrics of a hub's endpoint (docs/sites.md), on its own registry.
+
+    Args:
+        run: the run the hub serves ("" for none): a label on every series.
+    """
+
+    def __init__(self, run: str = "") -> None:
+        self.registry = CollectorRegistry()
+        labels = ["run"]
+        self._run = run
+        self._refused = Counter(
+            "fedcore_hub_refused",
+            "API calls and connections the hub's endpoint refused, by reason.",
+            [*labels, "reason"],
+            registry=self.registry,
+        )
+        self._connections = Counter(
+            "fedcore_hub_connections",
+            "Connections the hub's endpoint handed on, by route.",
+            [*labels, "route"],
+            registry=self.registry,
+        )
+        for route in HUB_ROUTES:
+            self._connections.labels(run=run, route=route)
+
+    def refused(self, reason: str) -> None:
+        """Counts one refused call or connection (``reason``: a short CamelCase word)."""
+        self._refused.labels(run=self._run, reason=reason[:40]).inc()
+
+    def routed(self, route: str) -> None:
+        """Counts one connection handed to ``route`` (one of HUB_ROUTES)."""
+        self._connections.labels(run=self._run, route=route).inc()
+
+    def serve(self, port: int, address: str = "127.0.0.1") -> None:
+        """Serves ``/metrics`` on ``address:port`` (port 0: no server)."""
+        if port:
+            start_http_server(port, addr=address, registry=self.registry)

@@ -32,6 +32,7 @@ from pathlib import Path
 from typing import Any
 
 from fedcore.errors import TransportError
+from fedcore.observe.metrics import HubMetrics
 from fedcore.sites._api import HUB_NAME, MAX_BODY_BYTES
 from fedcore.sites._registry import EnrollmentRefused, HubRegistry
 from fedcore.spec import FederatedRun, protocol_facts
@@ -95,16 +96,17 @@ class HubEndpoint:
         self.registry = registry
         self.run = run
         self.refused: dict[str, int] = {}
-        """Refused API calls and connections, by reason."""
+        """Refused API calls and connections, by reason (also ``fedcore_hub_refused_total``)."""
+        self.metrics = HubMetrics("" if run is None else run.run.metadata.name)
         self._lock = threading.Lock()
         self._backends = {
-            Identity(role).dns_name: forward_to(address)  # type: ignore[arg-type]
+            Identity(role).dns_name: (role, forward_to(address))  # type: ignore[arg-type]
             for role, address in (backends or {}).items()
         }
         self.broker = TunnelBroker(self._site_of_target)
         self._context = _server_context(registry)
         self.router = SniRouter(
-            listen, self._route, broker=self.broker, on_refused=lambda _, why: self._count(why)
+            listen, self._route, broker=self.broker, on_refused=lambda _, why: self._refuse(why)
         )
         self.port = self.router.port
 
@@ -119,19 +121,35 @@ class HubEndpoint:
     def _count(self, reason: str) -> None:
         with self._lock:
             self.refused[reason] = self.refused.get(reason, 0) + 1
+        self.metrics.refused(reason)
 
     def _route(self, name: str) -> ConnectionHandler | None:
         if name == HUB_NAME:
+            self.metrics.routed("api")
             return self._serve_api
         if name in self._backends:
-            return self._backends[name]
+            role, handler = self._backends[name]
+            self.metrics.routed(role)
+            return handler
         if (
             self.run is not None
             and protocol_facts(self.run.run.spec.protocol.name).decentralized
             and self._site_of_target(name) is not None
         ):
+            self.metrics.routed("relay")
             return lambda connection: self.broker.call(name, connection)
         return None
+
+    def _refuse(self, why: str) -> None:
+        """Counts a connection the router refused, under a short reason."""
+        if why.startswith("no party"):
+            self._count("UnknownName")
+        elif why.startswith("its ClientHello"):
+            self._count("NoName")
+        elif "dial-back" in why or "relays" in why:
+            self._count("DialBack")
+        else:
+            self._count("NotTls")
 
     def _site_of_target(self, name: str) -> str | None:
         """The unrevoked site that runs the client named ``name`` (None: no such client)."""

@@ -41,6 +41,7 @@ class HubServe:
         require_checkpoint: with ``resume``, refuse to start (``NoCheckpoint``) without one.
         entry: what the KDC and server processes run.
         spawn: fork the roles from a warm forkserver, or exec each.
+        metrics_port: where the endpoint serves its ``/metrics`` (0: nowhere).
     """
 
     def __init__(
@@ -56,7 +57,9 @@ class HubServe:
         entry: RoleEntry = FEDCORE_ROLES,
         spawn: Any = "fork",
         threads: int = ROLE_THREADS,
+        metrics_port: int = 0,
     ) -> None:
+        self.metrics_port = metrics_port
         if run.spec.sites is None:
             raise RunAborted(
                 f"Run {run.metadata.name!r} lists no spec.sites; a hub serves runs whose clients "
@@ -131,6 +134,7 @@ class HubServe:
             backends=backends,
         )
         self.endpoint.start()
+        self.endpoint.metrics.serve(self.metrics_port)
         log.info("The hub's endpoint listens on port %d.", self.endpoint.port)
         return self.endpoint.port
 

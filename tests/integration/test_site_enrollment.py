@@ -145,6 +145,11 @@ def test_a_site_enrolls_with_its_own_key_and_the_token_works_once(
     assert "TokenUsed" in str(refused.value)
     assert "Refused POST /v1/enroll" in caplog.text and "was used already" in caplog.text
     assert hub.endpoint.refused.get("TokenUsed") == 1
+    sample = hub.endpoint.metrics.registry.get_sample_value
+    assert sample("fedcore_hub_refused_total", {"run": "consortium", "reason": "TokenUsed"}) == 1
+    # fetch_ca and enroll of each join: four API connections, nothing else routed.
+    assert sample("fedcore_hub_connections_total", {"run": "consortium", "route": "api"}) == 4
+    assert sample("fedcore_hub_connections_total", {"run": "consortium", "route": "server"}) == 0
     assert not (tmp_path / "again" / "identity").exists()
 
 
