@@ -502,3 +502,21 @@ def test_a_consortium_stopped_mid_run_resumes_with_the_sites_it_has(
     resumed = [json.loads(line) for line in lines if '"event": "resumed"' in line]
     # Stopped at round 2's event, which comes before that round's checkpoint is written.
     assert resumed and resumed[0]["round"] in (1, 2)
+
+
+@pytest.mark.parametrize("protocol", ["perturb", "ebscfl", "adaptive"])
+def test_the_other_protocols_run_with_their_clients_at_sites(protocol: str, tmp_path: Path) -> None:
+    """Every protocol runs across sites (fedavg, dp-fedavg, lppa and mpdp above): each
+    example's clients split over two sites, three rounds."""
+    document = yaml.safe_load((ROOT / "examples" / f"digits-{protocol}.yaml").read_text())
+    document["metadata"]["name"] = f"{protocol}-sites"
+    spec = document["spec"]
+    count = spec["clients"]["count"]
+    spec["rounds"] = 3
+    spec["sites"] = [
+        {"name": "east", "clients": count // 2},
+        {"name": "west", "clients": count - count // 2},
+    ]
+    result = consortium(tmp_path, document, None).execute()
+    assert result.phase == "Succeeded" and result.rounds_completed == 3
+    assert result.accuracy is not None and result.accuracy > 0.1  # 10 classes: above chance
