@@ -26,6 +26,18 @@ MAX_BODY_BYTES = 4 * 1024 * 1024
 """The largest request or answer body (a site's certificate requests for 1,000 clients fit)."""
 
 
+def load_identity(context: ssl.SSLContext, bundle: TlsBundle) -> None:
+    """Loads ``bundle``'s certificate and key into ``context`` (ssl reads a key only from a
+    file: it is written to a private temporary folder, mode 0600, and removed at once)."""
+    with tempfile.TemporaryDirectory() as folder:
+        cert = Path(folder) / "tls.crt"
+        key = Path(folder) / "tls.key"
+        cert.write_bytes(bundle.cert_pem)
+        key.touch(mode=0o600)
+        key.write_bytes(bundle.key_pem)
+        context.load_cert_chain(cert, key)
+
+
 class HubRefused(FedcoreError):
     """The hub answered a site's call with an error; ``reason`` is the hub's (e.g. TokenUsed)."""
 
@@ -74,13 +86,7 @@ class HubApiClient:
         context = ssl.create_default_context(ssl.Purpose.SERVER_AUTH, cadata=ca_pem.decode())
         context.minimum_version = ssl.TLSVersion.TLSv1_2
         if bundle is not None:
-            with tempfile.TemporaryDirectory() as folder:  # ssl loads a key from files only
-                cert = Path(folder) / "tls.crt"
-                key = Path(folder) / "tls.key"
-                cert.write_bytes(bundle.cert_pem)
-                key.touch(mode=0o600)
-                key.write_bytes(bundle.key_pem)
-                context.load_cert_chain(cert, key)
+            load_identity(context, bundle)
         self._context = context
 
     @staticmethod

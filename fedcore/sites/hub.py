@@ -23,17 +23,15 @@ import json
 import logging
 import socket
 import ssl
-import tempfile
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass
 from http.server import BaseHTTPRequestHandler
-from pathlib import Path
 from typing import Any
 
 from fedcore.errors import TransportError
 from fedcore.observe.metrics import HubMetrics
-from fedcore.sites._api import HUB_NAME, MAX_BODY_BYTES
+from fedcore.sites._api import HUB_NAME, MAX_BODY_BYTES, load_identity
 from fedcore.sites._registry import EnrollmentRefused, HubRegistry
 from fedcore.spec import FederatedRun, protocol_facts
 from fedcore.spec._sites import site_ranges
@@ -292,14 +290,7 @@ def _server_context(registry: HubRegistry) -> ssl.SSLContext:
     against the hub CA when given) but not required, since a joining site has none yet."""
     context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
     context.minimum_version = ssl.TLSVersion.TLSv1_2
-    bundle = registry.endpoint
-    with tempfile.TemporaryDirectory() as folder:  # ssl loads a key from files only
-        cert = Path(folder) / "tls.crt"
-        key = Path(folder) / "tls.key"
-        cert.write_bytes(bundle.cert_pem)
-        key.touch(mode=0o600)
-        key.write_bytes(bundle.key_pem)
-        context.load_cert_chain(cert, key)
+    load_identity(context, registry.endpoint)
     context.load_verify_locations(cadata=registry.ca.cert_pem.decode())
     context.verify_mode = ssl.CERT_OPTIONAL
     return context

@@ -549,14 +549,7 @@ class RunCa:
         ca_not_after = self._certificate.not_valid_after_utc
         builder = (
             x509.CertificateBuilder()
-            .subject_name(
-                x509.Name(
-                    [
-                        x509.NameAttribute(NameOID.ORGANIZATION_NAME, "fedcore"),
-                        x509.NameAttribute(NameOID.COMMON_NAME, common_name),
-                    ]
-                )
-            )
+            .subject_name(_subject(common_name))
             .issuer_name(self._certificate.subject)
             .public_key(public_key)
             .serial_number(x509.random_serial_number())
@@ -594,6 +587,16 @@ class RunCa:
         return builder.sign(self._private_key, hashes.SHA256())
 
 
+def _subject(common_name: str) -> x509.Name:
+    """A fedcore subject: organization ``fedcore``, the given common name."""
+    return x509.Name(
+        [
+            x509.NameAttribute(NameOID.ORGANIZATION_NAME, "fedcore"),
+            x509.NameAttribute(NameOID.COMMON_NAME, common_name),
+        ]
+    )
+
+
 def fingerprint(cert_pem: bytes) -> str:
     """A certificate's fingerprint, ``sha256:<hex>`` of its DER form (what a site checks the
     hub's CA against, given out of band with its join token).
@@ -617,14 +620,7 @@ def new_key_and_request(common_name: str) -> tuple[bytes, bytes]:
     key = ec.generate_private_key(ec.SECP256R1())
     request = (
         x509.CertificateSigningRequestBuilder()
-        .subject_name(
-            x509.Name(
-                [
-                    x509.NameAttribute(NameOID.ORGANIZATION_NAME, "fedcore"),
-                    x509.NameAttribute(NameOID.COMMON_NAME, common_name),
-                ]
-            )
-        )
+        .subject_name(_subject(common_name))
         .sign(key, hashes.SHA256())
     )
     key_pem = key.private_bytes(
