@@ -76,6 +76,9 @@ def describe(
             "sampling": spec.clients.sampling,
         },
         "privacy": _privacy(spec, sampled),
+        "sites": None
+        if spec.sites is None
+        else [{"name": site.name, "clients": site.clients} for site in spec.sites],
         "data": _data(spec, load_data=load_data, source=source),
         "evaluation": spec.evaluation_where,
     }
@@ -174,8 +177,11 @@ def _own_data(spec: FederatedRunSpec, *, load_data: bool, source: str | None) ->
     own = spec.data.client_data
     schema = spec.data.schema_
     assert own is not None and schema is not None
-    sample = own.template if own.template is not None else own.sources[0]  # type: ignore[index]
-    kind = "path" if sample.path else "volumeClaim" if sample.volume_claim else "s3"
+    if own.bound_by_sites:
+        kind = "bound by each site"
+    else:
+        sample = own.template if own.template is not None else own.sources[0]  # type: ignore[index]
+        kind = "path" if sample.path else "volumeClaim" if sample.volume_claim else "s3"
     if schema.features is not None:
         shape = f"{len(schema.features)} features"
     elif schema.image is not None:
@@ -195,6 +201,17 @@ def _own_data(spec: FederatedRunSpec, *, load_data: bool, source: str | None) ->
         "per_client": None,
         "computed": AT_START,
     }
+    if load_data and own.bound_by_sites:
+        raise SpecError(
+            [
+                SpecIssue(
+                    "spec.data.clientData",
+                    "each site binds its own clients' data, which only that site can read: "
+                    "--load-data has nothing to load here.",
+                )
+            ],
+            source=source,
+        )
     if load_data:
         from fedcore.learning.data import own_data
 
@@ -291,6 +308,15 @@ def summary_lines(summary: dict[str, Any]) -> list[str]:
         f"per round ({clients['sampling']} sample), quorum {clients['quorum']}",
         f"privacy:  {_privacy_text(summary['privacy'])}",
         f"data:     {_data_text(summary['data'], clients['count'])}",
+        *(
+            [
+                "sites:    "
+                + ", ".join(f"{site['name']} ({site['clients']})" for site in summary["sites"])
+                + "; a hub serves it (fedcore hub serve, docs/sites.md)"
+            ]
+            if summary.get("sites")
+            else []
+        ),
         f"evaluate: {_EVALUATION_WORDS[summary['evaluation']]}",
     ]
     return [f"  {line}" for line in lines]
@@ -331,11 +357,19 @@ def _privacy_text(privacy: dict[str, Any]) -> str:
 
 def _data_text(data: dict[str, Any], count: int) -> str:
     if data["source"] == "ClientData":
-        given = "one template" if data["template"] else "one source per client"
+        given = (
+            "each site's policy"
+            if data["location"] == "bound by each site"
+            else "one template"
+            if data["template"]
+            else "one source per client"
+        )
         text = (
             f"each client's own {data['format']} data ({data['location']}, {given}); "
             f"schema {data['schema']}"
         )
+        if data["location"] == "bound by each site":
+            return f"{text}; examples per client read at each site"
         if data["per_client"] is None:
             return f"{text}; examples per client {AT_START} (--load-data reads them now)"
         per_client = data["per_client"]

@@ -89,6 +89,21 @@ def test_validate_example_manifest_prints_summary(cli: CliRunner) -> None:
     assert "KDC" not in result.stdout
 
 
+def test_validate_a_manifest_with_sites_names_them_and_loads_no_site_data(
+    cli: CliRunner,
+) -> None:
+    consortium = EXAMPLE.parent / "sites" / "consortium.yaml"
+    result = cli.invoke(main, ["validate", str(consortium)])
+    assert result.exit_code == 0, result.output
+    assert "sites:    hospital-a (2), hospital-b (1), hospital-c (1)" in result.stdout
+    assert "bound by each site" in result.stdout
+    summary = json.loads(cli.invoke(main, ["validate", str(consortium), "--json"]).stdout)
+    assert summary["summary"]["sites"][0] == {"name": "hospital-a", "clients": 2}
+    refused = cli.invoke(main, ["validate", str(consortium), "--load-data"])
+    assert refused.exit_code == 1
+    assert "only that site can read" in refused.output
+
+
 def test_validate_invalid_manifest_lists_every_field_path(
     cli: CliRunner, invalid_manifest: Path
 ) -> None:
@@ -536,6 +551,7 @@ def test_validate_json_of_a_valid_manifest_is_the_verdict_and_the_summary(
                 "target_delta": None,
                 "amplification": None,
             },
+            "sites": None,
             "data": {
                 "source": "Digits",
                 "path": None,
