@@ -414,8 +414,11 @@ class Server:
     def site_refused(self, index: int, message: Payload) -> None:
         """Records a site's client refusing a task (its site's policy): event ``site_refused``
         with the site's reason and message (bounded), and the log."""
-        reason = str(message.meta.get("reason") or "Refused")[:64]
-        text = str(message.meta.get("message") or "")[:1000]
+        reason, text = (
+            "".join(c if c.isprintable() else " " for c in str(message.meta.get(key) or ""))
+            for key in ("reason", "message")
+        )  # one line each: a client's words go into the log and the events
+        reason, text = reason[:64] or "Refused", text[:1000]
         site = self.spec.site_of(index)
         log.warning(
             "Client %d (site %s) refused round %s: %s (%s)",

@@ -146,6 +146,8 @@ class HubEndpoint:
             self._count("NoName")
         elif "dial-back" in why or "relays" in why:
             self._count("DialBack")
+        elif "limit" in why:
+            self._count("TooMany")
         else:
             self._count("NotTls")
 
@@ -235,8 +237,8 @@ class HubEndpoint:
             hub_run.events("site_approved", site=site)
             return 200, {}
         if (method, path) == ("POST", "/v1/run/refusal"):
-            reason = str(body.get("reason", "Refused"))[:64]
-            message = str(body.get("message", ""))[:MAX_REFUSAL_CHARS]
+            reason = _printable(str(body.get("reason", "Refused")))[:64]
+            message = _printable(str(body.get("message", "")))[:MAX_REFUSAL_CHARS]
             log.warning(
                 "Site %s refused run %s (%s): %s", site, hub_run.run.metadata.name, reason, message
             )
@@ -272,6 +274,12 @@ class HubEndpoint:
         log.info("Signed %d client certificates for site %s.", len(signed), site)
         self.run.events("site_certificates", site=site, clients=len(signed))
         return signed
+
+
+def _printable(text: str) -> str:
+    """``text`` with every control character (a newline that would fake a log line) as a
+    space: a site's words go into the hub's log and events as one line."""
+    return "".join(char if char.isprintable() else " " for char in text)
 
 
 def _pem(body: dict[str, Any], key: str) -> bytes:

@@ -341,6 +341,8 @@ class SniRouter:
         broker: where relay dial-backs go (None: refused).
         hello_seconds: how long a connection may take to send its first record.
         on_refused: called with (what it asked for, why) for each refused connection.
+        max_connections: how many connections it holds at once (each a thread or two); one
+            more is closed at once, refused as ``over its connection limit``.
     """
 
     def __init__(
@@ -351,7 +353,9 @@ class SniRouter:
         broker: TunnelBroker | None = None,
         hello_seconds: float = 10.0,
         on_refused: Callable[[str, str], None] | None = None,
+        max_connections: int = 4096,
     ) -> None:
+        self._slots = threading.BoundedSemaphore(max_connections)
         self._route = route
         self._broker = broker
         self._hello_seconds = hello_seconds
@@ -388,9 +392,18 @@ class SniRouter:
                 connection, peer = self._socket.accept()
             except OSError:
                 return
+            if not self._slots.acquire(blocking=False):
+                self._refuse(connection, peer, "a connection", "over its connection limit")
+                continue
             threading.Thread(
-                target=self._handle, args=(connection, peer), daemon=True, name="sni-conn"
+                target=self._held, args=(connection, peer), daemon=True, name="sni-conn"
             ).start()
+
+    def _held(self, connection: socket.socket, peer: object) -> None:
+        try:
+            self._handle(connection, peer)
+        finally:
+            self._slots.release()
 
     def _refuse(self, connection: socket.socket, peer: object, asked: str, why: str) -> None:
         log.warning("Refused a connection from %s asking for %s: %s", peer, asked, why)

@@ -491,3 +491,45 @@ def test_read_server_name_handles_a_dial_back_line() -> None:
     left.sendall(b"\x00\x01 junk")
     with pytest.raises(ValueError, match=r"not TLS|neither"):
         read_server_name(right, 2)
+
+
+def test_the_router_holds_at_most_its_connection_limit() -> None:
+    refused: list[str] = []
+    router = SniRouter(
+        "127.0.0.1:0",
+        lambda name: None,
+        hello_seconds=5,
+        max_connections=1,
+        on_refused=lambda asked, why: refused.append(why),
+    )
+    router.start()
+    try:
+        held = socket.create_connection(("127.0.0.1", router.port))  # says nothing yet
+        time.sleep(0.2)
+        with (
+            socket.create_connection(("127.0.0.1", router.port)) as extra,
+            contextlib.suppress(ConnectionResetError),
+        ):
+            assert extra.recv(1) == b""  # closed at once
+        held.close()
+        deadline = time.monotonic() + 10
+        while len(refused) < 2 and time.monotonic() < deadline:
+            time.sleep(0.01)
+    finally:
+        router.stop()
+    assert refused[0] == "over its connection limit"
+    assert "closed before its ClientHello" in refused[1]  # the held one, once it hung up
+
+
+def test_a_sites_refusal_is_one_line_in_the_hubs_log(hub: Hub, tmp_path: Path) -> None:
+    bundle = joined_site(hub, tmp_path / "a")
+    api = HubApiClient(hub.address, bundle.ca_pem, bundle)
+    forged = "no\n2026-11-26 hub INFO fedcore.sites.hub: Site hospital-b approved run consortium."
+    api.call(
+        "POST",
+        "/v1/run/refusal",
+        {"run": "consortium", "reason": "Epsilon\r\n", "message": forged},
+    )
+    (event,) = [fields for name, fields in hub.events if name == "site_refused"]
+    assert "\n" not in event["message"] and "\r" not in event["reason"]
+    assert event["message"].startswith("no 2026-11-26 hub INFO")
