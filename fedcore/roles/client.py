@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import random
 import time
+from collections.abc import Callable
 from contextlib import AbstractContextManager
 from pathlib import Path
 from typing import Any
@@ -70,6 +72,9 @@ class Client:
             once: each computes exactly what it would in a process of its own.
         guard: a site's check of every task against its approval (a site's client): a task
             it refuses is answered ``refused`` with the reason, and the client stops.
+        tls_dir: where ``tls`` was read from, re-read before each new session to the server
+            (a site renews its clients' certificates at half their life, while they run);
+            None: the bundle given is used to the end.
     """
 
     def __init__(
@@ -84,9 +89,12 @@ class Client:
         peers: PeerSettings | None = None,
         compute_lock: AbstractContextManager[Any] | None = None,
         guard: RoundGuard | None = None,
+        tls_dir: Path | None = None,
     ) -> None:
         spec = run.spec
         self.guard = guard
+        self.tls = tls
+        self.tls_dir = tls_dir
         if not 0 <= index < spec.clients.count:
             raise FedcoreError(
                 f"Client index {index} is outside 0..{spec.clients.count - 1} (spec.clients.count)."
@@ -148,28 +156,37 @@ class Client:
                 retry=retry,
                 device=device,
             )
-        self.server = RpcClient(
-            server,
-            tls,
-            service=SERVER_SERVICE,
-            limits=limits,
-            retry=retry,
-            peer=Identity("server"),
-            on_bytes=self.metrics.count_bytes,
+        if protocol_facts(spec.protocol.name).needs_kdc and kdc is None:
+            raise FedcoreError(f"Protocol {spec.protocol.name!r} needs a KDC: pass --kdc.")
+        self._links = (server, kdc, limits)
+        self.server, self.kdc = self._connect(tls)
+
+    def _connect(self, tls: TlsBundle) -> tuple[RpcClient, RpcClient | None]:
+        """Channels to the server and (for protocols that need one) the KDC, with ``tls``."""
+        server, kdc, limits = self._links
+        channel = functools.partial(
+            RpcClient, tls=tls, limits=limits, retry=self.retry, on_bytes=self.metrics.count_bytes
         )
-        self.kdc: RpcClient | None = None
-        if protocol_facts(spec.protocol.name).needs_kdc:
-            if kdc is None:
-                raise FedcoreError(f"Protocol {spec.protocol.name!r} needs a KDC: pass --kdc.")
-            self.kdc = RpcClient(
-                kdc,
-                tls,
-                service=KDC_SERVICE,
-                limits=limits,
-                retry=retry,
-                peer=Identity("kdc"),
-                on_bytes=self.metrics.count_bytes,
-            )
+        to_server = channel(server, service=SERVER_SERVICE, peer=Identity("server"))
+        to_kdc = None
+        if protocol_facts(self.spec.protocol.name).needs_kdc and kdc is not None:
+            to_kdc = channel(kdc, service=KDC_SERVICE, peer=Identity("kdc"))
+        return to_server, to_kdc
+
+    def _refresh_identity(self) -> None:
+        """Before a new session: takes up a renewed certificate in ``tls_dir`` (new channels;
+        sessions on the old ones have ended)."""
+        if self.tls_dir is None:
+            return
+        fresh = self.tls.renewed(self.tls_dir)
+        if fresh is None:
+            return
+        log.info("Using this client's renewed certificate from now on.")
+        self.server.close()
+        if self.kdc is not None:
+            self.kdc.close()
+        self.tls = fresh
+        self.server, self.kdc = self._connect(fresh)
 
     def serve(self) -> dict[str, Any]:
         """Takes part in rounds until the server says the run is over; returns a summary.
@@ -181,7 +198,7 @@ class Client:
             RemoteError: the server refused us or stayed unreachable.
         """
         self.metrics.serve(self.config.metrics_port, self.config.metrics_address)
-        self.protocol.setup(None if self.kdc is None else RpcKeyChannel(self.kdc))
+        self.protocol.setup(None if self.kdc is None else RpcKeyChannel(lambda: self.kdc))
         if self.duties is not None:
             self.duties.start()
         jitter = random.Random()  # seeded from the OS once: a seed costs a read of urandom
@@ -190,6 +207,7 @@ class Client:
         rounds = 0
         try:
             while True:
+                self._refresh_identity()
                 session = self.server.open_session("Session")
                 try:
                     session.send(
@@ -318,13 +336,21 @@ class Client:
 
 
 class RpcKeyChannel(KeyChannel):
-    """A client protocol's channel to the KDC over mutual-TLS gRPC."""
+    """A client protocol's channel to the KDC over mutual-TLS gRPC.
 
-    def __init__(self, kdc: RpcClient) -> None:
+    Args:
+        kdc: the KDC's channel, or a function that returns the current one (a client whose
+            certificate is renewed gets new channels).
+    """
+
+    def __init__(self, kdc: RpcClient | Callable[[], RpcClient | None]) -> None:
         self._kdc = kdc
 
     def submit(self, payload: Payload) -> Payload:
-        return self._kdc.call("Submit", payload, timeout=CALL_SECONDS)
+        kdc = self._kdc if isinstance(self._kdc, RpcClient) else self._kdc()
+        if kdc is None:
+            raise FedcoreError("This party has no channel to the KDC.")
+        return kdc.call("Submit", payload, timeout=CALL_SECONDS)
 
 
 def run_client(
@@ -356,4 +382,5 @@ def run_client(
         kdc=kdc,
         peers=peers,
         guard=guard,
+        tls_dir=None if site_binding is None else config.tls_dir,
     ).serve()

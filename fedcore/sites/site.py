@@ -7,7 +7,8 @@ against the site's policy (approval bound to the spec's digest, the privacy floo
 a refusal to the hub; makes a key per client and has the hub sign each client's certificate
 request; binds its clients' data from its policy (the hub never learns where it is); starts
 its clients, which dial the hub's endpoint (and nothing else); renews the site's certificate
-at half its life; and dials back for the peer links the hub relays to its clients.
+and its clients' at half their life; and dials back for the peer links the hub relays to its
+clients.
 """
 
 from __future__ import annotations
@@ -172,6 +173,8 @@ class SiteAgent:
         self.children: dict[int, RoleProcess] = {}
         self._peer_ports: dict[int, int] = {}
         self._stopping = threading.Event()
+        self._serving: tuple[str, list[int], bytes, Path] | None = None
+        """The run served: its name, this site's clients, the run's CA, the run's folder."""
         self.revoked = False
 
     @property
@@ -259,6 +262,7 @@ class SiteAgent:
         (workdir / "manifest.yaml").write_text(str(offered["manifest"]), encoding="utf-8")
         binding.write(workdir / BINDING_FILE)
         clients = list(run.spec.site_clients(self.config.name))
+        self._serving = (name, clients, str(offered["runCa"]).encode(), workdir)
         self._issue_client_bundles(name, clients, str(offered["runCa"]).encode(), workdir)
         self.api.call("POST", "/v1/run/approval", {"run": name})
         log.info(
@@ -347,10 +351,29 @@ class SiteAgent:
             )
         return {"site": self.config.name, "clients": sorted(codes)}
 
+    def renew_clients_if_due(self) -> bool:
+        """Gives the run's clients new keys and certificates once half their certificates'
+        life has passed (each client takes them up at its next session); returns whether."""
+        if self._serving is None:
+            return False
+        name, clients, run_ca, workdir = self._serving
+        due = False
+        now = datetime.datetime.now(datetime.UTC)
+        for index in clients:
+            cert = (workdir / "pki" / f"client-{index}" / "tls.crt").read_bytes()
+            _, _, start, end = certificate_facts(cert)
+            due = due or now >= start + (end - start) / 2
+        if not due:
+            return False
+        self._issue_client_bundles(name, clients, run_ca, workdir)
+        log.info("Renewed the certificates of site %s's clients %s.", self.config.name, clients)
+        return True
+
     def _keep_certificate(self) -> None:
         while not self._stopping.wait(30.0):
             try:
                 self.renew_if_due()
+                self.renew_clients_if_due()
             except HubRefused as exc:
                 if exc.reason == "Revoked":
                     self.revoked = True

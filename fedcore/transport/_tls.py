@@ -120,6 +120,35 @@ class TlsBundle:
             raise TransportError("The certificate has no single common name.")
         return Identity.parse(str(names[0].value))
 
+    def key_matches(self) -> bool:
+        """Whether the private key is the certificate's (a bundle read while another process
+        rewrote its files may hold one's new key and the other's old certificate)."""
+        try:
+            certificate = x509.load_pem_x509_certificate(self.cert_pem)
+            key = serialization.load_pem_private_key(self.key_pem, password=None)
+        except (ValueError, TypeError):
+            return False
+        spki = (serialization.Encoding.DER, serialization.PublicFormat.SubjectPublicKeyInfo)
+        return bool(
+            key.public_key().public_bytes(*spki) == certificate.public_key().public_bytes(*spki)
+        )
+
+    def renewed(self, directory: Path) -> TlsBundle | None:
+        """The bundle now in ``directory`` when it differs from this one and is whole (its
+        key matches its certificate, same identity); None otherwise (unchanged, half
+        rewritten, unreadable), so the caller keeps this one and asks again later."""
+        try:
+            fresh = TlsBundle.load(directory)
+        except TransportError:
+            return None
+        if fresh.cert_pem == self.cert_pem or not fresh.key_matches():
+            return None
+        try:
+            same = fresh.identity == self.identity
+        except TransportError:
+            return None
+        return fresh if same else None
+
     def write(self, directory: Path) -> None:
         """Write the bundle as ``ca.crt``, ``tls.crt`` and ``tls.key`` in ``directory``.
 

@@ -533,3 +533,34 @@ def test_a_sites_refusal_is_one_line_in_the_hubs_log(hub: Hub, tmp_path: Path) -
     (event,) = [fields for name, fields in hub.events if name == "site_refused"]
     assert "\n" not in event["message"] and "\r" not in event["reason"]
     assert event["message"].startswith("no 2026-11-26 hub INFO")
+
+
+def test_an_agent_renews_its_clients_certificates_at_half_their_life(
+    hub: Hub, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    joined_site(hub, tmp_path / "a")
+    agent = SiteAgent(tmp_path / "a", policy_file(tmp_path, parse_manifest(RUN)))
+    assert agent.renew_clients_if_due() is False  # serving nothing yet
+    assert hub.endpoint.run is not None
+    run_ca = hub.endpoint.run.ca.cert_pem
+    work = tmp_path / "work"
+    agent._issue_client_bundles("consortium", [0, 1], run_ca, work)
+    agent._serving = ("consortium", [0, 1], run_ca, work)
+    before = {i: TlsBundle.load(work / "pki" / f"client-{i}") for i in (0, 1)}
+    assert agent.renew_clients_if_due() is False  # fresh
+    import fedcore.sites.site as site_module
+
+    real = site_module.certificate_facts
+
+    def aged(cert_pem: bytes) -> Any:
+        name, serial, start, end = real(cert_pem)
+        return name, serial, start - (end - start), end - (end - start)
+
+    monkeypatch.setattr(site_module, "certificate_facts", aged)
+    assert agent.renew_clients_if_due() is True
+    for index in (0, 1):
+        renewed = before[index].renewed(work / "pki" / f"client-{index}")
+        assert renewed is not None and renewed.key_pem != before[index].key_pem
+        assert Identity.from_certificate(renewed.cert_pem) == Identity("client", index)
+        assert renewed.ca_pem == run_ca
+    assert [f["clients"] for e, f in hub.events if e == "site_certificates"] == [2, 2]

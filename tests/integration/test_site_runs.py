@@ -28,6 +28,7 @@ from safetensors.numpy import load_file
 from fedcore.sites.consortium import ConsortiumRun, site_policies
 from fedcore.sites.hub import HubEndpoint
 from fedcore.sites.policy import spec_digest
+from fedcore.sites.site import SiteAgent
 from fedcore.spec import FederatedRun, load_manifest
 from tests.integration._connect_proxy import ConnectProxy
 from tests.integration._runs import fedcore, last_json
@@ -283,9 +284,16 @@ def test_the_hubs_server_killed_mid_run_is_restarted_and_the_sites_reconnect(
     }
     run = consortium(tmp_path, manifest(tmp_path, "restarted", rounds=6), data)
     killed: list[int] = []
+    site_c = tmp_path / "work" / "sites" / "hospital-c"
+    work_c = site_c / "runs" / "restarted"
 
     def on_event(event: dict[str, Any]) -> None:
         if event.get("event") == "round" and event["round"] == 2 and not killed:
+            # hospital-c renews its client's certificate (as its agent does at half its life):
+            # the client takes it up when it reconnects to the restarted server.
+            agent = SiteAgent(site_c, run.policies["hospital-c"])
+            run_ca = (work_c / "pki" / "client-3" / "ca.crt").read_bytes()
+            agent._issue_client_bundles("restarted", [3], run_ca, work_c)
             server = run.hub.local.children["server"].process
             killed.append(server.pid)
             os.kill(server.pid, signal.SIGKILL)
@@ -297,6 +305,20 @@ def test_the_hubs_server_killed_mid_run_is_restarted_and_the_sites_reconnect(
     rounds = [event["round"] for event in round_events(run)]
     assert rounds[-1] == 6 and set(rounds) == set(range(1, 7))
     assert all(site.process.returncode == 0 for site in run.sites.values())
+    assert "renewed certificate" in (work_c / "logs" / "client-3.log").read_text()
+    assert (
+        "renewed certificate"
+        not in (
+            tmp_path
+            / "work"
+            / "sites"
+            / "hospital-b"
+            / "runs"
+            / "restarted"
+            / "logs"
+            / "client-2.log"
+        ).read_text()
+    )
 
 
 def test_lppa_links_between_sites_go_through_the_hubs_relay_as_ciphertext(

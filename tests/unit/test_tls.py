@@ -973,3 +973,23 @@ def test_the_hub_is_a_party_with_its_own_role_name(run_ca: RunCa) -> None:
     assert _names(_cert(bundle.cert_pem)) == (["hub.fedcore.invalid"], [hub.uri])
     with pytest.raises(TransportError, match="The hub identity takes no index"):
         Identity("hub", 0)
+
+
+def test_a_renewed_bundle_is_taken_up_only_when_whole(tmp_path: Path) -> None:
+    from fedcore.transport import RunCa, TlsBundle
+
+    ca = RunCa.generate("renewal")
+    first, second = ca.issue("client-4"), ca.issue("client-4")
+    folder = tmp_path / "client-4"
+    first.write(folder)
+    current = TlsBundle.load(folder)
+    assert current.key_matches() and current.renewed(folder) is None  # unchanged
+    second.write(folder)
+    assert current.renewed(folder) == second
+    # Half rewritten (a new key beside the old certificate): not taken up yet.
+    TlsBundle(second.ca_pem, first.cert_pem, second.key_pem).write(folder)
+    assert not TlsBundle.load(folder).key_matches()
+    assert current.renewed(folder) is None
+    # Another party's certificate: never taken up.
+    ca.issue("client-5").write(folder)
+    assert current.renewed(folder) is None
