@@ -131,14 +131,22 @@ def policies(
     return found
 
 
+def folder_data(hospitals: Path) -> dict[str, Any]:
+    """Each site's binding of its clients to the hospitals' folders (hospital-a: 0 and 1)."""
+    return {
+        "hospital-a": {"template": {"path": str(hospitals / "hospital-{index}")}},
+        "hospital-b": {"sources": [{"path": str(hospitals / "hospital-2")}]},
+        "hospital-c": {"sources": [{"path": str(hospitals / "hospital-3")}]},
+    }
+
+
 def hospital_data(hospitals: Path, s3: S3Server, credentials: Path) -> dict[str, Any]:
     """hospital-a's two campuses and hospital-b from folders, hospital-c from S3."""
     credentials.mkdir(parents=True, exist_ok=True)
     (credentials / "AWS_ACCESS_KEY_ID").write_text(ACCESS)
     (credentials / "AWS_SECRET_ACCESS_KEY").write_text(SECRET)
     return {
-        "hospital-a": {"template": {"path": str(hospitals / "hospital-{index}")}},
-        "hospital-b": {"sources": [{"path": str(hospitals / "hospital-2")}]},
+        **folder_data(hospitals),
         "hospital-c": {
             "sources": [
                 {
@@ -240,11 +248,7 @@ def round_events(run: ConsortiumRun) -> list[dict[str, Any]]:
 def test_a_site_revoked_mid_run_is_cut_off_and_the_run_goes_on(
     tmp_path: Path, hospitals: Path
 ) -> None:
-    data = {
-        "hospital-a": {"template": {"path": str(hospitals / "hospital-{index}")}},
-        "hospital-b": {"sources": [{"path": str(hospitals / "hospital-2")}]},
-        "hospital-c": {"sources": [{"path": str(hospitals / "hospital-3")}]},
-    }
+    data = folder_data(hospitals)
     document = manifest(tmp_path, "revoked", rounds=8, clients={"count": 4, "quorum": "75%"})
     run = consortium(tmp_path, document, data)
     revoked_after: list[int] = []
@@ -277,11 +281,7 @@ def test_a_site_revoked_mid_run_is_cut_off_and_the_run_goes_on(
 def test_the_hubs_server_killed_mid_run_is_restarted_and_the_sites_reconnect(
     tmp_path: Path, hospitals: Path
 ) -> None:
-    data = {
-        "hospital-a": {"template": {"path": str(hospitals / "hospital-{index}")}},
-        "hospital-b": {"sources": [{"path": str(hospitals / "hospital-2")}]},
-        "hospital-c": {"sources": [{"path": str(hospitals / "hospital-3")}]},
-    }
+    data = folder_data(hospitals)
     run = consortium(tmp_path, manifest(tmp_path, "restarted", rounds=6), data)
     killed: list[int] = []
     site_c = tmp_path / "work" / "sites" / "hospital-c"
@@ -382,11 +382,7 @@ def test_a_site_whose_floor_refuses_the_run_stops_it_with_its_reason(
     document = yaml.safe_load((ROOT / "examples" / "sites" / "consortium.yaml").read_text())
     path = write(tmp_path / "run.yaml", document)
     run = load_manifest(path)
-    data = {
-        "hospital-a": {"template": {"path": str(hospitals / "hospital-{index}")}},
-        "hospital-b": {"sources": [{"path": str(hospitals / "hospital-2")}]},
-        "hospital-c": {"sources": [{"path": str(hospitals / "hospital-3")}]},
-    }
+    data = folder_data(hospitals)
     floors = {"hospital-b": {"maxEpsilon": 5.0, "delta": 1.0e-5}}
     given = policies(tmp_path / "policies", run, data, floors)
     args = [f"--site={name}={policy}" for name, policy in given.items()]
@@ -418,11 +414,7 @@ def test_clients_refuse_a_server_that_runs_another_spec_than_the_one_approved(
     """A hub that shows the sites one spec (which they approve) and runs another: each
     client checks the digest the server's tasks carry, refuses before it trains, and the
     server records each site's reason."""
-    data = {
-        "hospital-a": {"template": {"path": str(hospitals / "hospital-{index}")}},
-        "hospital-b": {"sources": [{"path": str(hospitals / "hospital-2")}]},
-        "hospital-c": {"sources": [{"path": str(hospitals / "hospital-3")}]},
-    }
+    data = folder_data(hospitals)
     shown = manifest(tmp_path, "two-faced", rounds=4)
     runs = manifest(tmp_path, "two-faced", rounds=40)  # what the server really runs
     runs["spec"]["failurePolicy"]["maxRoundRetries"] = 0
@@ -497,11 +489,7 @@ def test_a_consortium_stopped_mid_run_resumes_with_the_sites_it_has(
     """`fedcore run --resume` of a folder whose sites joined: the hub comes back on the address
     they joined, they are not asked to join again, get new client certificates from the new
     run CA and go on from the last checkpoint."""
-    data = {
-        "hospital-a": {"template": {"path": str(hospitals / "hospital-{index}")}},
-        "hospital-b": {"sources": [{"path": str(hospitals / "hospital-2")}]},
-        "hospital-c": {"sources": [{"path": str(hospitals / "hospital-3")}]},
-    }
+    data = folder_data(hospitals)
     document = manifest(tmp_path, "resumed", rounds=5)
     first = consortium(tmp_path, document, data)
 
