@@ -65,8 +65,7 @@ from fedcore.roles._history import StoreHistory
 from fedcore.roles._hold import HoldPoint
 from fedcore.roles.client import RpcKeyChannel
 from fedcore.rounds import AttemptReport, RoundPolicy, play_round
-from fedcore.sites.policy import spec_digest
-from fedcore.spec import FederatedRun, protocol_facts
+from fedcore.spec import FederatedRun, protocol_facts, spec_digest
 from fedcore.transport import (
     Identity,
     Payload,

@@ -21,8 +21,7 @@ from fedcore.local.threads import ROLE_THREADS
 from fedcore.observe.events import EventLog
 from fedcore.sites._registry import HubRegistry
 from fedcore.sites.hub import HubEndpoint, HubRun
-from fedcore.sites.policy import spec_digest
-from fedcore.spec import FederatedRun
+from fedcore.spec import FederatedRun, spec_digest
 from fedcore.transport import RunCa
 
 log = logging.getLogger(__name__)

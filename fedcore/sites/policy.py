@@ -19,8 +19,6 @@ accountant, adjacency and sampling, at the run's delta.
 from __future__ import annotations
 
 import functools
-import hashlib
-import json
 import math
 from pathlib import Path
 from typing import Literal
@@ -35,6 +33,7 @@ from fedcore.spec import (
     FederatedRunSpec,
     PrivacySpec,
     protocol_facts,
+    spec_digest,
 )
 from fedcore.spec._base import SpecModel
 from fedcore.spec._data import ClientSourceSpec
@@ -325,25 +324,6 @@ def _source_from(source: ClientSourceSpec, folder: Path) -> ClientSourceSpec:
 
 
 # ----------------------------------------------------------------------------------- digest
-
-
-def spec_digest(run: FederatedRun) -> str:
-    """The digest a site approves: 'sha256:' and the hex SHA-256 of the run's canonical JSON.
-
-    The JSON holds apiVersion, kind, metadata.name and the spec with every default filled in
-    and unset fields left out, keys sorted, no spaces, ASCII only: so the YAML's formatting,
-    key order, ``8`` for ``8.0`` and a default spelled out or omitted leave it unchanged,
-    while any change of a spec value changes it. status, labels and namespace are not part
-    of it.
-    """
-    document = {
-        "apiVersion": run.api_version,
-        "kind": run.kind,
-        "metadata": {"name": run.metadata.name},
-        "spec": run.spec.model_dump(mode="json", by_alias=True, exclude_none=True),
-    }
-    text = json.dumps(document, sort_keys=True, separators=(",", ":"), ensure_ascii=True)
-    return "sha256:" + hashlib.sha256(text.encode("ascii")).hexdigest()
 
 
 # ---------------------------------------------------------------------------------- refusal

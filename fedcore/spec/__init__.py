@@ -38,7 +38,14 @@ from fedcore.spec._peers import peer_graph
 from fedcore.spec._privacy import PrivacySpec
 from fedcore.spec._protocol import ProtocolSpec
 from fedcore.spec._roles import RoleSpec, RolesSpec
-from fedcore.spec._run import API_VERSION, KIND, FederatedRun, FederatedRunSpec, ObjectMeta
+from fedcore.spec._run import (
+    API_VERSION,
+    KIND,
+    FederatedRun,
+    FederatedRunSpec,
+    ObjectMeta,
+    spec_digest,
+)
 from fedcore.spec._runtime import FailurePolicySpec, TransportSpec
 from fedcore.spec._uploads import UploadsSpec
 from fedcore.spec._validate import load_manifest, parse_manifest, semantic_issues
@@ -82,6 +89,7 @@ __all__ = [
     "protocol_facts",
     "resolve_share",
     "semantic_issues",
+    "spec_digest",
     "split_sizes",
 ]
 

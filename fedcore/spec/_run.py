@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import hashlib
+import json
 from typing import Any, Literal
 
 from pydantic import ConfigDict, Field, field_validator
@@ -189,3 +191,22 @@ class FederatedRun(SpecModel):
     status: dict[str, Any] | None = Field(
         None, description="status is written by fedcore; ignored on input."
     )
+
+
+def spec_digest(run: FederatedRun) -> str:
+    """The digest a site approves: 'sha256:' and the hex SHA-256 of the run's canonical JSON.
+
+    The JSON holds apiVersion, kind, metadata.name and the spec with every default filled in
+    and unset fields left out, keys sorted, no spaces, ASCII only: so the YAML's formatting,
+    key order, ``8`` for ``8.0`` and a default spelled out or omitted leave it unchanged,
+    while any change of a spec value changes it. status, labels and namespace are not part
+    of it.
+    """
+    document = {
+        "apiVersion": run.api_version,
+        "kind": run.kind,
+        "metadata": {"name": run.metadata.name},
+        "spec": run.spec.model_dump(mode="json", by_alias=True, exclude_none=True),
+    }
+    text = json.dumps(document, sort_keys=True, separators=(",", ":"), ensure_ascii=True)
+    return "sha256:" + hashlib.sha256(text.encode("ascii")).hexdigest()
