@@ -114,11 +114,7 @@ class TlsBundle:
         Raises:
             TransportError: the common name is not a fedcore identity.
         """
-        cert = x509.load_pem_x509_certificate(self.cert_pem)
-        names = cert.subject.get_attributes_for_oid(x509.NameOID.COMMON_NAME)
-        if len(names) != 1:
-            raise TransportError("The certificate has no single common name.")
-        return Identity.parse(str(names[0].value))
+        return Identity.parse(_named_certificate(self.cert_pem)[1])
 
     def key_matches(self) -> bool:
         """Whether the private key is the certificate's (a bundle read while another process
@@ -243,14 +239,10 @@ class Identity:
             TransportError: the certificate is not PEM, has no single common name, or its
                 URI names do not match its common name.
         """
-        try:
-            certificate = x509.load_pem_x509_certificate(cert_pem)
-        except ValueError as exc:
-            raise TransportError("The peer certificate is not a PEM certificate.") from exc
-        names = certificate.subject.get_attributes_for_oid(NameOID.COMMON_NAME)
-        if len(names) != 1:
-            raise TransportError("The certificate has no single common name.")
-        identity = cls.parse(str(names[0].value))
+        certificate, common_name = _named_certificate(
+            cert_pem, "The peer certificate is not a PEM certificate."
+        )
+        identity = cls.parse(common_name)
         try:
             sans = certificate.extensions.get_extension_for_class(x509.SubjectAlternativeName)
             uris = sans.value.get_values_for_type(x509.UniformResourceIdentifier)
@@ -616,6 +608,24 @@ class RunCa:
         return builder.sign(self._private_key, hashes.SHA256())
 
 
+def _named_certificate(
+    cert_pem: bytes, not_pem: str = "Not a PEM certificate."
+) -> tuple[x509.Certificate, str]:
+    """A PEM certificate and its one common name.
+
+    Raises:
+        TransportError: ``cert_pem`` is not PEM (``not_pem``), or has no single common name.
+    """
+    try:
+        certificate = x509.load_pem_x509_certificate(cert_pem)
+    except ValueError as exc:
+        raise TransportError(not_pem) from exc
+    names = certificate.subject.get_attributes_for_oid(NameOID.COMMON_NAME)
+    if len(names) != 1:
+        raise TransportError("The certificate has no single common name.")
+    return certificate, str(names[0].value)
+
+
 def _subject(common_name: str) -> x509.Name:
     """A fedcore subject: organization ``fedcore``, the given common name."""
     return x509.Name(
@@ -666,15 +676,9 @@ def certificate_facts(cert_pem: bytes) -> tuple[str, int, datetime.datetime, dat
     Raises:
         TransportError: ``cert_pem`` is not a PEM certificate with one common name.
     """
-    try:
-        certificate = x509.load_pem_x509_certificate(cert_pem)
-    except ValueError as exc:
-        raise TransportError("Not a PEM certificate.") from exc
-    names = certificate.subject.get_attributes_for_oid(NameOID.COMMON_NAME)
-    if len(names) != 1:
-        raise TransportError("The certificate has no single common name.")
+    certificate, common_name = _named_certificate(cert_pem)
     return (
-        str(names[0].value),
+        common_name,
         certificate.serial_number,
         certificate.not_valid_before_utc,
         certificate.not_valid_after_utc,
