@@ -11,6 +11,7 @@ import json
 import math
 import subprocess
 import sys
+import time
 import uuid
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -87,6 +88,18 @@ def release(node: RealNode) -> Iterator[Release]:
         "--set", "dashboard.enabled=false",
         "--wait", "--timeout", "180s",
     )  # fmt: skip
+    # Ready is not reachable yet: kube-proxy installs the webhook Service's rules a moment
+    # after the pod is Ready, and until then the API server's call is refused ("connection
+    # refused"). Wait for the webhook to answer a server-side dry run, as a user would retry.
+    deadline = time.monotonic() + 90
+    while True:
+        answer = plane.kubectl(
+            "apply", "--dry-run=server", "-n", runs, "-f", str(QUICKSTART), check=False
+        )
+        if answer.returncode == 0 or "failed calling webhook" not in answer.stderr:
+            break
+        assert time.monotonic() < deadline, f"the webhook never answered:\n{answer.stderr}"
+        time.sleep(1)
     try:
         yield Release(system, runs, debug)
     finally:
