@@ -30,7 +30,10 @@
 # Builds are cached outside the repository: podman and buildah keep their layers in
 # FEDCORE_IMAGES_CACHE (default ~/.cache/fedcore-images), so a rebuild after a code change
 # reruns only the steps after the dependencies; the debootstrap base is made once per mirror.
-# Docker keeps its own cache.
+# Docker keeps its own cache. Builds into one cache take turns (a lock file there), and each
+# podman or buildah build ends by removing what it made stale: the untagged images a rebuild
+# replaced and working containers an interrupted build left, so the cache stays the size of
+# the images it holds.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 ROOT=$PWD
@@ -89,6 +92,11 @@ case "$builder" in
         ;;
     *) echo "images: unknown builder $builder (docker, podman or buildah)" >&2; exit 2 ;;
 esac
+if [ "$builder" != docker ]; then
+    # One build at a time per cache: the clean-up below must not remove another's containers.
+    exec 9>"$CACHE/.lock"
+    flock 9
+fi
 build_flags=()
 case "$builder" in
     docker) build_flags=(build) ;;
@@ -248,6 +256,13 @@ if [ -n "$save" ]; then
         mv "$save/$name.tar.part" "$save/$name.tar"
         echo "$id" > "$save/$name.id"
     done
+fi
+
+if [ "$builder" != docker ]; then
+    # Stale layers: a rebuild leaves the image it replaced untagged (hundreds of MB each time).
+    # The dependency layers the new tags stand on have children, so the build cache survives.
+    "${B[@]}" rm --all >/dev/null 2>&1 || true
+    if [ "$builder" = podman ]; then "${B[@]}" image prune -f >/dev/null; else "${B[@]}" rmi --prune >/dev/null 2>&1 || true; fi
 fi
 
 for tag in "${built[@]}"; do

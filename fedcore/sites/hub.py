@@ -10,8 +10,8 @@ One TCP port (:class:`fedcore.transport.SniRouter`) carries everything a site ne
   the two clients' own mutual TLS, so it sees only ciphertext;
 - ``hub.fedcore.invalid``: the hub API, JSON over HTTPS, terminated here with the endpoint's
   certificate (signed by the hub CA): a site enrolls, renews its certificate, reads the run
-  it is part of, has its clients' certificate requests signed, reports a refusal, and polls
-  for relays.
+  it is part of (with its phase, round and epsilon), has its clients' certificate requests
+  signed, reports a refusal or a withdrawal, and polls for relays.
 
 Every refused API call is logged with its sender and counted (``refused``).
 """
@@ -63,7 +63,10 @@ class HubRun:
         manifest: the manifest's text, sent to each site as it is.
         ca: the run's CA, which signs the sites' clients' certificate requests.
         digest: the spec's digest, for the log (each site computes its own).
-        events: reports each site's approval, refusal and certificates (event, fields).
+        events: reports each site's approval, refusal, withdrawal and certificates (event,
+            fields).
+        progress: the run's phase, round and epsilon as the hub knows them (what a site shows
+            in its Participation's status); None: not reported.
     """
 
     run: FederatedRun
@@ -71,6 +74,7 @@ class HubRun:
     ca: RunCa
     digest: str
     events: Callable[..., None]
+    progress: Callable[[], dict[str, Any]] | None = None
 
 
 class HubEndpoint:
@@ -223,6 +227,7 @@ class HubEndpoint:
                 "digest": hub_run.digest,
                 "runCa": hub_run.ca.cert_pem.decode(),
                 "clients": list(clients),
+                "status": {} if hub_run.progress is None else hub_run.progress(),
             }
         if body.get("run") != hub_run.run.metadata.name:
             return 409, {
@@ -243,6 +248,16 @@ class HubEndpoint:
                 "Site %s refused run %s (%s): %s", site, hub_run.run.metadata.name, reason, message
             )
             hub_run.events("site_refused", site=site, reason=reason, message=message)
+            return 200, {}
+        if (method, path) == ("POST", "/v1/run/withdrawal"):
+            message = _printable(str(body.get("message", "")))[:MAX_REFUSAL_CHARS]
+            log.warning(
+                "Site %s withdrew from run %s; its clients stop: %s",
+                site,
+                hub_run.run.metadata.name,
+                message,
+            )
+            hub_run.events("site_withdrew", site=site, message=message)
             return 200, {}
         return 404, {"reason": "UnknownCall", "error": f"No call {method} {path}."}
 

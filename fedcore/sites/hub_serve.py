@@ -11,6 +11,7 @@ when it reviews it stops the run at once with reason ``SiteRefused`` and the sit
 from __future__ import annotations
 
 import logging
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -18,7 +19,7 @@ from fedcore.errors import RunAborted
 from fedcore.local.launch import FEDCORE_ROLES, RoleEntry
 from fedcore.local.runner import LocalRun, LocalRunResult, ProgressCallback
 from fedcore.local.threads import ROLE_THREADS
-from fedcore.observe.events import EventLog
+from fedcore.observe.events import EventLog, read_events
 from fedcore.sites._registry import HubRegistry
 from fedcore.sites.hub import HubEndpoint, HubRun
 from fedcore.spec import FederatedRun, spec_digest
@@ -98,6 +99,9 @@ class HubServe:
         self._listen = listen
         self._manifest_text = Path(manifest).read_text(encoding="utf-8")
         self.endpoint: HubEndpoint | None = None
+        self._progress_lock = threading.Lock()
+        self._progress: dict[str, Any] = {"phase": "Running"}
+        self._progress_offset = 0
 
     @property
     def run(self) -> FederatedRun:
@@ -108,6 +112,26 @@ class HubServe:
         if event == "site_refused":
             self.refusal = dict(fields)
         EventLog(self.local.events_path).emit(event, **fields)
+
+    def progress(self) -> dict[str, Any]:
+        """The run's phase, round, rounds and epsilon, from the server's events so far."""
+        with self._progress_lock:
+            found, self._progress_offset = read_events(
+                self.local.events_path, self._progress_offset
+            )
+            for event in found:
+                kind = event.get("event")
+                if kind == "round":
+                    self._progress.update(
+                        {key: event[key] for key in ("round", "rounds", "epsilon") if key in event}
+                    )
+                elif kind == "finished":
+                    self._progress["phase"] = "Succeeded"
+                elif kind == "failed":
+                    self._progress.update(phase="Failed", reason=str(event.get("reason", "")))
+                elif kind == "site_refused":
+                    self._progress.update(phase="Failed", reason="SiteRefused")
+            return dict(self._progress)
 
     def _check(self) -> None:
         """Stops the run when a site refused it at its review."""
@@ -129,7 +153,14 @@ class HubServe:
         self.endpoint = HubEndpoint(
             self.registry,
             self._listen,
-            run=HubRun(self.run, self._manifest_text, ca, spec_digest(self.run), self._emit),
+            run=HubRun(
+                self.run,
+                self._manifest_text,
+                ca,
+                spec_digest(self.run),
+                self._emit,
+                progress=self.progress,
+            ),
             backends=backends,
         )
         self.endpoint.start()

@@ -87,19 +87,18 @@ class SiteConfig:
             ) from exc
 
 
-def join(directory: Path, *, hub: str, token: str, expected_fingerprint: str) -> SiteConfig:
-    """Enrolls this machine as a site of the hub at ``hub``.
+def enroll(*, hub: str, token: str, expected_fingerprint: str) -> tuple[SiteConfig, TlsBundle]:
+    """Enrolls a site at the hub at ``hub``; returns its config and its identity.
 
     The hub's CA is checked against ``expected_fingerprint`` before anything is sent; the
-    site's key is made here (mode 0600 in ``directory/identity``) and only its certificate
-    request goes to the hub, with the one-time token.
+    site's key is made here and only its certificate request goes to the hub, with the
+    one-time token. The caller keeps the identity (a folder, a Secret of the site's cluster).
 
     Raises:
         FedcoreError: the fingerprint differs (a wrong hub, or a man in the middle), the hub
             refused the token (used, expired, unknown, revoked: the hub's reason), or the hub
             is unreachable.
     """
-    directory = Path(directory)
     match = _TOKEN_SITE.match(token)
     if match is None:
         raise FedcoreError("The join token is malformed; it starts with the site's name.")
@@ -121,14 +120,27 @@ def join(directory: Path, *, hub: str, token: str, expected_fingerprint: str) ->
             f"The hub refused to enroll site {name!r} ({exc.reason}): {exc}"
         ) from exc
     bundle = TlsBundle(ca_pem=ca_pem, cert_pem=answer["certificate"].encode(), key_pem=key_pem)
+    log.info("Site %s joined the hub at %s.", name, hub)
+    return SiteConfig(name=name, hub=hub, fingerprint=found), bundle
+
+
+def join(directory: Path, *, hub: str, token: str, expected_fingerprint: str) -> SiteConfig:
+    """Enrolls this machine as a site of the hub at ``hub`` (:func:`enroll`); the key stays in
+    ``directory/identity`` (mode 0600), the site's config in ``directory/site.json``.
+
+    Raises:
+        FedcoreError: as :func:`enroll`.
+    """
+    directory = Path(directory)
+    config, bundle = enroll(hub=hub, token=token, expected_fingerprint=expected_fingerprint)
     bundle.write(directory / IDENTITY_FOLDER)
-    config = SiteConfig(name=name, hub=hub, fingerprint=found)
     write_atomically(
         directory / SITE_FILE,
-        json.dumps({"name": name, "hub": hub, "fingerprint": found}, indent=1).encode(),
+        json.dumps(
+            {"name": config.name, "hub": config.hub, "fingerprint": config.fingerprint}, indent=1
+        ).encode(),
         mode=0o600,
     )
-    log.info("Site %s joined the hub at %s.", name, hub)
     return config
 
 
@@ -440,4 +452,4 @@ class SiteAgent:
                 child.wait()
 
 
-__all__ = ["SiteAgent", "SiteConfig", "join"]
+__all__ = ["SiteAgent", "SiteConfig", "enroll", "join"]

@@ -16,13 +16,14 @@ import kopf
 from kubernetes import client, config
 
 from fedcore.observe.kube_status import load_in_cluster
-from fedcore_operator.crd import crd_yaml, write_crd
+from fedcore_operator.crd import crds_yaml, write_crds
 from fedcore_operator.kube import Kube
 from fedcore_operator.leader import LeaseElector
 from fedcore_operator.metrics import OperatorMetrics
 from fedcore_operator.reconcile import Reconciler
 from fedcore_operator.runtime import WebhookConfig, build_registry
 from fedcore_operator.settings import OperatorSettings
+from fedcore_operator.site.reconcile import SiteReconciler, SiteSettings
 
 log = logging.getLogger("fedcore_operator")
 
@@ -36,11 +37,12 @@ def main() -> None:
 @main.command()
 @click.option("--write", is_flag=True, help="Write it into the chart instead of printing it.")
 def crd(write: bool) -> None:
-    """Prints the FederatedRun CRD generated from the spec models."""
+    """Prints the CRDs (FederatedRun, Participation) generated from the models."""
     if write:
-        click.echo(f"Wrote {write_crd()}")
+        for path in write_crds():
+            click.echo(f"Wrote {path}")
     else:
-        click.echo(crd_yaml(), nl=False)
+        click.echo(crds_yaml(), nl=False)
 
 
 @main.command()
@@ -125,6 +127,24 @@ def crd(write: bool) -> None:
 @click.option(
     "--log-format", type=click.Choice(["plain", "json"]), default="json", show_default=True
 )
+@click.option(
+    "--mode",
+    type=click.Choice(["hub", "site", "both"]),
+    default="both",
+    show_default=True,
+    envvar="FEDCORE_OPERATOR_MODE",
+    help="hub: reconcile FederatedRuns; site: reconcile Participations (needs FEDCORE_SITE_HUB "
+    "and FEDCORE_SITE_FINGERPRINT); both: both (Participations only when FEDCORE_SITE_HUB is "
+    "set).",
+)
+@click.option(
+    "--site-resync-seconds",
+    type=click.FloatRange(0.5),
+    default=5.0,
+    show_default=True,
+    envvar="FEDCORE_SITE_RESYNC_SECONDS",
+    help="How often each Participation asks the hub about its run.",
+)
 def run(
     namespaces: tuple[str, ...],
     kubeconfig: str | None,
@@ -143,9 +163,20 @@ def run(
     webhook_ca: Path | None,
     manage_webhook: str | None,
     log_format: str,
+    mode: str,
+    site_resync_seconds: float,
 ) -> None:
     """Runs the operator until SIGTERM (graceful) or the loss of the leader Lease."""
     _configure_logging(log_format)
+    try:
+        site_settings = SiteSettings.from_env(lease_namespace) if mode != "hub" else None
+    except ValueError as exc:
+        raise click.UsageError(str(exc)) from exc
+    if mode == "site" and site_settings is None:
+        raise click.UsageError(
+            "--mode site needs FEDCORE_SITE_HUB (the hub endpoint's host:port) and "
+            "FEDCORE_SITE_FINGERPRINT (its CA's fingerprint)."
+        )
     if kubeconfig:
         config.load_kube_config(config_file=kubeconfig)
     else:
@@ -157,9 +188,10 @@ def run(
     metrics.serve(metrics_port, metrics_address)
     api = client.ApiClient()
     kube = Kube(api, on_write=lambda verb: metrics.api_writes.labels(verb).inc())
-    reconciler = Reconciler(kube, settings)
+    reconciler = Reconciler(kube, settings) if mode != "site" else None
+    site = None if site_settings is None else SiteReconciler(kube, settings, site_settings)
     webhook = None
-    if webhook_port:
+    if webhook_port and reconciler is not None:
         webhook = WebhookConfig(
             port=webhook_port,
             address=webhook_address,
@@ -170,7 +202,12 @@ def run(
             managed=manage_webhook,
         )
     registry = build_registry(
-        reconciler, metrics, resync_seconds=settings.resync_seconds, webhook=webhook
+        reconciler,
+        metrics,
+        resync_seconds=settings.resync_seconds,
+        webhook=webhook,
+        site=site,
+        site_resync_seconds=site_resync_seconds,
     )
     stop_flag = threading.Event()
     lost = threading.Event()

@@ -27,6 +27,7 @@ KIND_PATHS: dict[str, tuple[str, str]] = {
     "RoleBinding": ("/apis/rbac.authorization.k8s.io/v1", "rolebindings"),
     "NetworkPolicy": ("/apis/networking.k8s.io/v1", "networkpolicies"),
     "FederatedRun": (f"/apis/{GROUP}/{VERSION}", PLURAL),
+    "Participation": (f"/apis/{GROUP}/{VERSION}", "participations"),
 }
 """API prefix and resource of each kind the operator reads or writes (all namespaced)."""
 

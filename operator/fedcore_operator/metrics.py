@@ -2,16 +2,40 @@
 
 from __future__ import annotations
 
+from typing import get_args
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, Info, start_http_server
 
 import fedcore
+from fedcore.sites.participation import ParticipationPhase
 from fedcore.spec._status import PHASES
 
 RESULTS = ("unchanged", "changed", "error")
 
 
+class PhaseGauge:
+    """A gauge of objects by phase, kept from each object's last observed phase."""
+
+    def __init__(self, gauge: Gauge, phases: tuple[str, ...]) -> None:
+        self.gauge = gauge
+        self.phases = phases
+        self._phases: dict[tuple[str, str], str] = {}
+        for phase in phases:
+            gauge.labels(phase).set(0)
+
+    def observe(self, key: tuple[str, str], phase: str | None) -> None:
+        """Records an object's phase (None: it is gone) and refreshes the gauge."""
+        if phase is None:
+            self._phases.pop(key, None)
+        else:
+            self._phases[key] = phase
+        for name in self.phases:
+            self.gauge.labels(name).set(sum(value == name for value in self._phases.values()))
+
+
 class OperatorMetrics:
-    """Reconciles by result and duration, API writes, runs by phase, leadership."""
+    """Reconciles by result and duration, API writes, runs and participations by phase,
+    leadership."""
 
     def __init__(self) -> None:
         registry = self.registry = CollectorRegistry()
@@ -39,6 +63,15 @@ class OperatorMetrics:
         self.runs = Gauge(
             "fedcore_operator_runs", "FederatedRuns by phase.", ["phase"], registry=registry
         )
+        self.participations = PhaseGauge(
+            Gauge(
+                "fedcore_operator_participations",
+                "Participations (a site's approvals) by phase.",
+                ["phase"],
+                registry=registry,
+            ),
+            get_args(ParticipationPhase),
+        )
         self.leader = Gauge(
             "fedcore_operator_leader",
             "1 while this replica holds the leader Lease, else 0.",
@@ -46,18 +79,11 @@ class OperatorMetrics:
         )
         for result in RESULTS:
             self.reconciles.labels(result)
-        for phase in PHASES:
-            self.runs.labels(phase).set(0)
-        self._phases: dict[tuple[str, str], str] = {}
+        self._runs = PhaseGauge(self.runs, tuple(PHASES))
 
     def observe_phase(self, key: tuple[str, str], phase: str | None) -> None:
         """Records a run's phase (None: the run is gone) and refreshes the by-phase gauge."""
-        if phase is None:
-            self._phases.pop(key, None)
-        else:
-            self._phases[key] = phase
-        for name in PHASES:
-            self.runs.labels(name).set(sum(value == name for value in self._phases.values()))
+        self._runs.observe(key, phase)
 
     def serve(self, port: int, address: str = "0.0.0.0") -> None:
         """Serves /metrics on ``address:port`` (0: not served)."""

@@ -25,12 +25,17 @@ from fedcore_operator import admission, objects
 from fedcore_operator.crd import GROUP, PLURAL, VERSION
 from fedcore_operator.metrics import OperatorMetrics
 from fedcore_operator.reconcile import Outcome, Reconciler
+from fedcore_operator.site import objects as site_objects
+from fedcore_operator.site.reconcile import SiteReconciler
 
 log = logging.getLogger(__name__)
 
 Key = tuple[str, str]
 COALESCE_SECONDS = 0.2
 """How long a trigger waits for more before the pass starts (bursts of pod events)."""
+SITE_RESYNC_SECONDS = 5.0
+"""How often each Participation asks the hub about its run."""
+PARTICIPATION_PLURAL = "participations"
 
 
 @dataclass(frozen=True)
@@ -57,11 +62,23 @@ class WebhookConfig:
 
 
 class RunQueue:
-    """Coalesces triggers per run and reconciles each run in one worker at a time."""
+    """Coalesces triggers per object and reconciles each in one worker at a time.
 
-    def __init__(self, reconcile: Callable[[str, str], Outcome], metrics: OperatorMetrics) -> None:
+    Args:
+        reconcile: one pass over ``(namespace, name)``.
+        metrics: the operator's metrics (reconciles, durations).
+        observe_phase: records an object's phase (default: the runs' gauge).
+    """
+
+    def __init__(
+        self,
+        reconcile: Callable[[str, str], Outcome],
+        metrics: OperatorMetrics,
+        observe_phase: Callable[[Key, str | None], None] | None = None,
+    ) -> None:
         self._reconcile = reconcile
         self._metrics = metrics
+        self._observe_phase = observe_phase or metrics.observe_phase
         self._dirty: dict[Key, asyncio.Event] = {}
         self._workers: dict[Key, asyncio.Task[None]] = {}
         self.known: set[Key] = set()
@@ -80,7 +97,7 @@ class RunQueue:
     def forget(self, key: Key) -> None:
         """Stops tracking a deleted run."""
         self.known.discard(key)
-        self._metrics.observe_phase(key, None)
+        self._observe_phase(key, None)
 
     async def resync(self, seconds: float) -> None:
         """Triggers every known run every ``seconds``, forever."""
@@ -107,20 +124,32 @@ class RunQueue:
         finally:
             self._metrics.reconcile_duration.observe(time.perf_counter() - started)
         self._metrics.reconciles.labels("changed" if outcome.writes else "unchanged").inc()
-        self._metrics.observe_phase(key, outcome.phase)
+        self._observe_phase(key, outcome.phase)
         for action in outcome.actions:
             log.info("%s/%s: %s", namespace, name, action)
 
 
 def build_registry(
-    reconciler: Reconciler,
+    reconciler: Reconciler | None,
     metrics: OperatorMetrics,
     *,
     resync_seconds: float,
     webhook: WebhookConfig | None,
+    site: SiteReconciler | None = None,
+    site_resync_seconds: float = SITE_RESYNC_SECONDS,
 ) -> kopf.OperatorRegistry:
-    """Registers the operator's kopf handlers in a fresh registry."""
+    """Registers the operator's kopf handlers in a fresh registry: FederatedRuns' with a
+    ``reconciler`` (the hub's part), Participations' with a ``site`` reconciler."""
     registry = kopf.OperatorRegistry()
+    if site is not None:
+        _register_site(registry, site, metrics, site_resync_seconds)
+    if reconciler is None:
+
+        @kopf.on.login(registry=registry)
+        def site_login(**_: Any) -> kopf.ConnectionInfo:
+            return connection_info()
+
+        return registry
     queue = RunQueue(reconciler.reconcile, metrics)
 
     @kopf.on.startup(registry=registry)
@@ -191,6 +220,40 @@ def build_registry(
                 raise kopf.AdmissionError("; ".join(problems), code=422)
 
     return registry
+
+
+def _register_site(
+    registry: kopf.OperatorRegistry,
+    site: SiteReconciler,
+    metrics: OperatorMetrics,
+    resync_seconds: float,
+) -> None:
+    """Participations: each reconciled on a change to it or to a pod it owns, and every
+    ``resync_seconds`` (the hub's run moves on without any event in this cluster)."""
+    queue = RunQueue(site.reconcile, metrics, metrics.participations.observe)
+
+    @kopf.on.startup(registry=registry)
+    async def start_site_resync(**_: Any) -> None:
+        queue.resyncer = asyncio.create_task(queue.resync(resync_seconds))
+
+    @kopf.on.event(GROUP, VERSION, PARTICIPATION_PLURAL, registry=registry)
+    async def participation_changed(**kwargs: Any) -> None:
+        key = (kwargs["namespace"], kwargs["name"])
+        if kwargs["event"].get("type") == "DELETED":
+            queue.forget(key)
+            return
+        queue.trigger(key)
+
+    @kopf.on.event(
+        "v1",
+        "pods",
+        labels={site_objects.PARTICIPATION_LABEL: kopf.PRESENT},
+        registry=registry,
+    )
+    async def site_pod_changed(**kwargs: Any) -> None:
+        owner = kwargs["labels"].get(site_objects.PARTICIPATION_LABEL)
+        if owner:
+            queue.trigger((kwargs["namespace"], owner))
 
 
 async def collect_orphans(reconciler: Reconciler, seconds: float) -> None:

@@ -284,6 +284,13 @@ BAD_VALUES = [
     (["networkPolicy.apiServer.cidrs={everywhere}"], "networkPolicy.apiServer.cidrs"),
     (["networkPolicy.dnsTo=null"], "dnsTo is required"),
     (["networkPolicy.metricsFrom[0].hostNetwork=true"], "hostNetwork"),
+    (["mode=spoke"], "mode must be one of"),
+    (["mode=site"], "mode: site needs site.hub"),
+    (["site.hub=hub.example.org"], "site.hub: Does not match pattern"),
+    (["site.fingerprint=sha256:XYZ"], "site.fingerprint: Does not match pattern"),
+    (["site.hub=hub.example.org:7443"], "site.fingerprint is required"),
+    (["site.hubCidrs={anywhere}"], "site.hubCidrs"),
+    (["site.joinTokenSecret=Not_A_Name"], "site.joinTokenSecret"),
 ]
 
 
@@ -295,6 +302,178 @@ def test_bad_values_are_refused_with_a_clear_message(sets: list[str], message: s
     result = helm(*args, check=False)
     assert result.returncode != 0
     assert message in result.stderr, result.stderr
+
+
+FINGERPRINT = "sha256:" + "ab" * 32
+SITE = ["site.hub=hub.example.org:7443", f"site.fingerprint={FINGERPRINT}"]
+RUNTIME_IMAGE = f"ghcr.io/fedcore/fedcore:{fedcore.__version__}"
+OPERATOR_IMAGE = f"ghcr.io/fedcore/fedcore-operator:{fedcore.__version__}"
+SITE_KINDS = ("pods", "secrets", "configmaps", "serviceaccounts", "networkpolicies")
+
+
+def without_generated_certs(docs: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The rendered objects less what ``genCA`` makes anew on each render."""
+    kept = []
+    for doc in docs:
+        doc = json.loads(json.dumps(doc))
+        if doc["kind"] == "Secret":
+            doc.pop("data", None)
+        for webhook in doc.get("webhooks", []):
+            webhook["clientConfig"].pop("caBundle", None)
+        kept.append(doc)
+    return kept
+
+
+def operator_container(kinds: dict[str, list[dict[str, Any]]]) -> dict[str, Any]:
+    container: dict[str, Any] = kinds["Deployment"][0]["spec"]["template"]["spec"]["containers"][0]
+    return container
+
+
+def runs_rules(kinds: dict[str, list[dict[str, Any]]]) -> list[dict[str, Any]]:
+    (role,) = [r for r in kinds["ClusterRole"] if r["metadata"]["name"] == "demo-fedcore-runs"]
+    rules: list[dict[str, Any]] = role["rules"]
+    return rules
+
+
+def verbs_on(rules: list[dict[str, Any]], resource: str) -> set[str]:
+    return {verb for rule in rules if resource in rule["resources"] for verb in rule["verbs"]}
+
+
+def test_mode_both_without_a_hub_is_the_single_cluster_install() -> None:
+    # Execute
+    default = by_kind(render())
+    both = render("mode=both", "site.joinTokenSecret=other", "site.hubCidrs={10.0.0.0/8}")
+
+    # Assert: the same objects (the site values do nothing without site.hub), and none of the
+    # site's: no --mode flag (both is the operator's default), no site env, the operator image.
+    assert without_generated_certs(both) == without_generated_certs(render())
+    container = operator_container(default)
+    assert container["image"] == OPERATOR_IMAGE
+    assert container["command"] == ["python", "-m", "fedcore_operator", "run"]
+    assert not [arg for arg in container["args"] if arg.startswith("--mode")]
+    assert not [name for name in operator_env(default) if name.startswith("FEDCORE_SITE_")]
+    assert "participations" not in json.dumps(default["ClusterRole"])
+    assert verbs_on(runs_rules(default), "federatedruns") == {"get", "list", "watch"}
+    assert "demo-fedcore-ca-keys" in [r["metadata"]["name"] for r in default["Role"]]
+
+
+def test_site_mode_runs_the_runtime_image_with_the_site_env_and_participation_rbac() -> None:
+    # Execute
+    kinds = by_kind(
+        render(
+            "mode=site",
+            *SITE,
+            "site.hubCidrs={203.0.113.0/24}",
+            "operator.watchNamespaces={team-a}",
+        )
+    )
+
+    # Assert: the operator runs the runtime image (torch, dp-accounting) with its own command.
+    container = operator_container(kinds)
+    assert container["image"] == RUNTIME_IMAGE
+    assert container["command"] == ["python", "-m", "fedcore_operator", "run"]
+    assert "--mode=site" in container["args"]
+    assert not [arg for arg in container["args"] if arg.startswith(("--webhook", "--ca-"))]
+    assert container["readinessProbe"]["tcpSocket"]["port"] == "metrics"
+    env = operator_env(kinds)
+    assert {name: value for name, value in env.items() if name.startswith("FEDCORE_SITE_")} == {
+        "FEDCORE_SITE_HUB": "hub.example.org:7443",
+        "FEDCORE_SITE_FINGERPRINT": FINGERPRINT,
+        "FEDCORE_SITE_JOIN_SECRET": "fedcore-site-join",
+        "FEDCORE_SITE_IDENTITY_SECRET": "fedcore-site-identity",
+        "FEDCORE_SITE_HUB_CIDRS": "203.0.113.0/24",
+    }
+    assert env["FEDCORE_OPERATOR_IMAGE"] == RUNTIME_IMAGE
+    # ... no FederatedRun webhook, rules or CA custody ...
+    assert {"ValidatingWebhookConfiguration", "Secret"}.isdisjoint(kinds)
+    assert [p["name"] for p in kinds["Service"][0]["spec"]["ports"]] == ["metrics"]
+    assert "federatedruns" not in json.dumps(kinds["ClusterRole"] + kinds["Role"])
+    assert "demo-fedcore-ca-keys" not in [r["metadata"]["name"] for r in kinds["Role"]]
+    # ... the Participation rules, bound where it reconciles, and what they own.
+    rules = runs_rules(kinds)
+    assert verbs_on(rules, "participations") == {"get", "list", "watch"}
+    assert verbs_on(rules, "participations/status") == {"get", "patch"}
+    for resource in SITE_KINDS:
+        assert verbs_on(rules, resource) >= {"get", "list", "watch", "create", "patch", "delete"}
+    bindings = [b for b in kinds["RoleBinding"] if b["roleRef"]["name"] == "demo-fedcore-runs"]
+    assert sorted(b["metadata"]["namespace"] for b in bindings) == ["fedcore-system", "team-a"]
+    # The operator's own policy adds the hub's port, at site.hubCidrs; no webhook policy.
+    policies = {p["metadata"]["name"]: p["spec"] for p in kinds["NetworkPolicy"]}
+    assert list(policies) == ["demo-fedcore-operator"]
+    assert policies["demo-fedcore-operator"]["egress"][-1] == {
+        "ports": [{"protocol": "TCP", "port": 7443}],
+        "to": [{"ipBlock": {"cidr": "203.0.113.0/24"}}],
+    }
+
+
+def test_site_mode_without_hub_cidrs_opens_the_hubs_port_only() -> None:
+    kinds = by_kind(
+        render("mode=site", "site.hub=[2001:db8::1]:443", f"site.fingerprint={FINGERPRINT}")
+    )
+    operator = next(
+        p for p in kinds["NetworkPolicy"] if p["metadata"]["name"].endswith("-operator")
+    )
+    assert operator["spec"]["egress"][-1] == {"ports": [{"protocol": "TCP", "port": 443}]}
+    assert operator_env(kinds)["FEDCORE_SITE_HUB_CIDRS"] == ""
+
+
+def test_site_env_is_what_the_site_operator_reads() -> None:
+    from fedcore_operator.site.reconcile import SiteSettings
+
+    env = operator_env(by_kind(render("mode=site", *SITE, "site.hubCidrs={203.0.113.0/24}")))
+    settings = SiteSettings.from_env("fedcore-system", env)
+    assert settings is not None
+    assert (settings.hub, settings.fingerprint, settings.hub_cidrs) == (
+        "hub.example.org:7443",
+        FINGERPRINT,
+        ("203.0.113.0/24",),
+    )
+    assert (settings.join_secret, settings.identity_secret) == (
+        "fedcore-site-join",
+        "fedcore-site-identity",
+    )
+
+
+def test_mode_both_with_a_hub_reconciles_runs_and_participations() -> None:
+    kinds = by_kind(render(*SITE))
+    container = operator_container(kinds)
+    assert container["image"] == RUNTIME_IMAGE
+    assert not [arg for arg in container["args"] if arg.startswith("--mode")]
+    assert "--webhook-port=9443" in container["args"]
+    assert "ValidatingWebhookConfiguration" in kinds
+    assert operator_env(kinds)["FEDCORE_SITE_HUB"] == "hub.example.org:7443"
+    rules = runs_rules(kinds)
+    assert verbs_on(rules, "federatedruns") == {"get", "list", "watch"}
+    assert verbs_on(rules, "participations") == {"get", "list", "watch"}
+
+
+def test_hub_mode_renders_no_participation_rules_nor_site_env() -> None:
+    # Execute: site values are ignored in mode hub.
+    kinds = by_kind(render("mode=hub", *SITE))
+
+    # Assert
+    container = operator_container(kinds)
+    assert container["image"] == OPERATOR_IMAGE
+    assert "--mode=hub" in container["args"]
+    assert not [name for name in operator_env(kinds) if name.startswith("FEDCORE_SITE_")]
+    rbac = json.dumps(kinds["ClusterRole"] + kinds["Role"])
+    assert "participations" not in rbac and "federatedruns" in rbac
+    assert "ValidatingWebhookConfiguration" in kinds
+    for policy in kinds["NetworkPolicy"]:
+        assert 7443 not in [
+            p.get("port") for r in policy["spec"].get("egress", []) for p in r["ports"]
+        ]
+    defaults = without_generated_certs(render())
+    hub = without_generated_certs([doc for kind in kinds.values() for doc in kind])
+    assert sorted(
+        json.dumps(d, sort_keys=True) for d in hub if d["kind"] != "Deployment"
+    ) == sorted(json.dumps(d, sort_keys=True) for d in defaults if d["kind"] != "Deployment")
+
+
+def test_site_mode_needs_the_hub_and_names_it() -> None:
+    result = helm("template", "demo", str(CHART), "--set", "mode=site", check=False)
+    assert result.returncode != 0
+    assert "site.hub" in result.stderr and "site.fingerprint" in result.stderr, result.stderr
 
 
 RBAC_KINDS = {"ServiceAccount", "ClusterRole", "ClusterRoleBinding", "Role", "RoleBinding"}

@@ -78,16 +78,28 @@ STATE_FILE = "node.json"
 """In a node's work folder: its bridge and subnet, for cleaning up after a killed test run."""
 
 
-def unmount_under(folder: Path) -> None:
-    """Every mount under ``folder``, deepest first (Secrets, containers' root filesystems)."""
-    root = str(folder)
-    mounts = [
+def _mount_points() -> list[str]:
+    return [
         line.split()[1].replace("\\040", " ")
         for line in Path("/proc/self/mounts").read_text().splitlines()
-        if line.split()[1].startswith(root)
     ]
+
+
+def unmount_under(folder: Path) -> None:
+    """Every mount under ``folder``, deepest first (Secrets, containers' root filesystems)."""
+    mounts = [mount for mount in _mount_points() if mount.startswith(str(folder))]
     for mount in sorted(mounts, key=len, reverse=True):
         _run("umount", "-l", mount, check=False)
+
+
+def discard_storage(workdir: Path) -> None:
+    """Removes a node's containerd images and snapshots (several GB); its logs stay.
+
+    Only once nothing is mounted under ``workdir``: a removal must never follow a mount (a
+    Secret's, a container's root filesystem) out of it.
+    """
+    if not any(mount.startswith(str(workdir)) for mount in _mount_points()):
+        shutil.rmtree(workdir / "containerd", ignore_errors=True)
 
 
 def remove_pod_nat_rules(subnet: ipaddress.IPv4Network) -> None:
@@ -138,6 +150,7 @@ def clean_stale_nodes() -> None:
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGKILL)
         unmount_under(workdir)
+        discard_storage(workdir)
         with contextlib.suppress(OSError, ValueError, KeyError):
             state = json.loads((workdir / STATE_FILE).read_text())
             subnet = ipaddress.ip_network(state["subnet"])
@@ -274,6 +287,7 @@ class RealNode:
             _run(str(proxy), "--cleanup", check=False)
         remove_pod_nat_rules(self.network.subnet)
         unmount_under(self.workdir)
+        discard_storage(self.workdir)
 
     # -- components ------------------------------------------------------------------------
 

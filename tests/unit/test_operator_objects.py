@@ -8,11 +8,22 @@ import json
 from typing import Any
 
 import pytest
+import yaml
 from cryptography import x509
 
-from fedcore.spec import load_manifest, parse_manifest
+from fedcore.spec import load_manifest, openapi_schema, parse_manifest
 from fedcore_operator import objects
-from fedcore_operator.crd import CHART_CRD_PATH, PRINTER_COLUMNS, crd_manifest, crd_yaml
+from fedcore_operator.crd import (
+    CHART_CRD_PATH,
+    FEDERATED_RUN,
+    PARTICIPATION,
+    PARTICIPATION_CRD_NAME,
+    PARTICIPATION_CRD_PATH,
+    PRINTER_COLUMNS,
+    crd_manifest,
+    crd_yaml,
+    crds_yaml,
+)
 from fedcore_operator.settings import OperatorSettings
 
 
@@ -65,6 +76,86 @@ def test_crd_declares_status_subresource_printer_columns_and_status_schema() -> 
         "Suspended",
     ]
     assert crd["spec"]["names"]["shortNames"]
+
+
+def test_chart_participation_crd_is_the_generated_one() -> None:
+    assert PARTICIPATION_CRD_PATH.read_text(encoding="utf-8") == crd_yaml(PARTICIPATION), (
+        "charts/fedcore/crds/participations.yaml is stale: run "
+        "`python -m fedcore_operator crd --write`"
+    )
+    assert PARTICIPATION_CRD_PATH.parent == CHART_CRD_PATH.parent
+    assert [doc["metadata"]["name"] for doc in yaml.safe_load_all(crds_yaml())] == [
+        "federatedruns.fedcore.dev",
+        PARTICIPATION_CRD_NAME,
+    ]
+
+
+def test_both_crds_come_from_one_builder_and_the_run_schema_is_openapi_schema() -> None:
+    run_schema = crd_manifest(FEDERATED_RUN)["spec"]["versions"][0]["schema"]["openAPIV3Schema"]
+    assert run_schema == openapi_schema()
+    assert crd_manifest() == crd_manifest(FEDERATED_RUN)
+
+
+def _schema_nodes(node: dict[str, Any], path: str) -> list[tuple[str, dict[str, Any]]]:
+    found = [(path, node)]
+    for name, child in node.get("properties", {}).items():
+        found += _schema_nodes(child, f"{path}.{name}")
+    for key in ("items", "additionalProperties"):
+        if isinstance(node.get(key), dict):
+            found += _schema_nodes(node[key], f"{path}[]")
+    return found
+
+
+def test_participation_crd_names_columns_status_and_unknown_fields() -> None:
+    # Execute
+    crd = crd_manifest(PARTICIPATION)
+
+    # Assert: names, the status subresource and the printer columns.
+    assert crd["metadata"]["name"] == "participations.fedcore.dev" == PARTICIPATION_CRD_NAME
+    names = crd["spec"]["names"]
+    assert (names["kind"], names["plural"], names["singular"]) == (
+        "Participation",
+        "participations",
+        "participation",
+    )
+    assert names["shortNames"] == ["fedpart"] and names["categories"] == ["fedcore"]
+    assert crd["spec"]["scope"] == "Namespaced"
+    (version,) = crd["spec"]["versions"]
+    assert (version["name"], version["served"], version["storage"]) == ("v1alpha1", True, True)
+    assert version["subresources"] == {"status": {}}
+    columns = {c["name"]: c for c in version["additionalPrinterColumns"]}
+    assert list(columns) == ["Run", "Phase", "Ready", "Round", "Epsilon", "Reason", "Age"]
+    assert columns["Run"]["jsonPath"] == ".spec.run"
+    assert (columns["Ready"]["jsonPath"], columns["Ready"]["type"]) == (
+        ".status.clients.ready",
+        "integer",
+    )
+    assert (columns["Round"]["jsonPath"], columns["Round"]["type"]) == (
+        ".status.run.round",
+        "integer",
+    )
+    assert (columns["Epsilon"]["jsonPath"], columns["Epsilon"]["type"]) == (
+        ".status.run.epsilon",
+        "number",
+    )
+    assert columns["Reason"]["priority"] == 1 and columns["Age"]["type"] == "date"
+    # The schema: metadata the server's; every spec object keeps unknown fields (for the site
+    # operator to refuse by name); status declared, pruned and never defaulted.
+    schema = version["schema"]["openAPIV3Schema"]
+    assert schema["properties"]["metadata"] == {"type": "object"}
+    spec = schema["properties"]["spec"]
+    assert {"run", "specDigest", "clients", "floor"} <= set(spec["required"])
+    spec_objects = [(p, node) for p, node in _schema_nodes(spec, "spec") if "properties" in node]
+    assert len(spec_objects) > 5
+    for path, node in spec_objects:
+        assert node.get("x-kubernetes-preserve-unknown-fields") is True, path
+    status = schema["properties"]["status"]
+    for path, node in _schema_nodes(status, "status"):
+        assert "x-kubernetes-preserve-unknown-fields" not in node, path
+        assert "default" not in node, path
+    assert {"phase", "reason", "clients", "run", "conditions"} <= set(status["properties"])
+    assert "Refused" in status["properties"]["phase"]["enum"]
+    assert "epsilon" in status["properties"]["run"]["properties"]
 
 
 def kinds(items: list[dict[str, Any]]) -> list[tuple[str, str]]:

@@ -42,3 +42,42 @@ namespace and operator.watchNamespaces; none with operator.clusterWide (all of t
 {{- uniq (prepend .Values.operator.watchNamespaces .Release.Namespace) | toJson -}}
 {{- end -}}
 {{- end -}}
+
+{{/* "true" when the operator reconciles FederatedRuns (mode hub or both), else "". */}}
+{{- define "fedcore.hub" -}}
+{{- if ne .Values.mode "site" }}true{{ end -}}
+{{- end -}}
+
+{{/* "true" when the operator reconciles Participations (mode site or both, and site.hub set),
+else "". Fails when mode site lacks site.hub, or site reconciling lacks site.fingerprint. */}}
+{{- define "fedcore.site" -}}
+{{- if and (eq .Values.mode "site") (not .Values.site.hub) -}}
+{{- fail "mode: site needs site.hub (the hub endpoint's host:port) and site.fingerprint (the hub CA's sha256:... fingerprint, given with the join token)" -}}
+{{- end -}}
+{{- if and (ne .Values.mode "hub") .Values.site.hub -}}
+{{- if not .Values.site.fingerprint -}}
+{{- fail "site.hub is set: site.fingerprint is required too (the hub CA's sha256:... fingerprint, given with the join token)" -}}
+{{- end -}}
+true
+{{- end -}}
+{{- end -}}
+
+{{/* "true" when the FederatedRun validating webhook is served (webhook.enabled, mode not site). */}}
+{{- define "fedcore.webhook" -}}
+{{- if and .Values.webhook.enabled (include "fedcore.hub" .) }}true{{ end -}}
+{{- end -}}
+
+{{/* The operator's own image: the runtime image when it reconciles Participations (the site
+review computes the run's planned epsilon: torch, dp-accounting), else the operator image. */}}
+{{- define "fedcore.operatorContainerImage" -}}
+{{- if include "fedcore.site" . -}}
+{{- include "fedcore.runtimeImage" . -}}
+{{- else -}}
+{{- include "fedcore.operatorImage" . -}}
+{{- end -}}
+{{- end -}}
+
+{{/* The port of site.hub (host:port). */}}
+{{- define "fedcore.hubPort" -}}
+{{- splitList ":" .Values.site.hub | last -}}
+{{- end -}}
