@@ -183,6 +183,17 @@ class HubMetrics:
         )
         for route in HUB_ROUTES:
             self._connections.labels(run=run, route=route)
+        self._last_seen = Gauge(
+            "fedcore_hub_site_last_seen_timestamp_seconds",
+            "When each site last called the hub's API (Unix time): a site whose link is lost "
+            "stops moving it.",
+            [*labels, "site"],
+            registry=self.registry,
+        )
+
+    def site_seen(self, site: str) -> None:
+        """Records that ``site`` called the hub's API now."""
+        self._last_seen.labels(run=self._run, site=site).set_to_current_time()
 
     def refused(self, reason: str) -> None:
         """Counts one refused call or connection (``reason``: a short CamelCase word)."""

@@ -204,6 +204,7 @@ class HubEndpoint:
         if cert_der is None:
             raise EnrollmentRefused("This call needs the site's certificate.", reason="NotASite")
         site = self.registry.site_of_certificate(cert_der)
+        self.metrics.site_seen(site)
         if (method, path) == ("POST", "/v1/renew"):
             cert = self.registry.renew(site, _pem(body, "request"))
             log.info("Site %s renewed its certificate.", site)

@@ -129,14 +129,14 @@ class HubServe:
                     self._progress["phase"] = "Succeeded"
                 elif kind == "failed":
                     self._progress.update(phase="Failed", reason=str(event.get("reason", "")))
-                elif kind == "site_refused":
-                    self._progress.update(phase="Failed", reason="SiteRefused")
             return dict(self._progress)
 
     def _check(self) -> None:
         """Stops the run when a site refused it at its review."""
         refusal = self.refusal
         if refusal is not None:
+            with self._progress_lock:
+                self._progress.update(phase="Failed", reason="SiteRefused")
             raise RunAborted(
                 f"Site {refusal.get('site')} refused run {self.run.metadata.name!r} "
                 f"({refusal.get('reason')}): {refusal.get('message')}",

@@ -387,6 +387,7 @@ def test_a_run_with_clients_in_a_cluster_and_on_a_machine_trains_the_one_machine
 
     monkeypatch.setattr(HubEndpoint, "answer", recording)
     site_claims(control_plane, kubelet, namespace, hospitals)
+    started = time.time()
     path, run = write_run(tmp_path / "hub", run_document("mixed"))
     control_plane.kubectl("apply", "-n", namespace, "-f", "-", input=json.dumps(participation(run)))
     bare = BareSite(hub_state, tmp_path / "bare", run, hospitals / "hospital-2")
@@ -405,6 +406,14 @@ def test_a_run_with_clients_in_a_cluster_and_on_a_machine_trains_the_one_machine
         )  # fmt: skip
     assert hub.error is None and hub.result is not None, (hub.error, operator.tail())
     assert hub.result.phase == "Succeeded" and hub.result.rounds_completed == 3
+    # The hub saw both sites call in during the run (a site whose link is lost stops this).
+    assert hub.serve.endpoint is not None
+    sample = hub.serve.endpoint.metrics.registry.get_sample_value
+    for name in (SITE, BARE):
+        seen = sample(
+            "fedcore_hub_site_last_seen_timestamp_seconds", {"run": "mixed", "site": name}
+        )
+        assert seen is not None and started < seen <= time.time(), (name, seen)
     # Mid-run, the Participation showed the hub's run: its phase, round and rounds.
     assert mid["status"]["phase"] == "Running", mid["status"]
     assert mid["status"]["run"] == {"phase": "Running", "round": 1, "rounds": 3}

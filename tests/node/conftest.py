@@ -1,4 +1,4 @@
-"""Fixtures: one control plane and one real node (containerd, kubelet, kube-proxy) per session.
+"""Fixtures: one control plane and one real node (containerd, kubelet, kube-proxy) for the tier.
 
 `bash hack/test.sh` installs and builds what they need and sets FEDCORE_REQUIRE_REAL_NODE=1,
 so there a missing piece fails the tier. Elsewhere (not root, no containerd) it is skipped
@@ -26,9 +26,11 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     mark_folder(items, HERE, pytest.mark.integration)
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="package")
 def node(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RealNode]:
-    """A control plane on a pod network's gateway and one real node on that network."""
+    """A control plane on a pod network's gateway and one real node on that network, for the
+    tests under tests/node only: stopped (its images and snapshots, several GB, removed) as
+    soon as they are done, not at the end of the whole suite."""
     missing = missing_requirements()
     if missing:
         message = f"a real node needs {', '.join(missing)} (bash hack/test.sh provides them)"
