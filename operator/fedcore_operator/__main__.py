@@ -191,7 +191,7 @@ def run(
     reconciler = Reconciler(kube, settings) if mode != "site" else None
     site = None if site_settings is None else SiteReconciler(kube, settings, site_settings)
     webhook = None
-    if webhook_port and reconciler is not None:
+    if webhook_port and (reconciler is not None or site is not None):
         webhook = WebhookConfig(
             port=webhook_port,
             address=webhook_address,

@@ -6,16 +6,22 @@ the same messages): unknown fields, which the CRD keeps for this purpose, the cr
 and protocol preconditions, and the name rules that come from the objects a run creates
 (``metadata.name`` starts with a letter; its longest object name fits 63 characters). Then
 the pod-template settings that would weaken pod security, and which spec changes a run
-accepts in its current phase. Each problem names the field and says what is allowed. Pure
-functions: no API calls.
+accepts in its current phase. Each problem names the field and says what is allowed. A
+Participation (a site's approval) is checked against its model the same way
+(``check_participation``). Pure functions: no API calls.
 """
 
 from __future__ import annotations
 
+import re
 from typing import Any
 
+from pydantic import ValidationError
+
 from fedcore.errors import SpecError
+from fedcore.sites.participation import Participation
 from fedcore.spec import RESUME_INSENSITIVE_FIELDS, parse_manifest
+from fedcore.spec._validate import issues_from_pydantic
 from fedcore_operator.plan import kubernetes_issues
 
 Object = dict[str, Any]
@@ -102,3 +108,31 @@ def _change_problems(old: Object, new: Object) -> list[str]:
         f"spec.{key}: cannot change while the run is {phase or 'starting'}: {hint}."
         for key in refused
     ]
+
+
+# ---------------------------------------------------------------------------- participations
+
+PARTICIPATION_NAME = re.compile(r"^[a-z]([-a-z0-9]{0,61}[a-z0-9])?$")
+"""A Participation's name: a DNS label that starts with a letter (it is a label value on
+every object it owns, and the prefix of their names)."""
+
+
+def check_participation(body: Object) -> list[str]:
+    """Returns every reason to refuse a Participation (empty: admit it): its name, then what
+    the model refuses (unknown fields by name, types, bounds, the digest and image rules).
+    Any change is admitted: the operator reviews the run again for each generation."""
+    problems = []
+    name = str((body.get("metadata") or {}).get("name") or "")
+    if not PARTICIPATION_NAME.fullmatch(name):
+        problems.append(
+            f"metadata.name: {name!r} must be a DNS label that starts with a letter (lowercase "
+            "letters, digits and '-', at most 63 characters): it labels the objects it owns"
+        )
+    document = {key: value for key, value in body.items() if key not in ("metadata", "status")}
+    try:
+        Participation.model_validate(document)
+    except ValidationError as exc:
+        problems += [
+            f"{issue.path}: {issue.message}" for issue in issues_from_pydantic(exc, Participation)
+        ]
+    return problems

@@ -6,7 +6,9 @@ FederatedRun, or to a pod it owns, marks that run dirty, and one worker per run 
 reconciled every ``resync_seconds`` (deadlines, missed events). A run's deletion deletes its
 CA Secret in the operator's namespace (no owner reference reaches there), and every
 ``resync_seconds`` the CA Secrets of runs deleted while no operator watched are collected.
-The validating webhook is served by kopf on the same loop.
+Participations (mode site) have a queue of their own, resynced every
+``site_resync_seconds``: the hub's run moves on without any event in the site's cluster. The
+validating webhook (FederatedRuns, Participations) is served by kopf on the same loop.
 """
 
 from __future__ import annotations
@@ -141,16 +143,6 @@ def build_registry(
     """Registers the operator's kopf handlers in a fresh registry: FederatedRuns' with a
     ``reconciler`` (the hub's part), Participations' with a ``site`` reconciler."""
     registry = kopf.OperatorRegistry()
-    if site is not None:
-        _register_site(registry, site, metrics, site_resync_seconds)
-    if reconciler is None:
-
-        @kopf.on.login(registry=registry)
-        def site_login(**_: Any) -> kopf.ConnectionInfo:
-            return connection_info()
-
-        return registry
-    queue = RunQueue(reconciler.reconcile, metrics)
 
     @kopf.on.startup(registry=registry)
     async def configure(settings: kopf.OperatorSettings, **_: Any) -> None:
@@ -167,12 +159,21 @@ def build_registry(
                 cafile=webhook.cafile,
             )
             settings.admission.managed = webhook.managed
-        queue.resyncer = asyncio.create_task(queue.resync(resync_seconds))
-        queue.collector = asyncio.create_task(collect_orphans(reconciler, resync_seconds))
 
     @kopf.on.login(registry=registry)
     def login(**_: Any) -> kopf.ConnectionInfo:
         return connection_info()
+
+    if site is not None:
+        _register_site(registry, site, metrics, site_resync_seconds, webhook is not None)
+    if reconciler is None:
+        return registry
+    queue = RunQueue(reconciler.reconcile, metrics)
+
+    @kopf.on.startup(registry=registry)
+    async def start_resync(**_: Any) -> None:
+        queue.resyncer = asyncio.create_task(queue.resync(resync_seconds))
+        queue.collector = asyncio.create_task(collect_orphans(reconciler, resync_seconds))
 
     @kopf.on.event(GROUP, VERSION, PLURAL, registry=registry)
     async def run_changed(**kwargs: Any) -> None:
@@ -227,10 +228,26 @@ def _register_site(
     site: SiteReconciler,
     metrics: OperatorMetrics,
     resync_seconds: float,
+    validate: bool,
 ) -> None:
     """Participations: each reconciled on a change to it or to a pod it owns, and every
-    ``resync_seconds`` (the hub's run moves on without any event in this cluster)."""
+    ``resync_seconds`` (the hub's run moves on without any event in this cluster); with
+    ``validate``, the webhook refuses an invalid one, naming the field."""
     queue = RunQueue(site.reconcile, metrics, metrics.participations.observe)
+    if validate:
+
+        @kopf.on.validate(
+            GROUP,
+            VERSION,
+            PARTICIPATION_PLURAL,
+            id="validate-participation",
+            operations=["CREATE", "UPDATE"],
+            registry=registry,
+        )
+        def validate_participation(**kwargs: Any) -> None:
+            problems = admission.check_participation(dict(kwargs["body"]))
+            if problems:
+                raise kopf.AdmissionError("; ".join(problems), code=422)
 
     @kopf.on.startup(registry=registry)
     async def start_site_resync(**_: Any) -> None:

@@ -373,8 +373,9 @@ def test_site_mode_runs_the_runtime_image_with_the_site_env_and_participation_rb
     assert container["image"] == RUNTIME_IMAGE
     assert container["command"] == ["python", "-m", "fedcore_operator", "run"]
     assert "--mode=site" in container["args"]
-    assert not [arg for arg in container["args"] if arg.startswith(("--webhook", "--ca-"))]
-    assert container["readinessProbe"]["tcpSocket"]["port"] == "metrics"
+    assert not [arg for arg in container["args"] if arg.startswith("--ca-")]
+    assert "--webhook-port=9443" in container["args"]
+    assert container["readinessProbe"]["tcpSocket"]["port"] == "webhook"
     env = operator_env(kinds)
     assert {name: value for name, value in env.items() if name.startswith("FEDCORE_SITE_")} == {
         "FEDCORE_SITE_HUB": "hub.example.org:7443",
@@ -384,9 +385,11 @@ def test_site_mode_runs_the_runtime_image_with_the_site_env_and_participation_rb
         "FEDCORE_SITE_HUB_CIDRS": "203.0.113.0/24",
     }
     assert env["FEDCORE_OPERATOR_IMAGE"] == RUNTIME_IMAGE
-    # ... no FederatedRun webhook, rules or CA custody ...
-    assert {"ValidatingWebhookConfiguration", "Secret"}.isdisjoint(kinds)
-    assert [p["name"] for p in kinds["Service"][0]["spec"]["ports"]] == ["metrics"]
+    # ... the webhook validates Participations only; no FederatedRun rules or CA custody ...
+    (config,) = kinds["ValidatingWebhookConfiguration"]
+    assert [(w["clientConfig"]["service"]["path"], w["rules"][0]["resources"]) for w in
+            config["webhooks"]] == [("/validate-participation", ["participations"])]  # fmt: skip
+    assert [p["name"] for p in kinds["Service"][0]["spec"]["ports"]] == ["metrics", "webhook"]
     assert "federatedruns" not in json.dumps(kinds["ClusterRole"] + kinds["Role"])
     assert "demo-fedcore-ca-keys" not in [r["metadata"]["name"] for r in kinds["Role"]]
     # ... the Participation rules, bound where it reconciles, and what they own.
@@ -397,9 +400,9 @@ def test_site_mode_runs_the_runtime_image_with_the_site_env_and_participation_rb
         assert verbs_on(rules, resource) >= {"get", "list", "watch", "create", "patch", "delete"}
     bindings = [b for b in kinds["RoleBinding"] if b["roleRef"]["name"] == "demo-fedcore-runs"]
     assert sorted(b["metadata"]["namespace"] for b in bindings) == ["fedcore-system", "team-a"]
-    # The operator's own policy adds the hub's port, at site.hubCidrs; no webhook policy.
+    # The operator's own policy adds the hub's port, at site.hubCidrs.
     policies = {p["metadata"]["name"]: p["spec"] for p in kinds["NetworkPolicy"]}
-    assert list(policies) == ["demo-fedcore-operator"]
+    assert sorted(policies) == ["demo-fedcore-operator", "demo-fedcore-webhook"]
     assert policies["demo-fedcore-operator"]["egress"][-1] == {
         "ports": [{"protocol": "TCP", "port": 7443}],
         "to": [{"ipBlock": {"cidr": "203.0.113.0/24"}}],
@@ -440,7 +443,11 @@ def test_mode_both_with_a_hub_reconciles_runs_and_participations() -> None:
     assert container["image"] == RUNTIME_IMAGE
     assert not [arg for arg in container["args"] if arg.startswith("--mode")]
     assert "--webhook-port=9443" in container["args"]
-    assert "ValidatingWebhookConfiguration" in kinds
+    (config,) = kinds["ValidatingWebhookConfiguration"]
+    assert [w["name"] for w in config["webhooks"]] == [
+        "validate-run.fedcore.dev",
+        "validate-participation.fedcore.dev",
+    ]
     assert operator_env(kinds)["FEDCORE_SITE_HUB"] == "hub.example.org:7443"
     rules = runs_rules(kinds)
     assert verbs_on(rules, "federatedruns") == {"get", "list", "watch"}

@@ -1,10 +1,10 @@
 """A site's cluster on a real node: `helm install` in mode site, a join token, a Participation.
 
 The site's operator runs the built runtime image in a container of the node (its review
-computes the planned epsilon with torch and dp-accounting), enrolls with the token (its key is
-made in the cluster), and reconciles the Participation into client pods in real containers,
-which reach the hub (`fedcore hub serve`'s code, on the host, at the pod network's gateway)
-and nothing else. The run ends as one machine ends the same run.
+computes the planned epsilon with torch and dp-accounting), validates Participations in its
+webhook, enrolls with the token (its key is made in the cluster), and reconciles the
+Participation into client pods in real containers, which reach the hub (`fedcore hub serve`'s
+code, on the host, at the pod network's gateway). The run ends as one machine ends it.
 """
 
 from __future__ import annotations
@@ -110,7 +110,18 @@ def test_a_site_installed_with_the_chart_runs_its_clients_for_a_hub_in_real_cont
                     "pods": {"resources": {"limits": {"memory": "1Gi"}}},
                 },
             }
-            plane.kubectl("apply", "-n", data, "-f", "-", input=json.dumps(participation))
+            # The webhook's Service answers a moment after the pod is Ready (kube-proxy's
+            # rules): retry the apply while the API server cannot call it, as a user would.
+            deadline = time.monotonic() + 90
+            while True:
+                applied = plane.kubectl(
+                    "apply", "-n", data, "-f", "-", input=json.dumps(participation), check=False
+                )
+                if applied.returncode == 0:
+                    break
+                assert "failed calling webhook" in applied.stderr, applied.stderr
+                assert time.monotonic() < deadline, f"the webhook never answered:\n{applied}"
+                time.sleep(1)
             follower.join(420)
             assert not follower.is_alive(), f"the hub's run did not end:\n{debug()}"
             deadline = time.monotonic() + 60

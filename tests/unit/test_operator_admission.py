@@ -364,3 +364,69 @@ def test_safe_templates_are_admitted() -> None:
         assert admission.check(template_run(role, template), None, "CREATE") == []
     server = template_run("server", {"spec": {"automountServiceAccountToken": True}})
     assert admission.check(server, None, "CREATE") == []
+
+
+# ---------------------------------------------------------------------------- participations
+
+
+def participation(name: str = "study", **spec: Any) -> dict[str, Any]:
+    body: dict[str, Any] = {
+        "apiVersion": "fedcore.dev/v1alpha1",
+        "kind": "Participation",
+        "metadata": {"name": name, "namespace": "research", "uid": "u", "generation": 3},
+        "spec": {
+            "run": "consortium",
+            "specDigest": "sha256:" + "ab" * 32,
+            "clients": 2,
+            "floor": {"protocols": ["dp-fedavg"], "maxEpsilon": 8.0},
+            "images": ["registry.example.org/fedcore/"],
+        },
+        "status": {"phase": "Running", "unknownToTheModel": True},
+    }
+    body["spec"].update(spec)
+    return body
+
+
+def test_a_valid_participation_is_admitted_whatever_its_status_says() -> None:
+    assert admission.check_participation(participation()) == []
+
+
+@pytest.mark.parametrize(
+    ("name", "admitted"),
+    [("study", True), ("s-7", True), ("7study", False), ("bad.name", False), ("a" * 64, False)],
+)
+def test_a_participation_name_must_be_a_label_that_starts_with_a_letter(
+    name: str, admitted: bool
+) -> None:
+    problems = admission.check_participation(participation(name))
+    assert (problems == []) == admitted
+    if not admitted:
+        assert problems == [
+            f"metadata.name: {name!r} must be a DNS label that starts with a letter (lowercase "
+            "letters, digits and '-', at most 63 characters): it labels the objects it owns"
+        ]
+
+
+def test_each_problem_of_a_participation_is_named_by_its_field() -> None:
+    body = participation(withdrawm=True, images=["evil:latest"], clients=0)
+    body["spec"]["floor"]["maxEpsilon"] = -1
+    problems = admission.check_participation(body)
+    assert sorted(problem.split(":")[0] for problem in problems) == [
+        "spec.clients",
+        "spec.floor.maxEpsilon",
+        "spec.images",
+        "spec.withdrawm",
+    ]
+    assert (
+        "spec.withdrawm: unknown field; allowed fields here: clients, data, floor, images, "
+        "pods, run, specDigest, withdrawn." in problems
+    )
+    assert any("'evil:latest' is neither an image by digest" in p for p in problems)
+
+
+def test_a_participation_of_another_kind_or_version_is_refused() -> None:
+    body = participation()
+    body["kind"] = "SitePolicy"
+    body["apiVersion"] = "fedcore.dev/v1"
+    problems = admission.check_participation(body)
+    assert sorted(problem.split(":")[0] for problem in problems) == ["apiVersion", "kind"]

@@ -64,7 +64,7 @@ true
 
 {{/* "true" when the FederatedRun validating webhook is served (webhook.enabled, mode not site). */}}
 {{- define "fedcore.webhook" -}}
-{{- if and .Values.webhook.enabled (include "fedcore.hub" .) }}true{{ end -}}
+{{- if and .Values.webhook.enabled (or (include "fedcore.hub" .) (include "fedcore.site" .)) }}true{{ end -}}
 {{- end -}}
 
 {{/* The operator's own image: the runtime image when it reconciles Participations (the site

@@ -345,6 +345,16 @@ class _SitePlanner:
         if self.o.offer is None:
             problem = self.o.problem or HubProblem("Unreachable", "The hub did not answer.")
             self.count_clients(None)
+            previous = str(self.status.get("phase") or "Pending")
+            if previous in ("Succeeded", "Failed", "Refused", "Withdrawn"):
+                return self.finish(
+                    previous,
+                    str(self.status.get("reason") or ""),
+                    str(self.status.get("message") or ""),
+                )
+            if problem.reason == "Revoked":
+                self.stop_pods()
+                return self.finish("Failed", "Revoked", problem.message)
             total = int((self.status.get("clients") or {}).get("total", 0))
             done = [p for p in self.live_pods() if pod_phase(p) == "Succeeded"]
             if total and len(done) == total:
@@ -357,16 +367,6 @@ class _SitePlanner:
             running = [p for p in self.live_pods() if pod_phase(p) not in ("Succeeded", "Failed")]
             if problem.reason == "Unreachable" and running:
                 return self.finish("Unreachable", problem.reason, problem.message)
-            if problem.reason == "Revoked":
-                self.stop_pods()
-                return self.finish("Failed", "Revoked", problem.message)
-            previous = str(self.status.get("phase") or "Pending")
-            if previous in ("Succeeded", "Failed", "Refused", "Withdrawn"):
-                return self.finish(
-                    previous,
-                    str(self.status.get("reason") or ""),
-                    str(self.status.get("message") or ""),
-                )
             return self.finish("Pending", problem.reason, problem.message)
         offer = self.o.offer
         if offer.name != spec.run:
