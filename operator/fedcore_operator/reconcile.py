@@ -48,7 +48,7 @@ from fedcore_operator.plan import (
 )
 from fedcore_operator.settings import OperatorSettings
 
-__all__ = ["CREATE_CONCURRENCY", "Outcome", "Reconciler", "manifest_of"]
+__all__ = ["CREATE_CONCURRENCY", "Outcome", "Reconciler", "create_all", "manifest_of"]
 
 log = logging.getLogger(__name__)
 
@@ -64,6 +64,20 @@ class Outcome:
     phase: str | None = None
     writes: int = 0
     actions: list[str] = field(default_factory=list)
+
+
+def create_all(kube: Kube, items: list[Object], outcome: Outcome) -> None:
+    """Creates objects, several requests in flight at once (a 1,000-client run); counts each
+    one created in ``outcome`` (one that exists already is left as it is)."""
+    if len(items) > 1:
+        with ThreadPoolExecutor(CREATE_CONCURRENCY) as pool:
+            created = list(pool.map(kube.create, items))
+    else:
+        created = [kube.create(item) for item in items]
+    for obj, result in zip(items, created, strict=True):
+        if result is not None:
+            outcome.writes += 1
+            outcome.actions.append(f"created {obj['kind']}/{obj['metadata']['name']}")
 
 
 class Reconciler:
@@ -142,16 +156,7 @@ class Reconciler:
                 outcome.actions.append(step.text)
 
     def _create_all(self, items: list[Object], outcome: Outcome) -> None:
-        """Creates objects, several requests in flight at once (a 1,000-client run)."""
-        if len(items) > 1:
-            with ThreadPoolExecutor(CREATE_CONCURRENCY) as pool:
-                created = list(pool.map(self.kube.create, items))
-        else:
-            created = [self.kube.create(item) for item in items]
-        for obj, result in zip(items, created, strict=True):
-            if result is not None:
-                outcome.writes += 1
-                outcome.actions.append(f"created {obj['kind']}/{obj['metadata']['name']}")
+        create_all(self.kube, items, outcome)
 
     def _issue_certificates(self, step: IssueCertificates, outcome: Outcome) -> None:
         """Loads or mints the run's CA, then creates the missing pods' certificate Secrets."""

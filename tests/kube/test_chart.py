@@ -394,7 +394,7 @@ def test_site_mode_runs_the_runtime_image_with_the_site_env_and_participation_rb
     assert "demo-fedcore-ca-keys" not in [r["metadata"]["name"] for r in kinds["Role"]]
     # ... the Participation rules, bound where it reconciles, and what they own.
     rules = runs_rules(kinds)
-    assert verbs_on(rules, "participations") == {"get", "list", "watch"}
+    assert verbs_on(rules, "participations") == {"get", "list", "watch", "patch"}
     assert verbs_on(rules, "participations/status") == {"get", "patch"}
     for resource in SITE_KINDS:
         assert verbs_on(rules, resource) >= {"get", "list", "watch", "create", "patch", "delete"}
@@ -451,7 +451,7 @@ def test_mode_both_with_a_hub_reconciles_runs_and_participations() -> None:
     assert operator_env(kinds)["FEDCORE_SITE_HUB"] == "hub.example.org:7443"
     rules = runs_rules(kinds)
     assert verbs_on(rules, "federatedruns") == {"get", "list", "watch"}
-    assert verbs_on(rules, "participations") == {"get", "list", "watch"}
+    assert verbs_on(rules, "participations") == {"get", "list", "watch", "patch"}
 
 
 def test_hub_mode_renders_no_participation_rules_nor_site_env() -> None:

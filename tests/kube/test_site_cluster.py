@@ -676,3 +676,45 @@ def test_an_invalid_participation_is_refused_at_apply_naming_each_field(
     ):
         assert words in answer.stderr, answer.stderr
     assert client_pods(control_plane, namespace) == []
+
+
+def test_a_participation_deleted_mid_run_tells_the_hub_before_it_goes(
+    control_plane: ControlPlane,
+    kubelet: FakeKubelet,
+    operator: OperatorProcess,
+    namespace: str,
+    hub_state: HubState,
+    hospitals: Path,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    site_claims(control_plane, kubelet, namespace, hospitals)
+    document = run_document("deleted", clients={"count": 3, "quorum": 1})
+    document["spec"]["failurePolicy"]["roundTimeoutSeconds"] = 10
+    path, run = write_run(tmp_path / "hub", document)
+    control_plane.kubectl("apply", "-n", namespace, "-f", "-", input=json.dumps(participation(run)))
+    bare = BareSite(hub_state, run, hospitals / "hospital-2")
+    hold = held_after_round_one(monkeypatch, tmp_path)
+    with Hub(hub_state, path, tmp_path / "hub" / "work") as hub, bare:
+        wait_held(hub, operator)
+        held = get_participation(control_plane, namespace, "study")
+        assert held["metadata"]["finalizers"] == ["fedcore.dev/tell-the-hub"]
+        control_plane.kubectl("-n", namespace, "delete", "participation", "study", "--wait=false")
+        deadline = time.monotonic() + 60
+        while True:
+            try:
+                get_participation(control_plane, namespace, "study")
+            except ApiException as exc:
+                assert exc.status == 404
+                break
+            assert time.monotonic() < deadline, operator.tail()
+            time.sleep(0.5)
+        assert [e["site"] for e in hub.events("site_withdrew")] == [SITE]
+        deadline = time.monotonic() + 60
+        while client_pods(control_plane, namespace):  # collected with their owner
+            assert time.monotonic() < deadline, client_pods(control_plane, namespace)
+            time.sleep(0.5)
+        hold.unlink()
+        hub.ended(240)
+    assert hub.error is None and hub.result is not None and hub.result.phase == "Succeeded"
+    assert [r["participants"] for r in hub.events("round")] == [3, 1, 1]

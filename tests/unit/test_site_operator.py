@@ -29,6 +29,8 @@ from fedcore_operator.settings import OperatorSettings
 from fedcore_operator.site import objects as site_objects
 from fedcore_operator.site.objects import SiteContext
 from fedcore_operator.site.plan import (
+    DELETION_GIVE_UP_SECONDS,
+    FINALIZER,
     MAX_CLIENT_RESTARTS,
     HubProblem,
     IssueClientCertificates,
@@ -38,6 +40,7 @@ from fedcore_operator.site.plan import (
     SitePlan,
     SiteStep,
     Verdict,
+    deletion,
     plan,
     review_offer,
 )
@@ -148,7 +151,13 @@ def participation(spec: Object, status: Object | None = None, name: str = NAME) 
     body: Object = {
         "apiVersion": "fedcore.dev/v1alpha1",
         "kind": "Participation",
-        "metadata": {"name": name, "namespace": NAMESPACE, "uid": UID, "generation": 1},
+        "metadata": {
+            "name": name,
+            "namespace": NAMESPACE,
+            "uid": UID,
+            "generation": 1,
+            "finalizers": [FINALIZER],  # what the first pass adds
+        },
         "spec": spec,
     }
     if status is not None:
@@ -1254,3 +1263,60 @@ def test_network_policy_lets_only_the_chart_scraper_in() -> None:
     assert policy["spec"]["ingress"] == [
         {"from": [scraper], "ports": [{"protocol": "TCP", "port": 9090}]}
     ]
+
+
+# ------------------------------------------------------------------------------ deletion
+
+
+def test_the_first_pass_holds_the_participation_with_the_finalizer_first() -> None:
+    observed = observe(approval(), site=None)
+    body = copy.deepcopy(observed.body)
+    body["metadata"]["finalizers"] = ["other.example/keep"]
+    decided = plan(replace(observed, body=body))
+    assert summary(decided.steps) == [("patch", "Participation", NAME)]
+    step = decided.steps[0]
+    assert isinstance(step, PatchObject)
+    assert step.patch == {"metadata": {"finalizers": ["other.example/keep", FINALIZER]}}
+
+
+def deleted(status: Object | None, seconds_ago: float = 5) -> Object:
+    body = participation(approval(), status)
+    when = NOW - datetime.timedelta(seconds=seconds_ago)
+    body["metadata"]["deletionTimestamp"] = when.strftime("%Y-%m-%dT%H:%M:%SZ")
+    body["metadata"]["finalizers"] = [FINALIZER, "other.example/keep"]
+    return body
+
+
+RELEASE = ("patch", "Participation", NAME)
+APPROVED = {"reported": {"verdict": "Approved", "digest": DIGEST}}
+
+
+def test_a_deleted_approved_participation_tells_the_hub_then_lets_go() -> None:
+    steps = deletion(deleted(APPROVED), NOW, offer(), None)
+    assert summary(steps) == [("report", "Withdrawn", ""), RELEASE]
+    release = steps[1]
+    assert isinstance(release, PatchObject)
+    assert release.patch == {"metadata": {"finalizers": ["other.example/keep"]}}
+
+
+def test_a_deleted_participation_never_approved_lets_go_at_once() -> None:
+    assert summary(deletion(deleted(None), NOW, offer(), None)) == [RELEASE]
+
+
+def test_a_deleted_participation_lets_go_when_the_hub_no_longer_serves_the_run() -> None:
+    assert summary(deletion(deleted(APPROVED), NOW, offer(name="other"), None)) == [RELEASE]
+    gone = HubProblem("NoRun", "This hub serves no run now.")
+    assert summary(deletion(deleted(APPROVED), NOW, None, gone)) == [RELEASE]
+
+
+def test_a_deleted_participation_waits_for_an_unreachable_hub_then_goes_untold() -> None:
+    down = HubProblem("Unreachable", "refused")
+    assert deletion(deleted(APPROVED, seconds_ago=5), NOW, None, down) == ()
+    late = deletion(deleted(APPROVED, seconds_ago=DELETION_GIVE_UP_SECONDS), NOW, None, down)
+    assert summary(late) == [("note", True), RELEASE]
+
+
+def test_a_participation_without_the_finalizer_needs_no_deletion_step() -> None:
+    body = deleted(APPROVED)
+    body["metadata"]["finalizers"] = ["other.example/keep"]
+    assert deletion(body, NOW, offer(), None) == ()

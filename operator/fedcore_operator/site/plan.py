@@ -23,6 +23,8 @@ and returns the ordered steps and the status patch. The rules:
   hub reports its run ended, no pod is made and the phase follows the hub's.
 
 Pods are found by name and label, so an operator restarted mid-run makes no duplicate.
+Every Participation carries the finalizer ``FINALIZER`` (added at its first pass): deleting
+one tells the hub of the withdrawal before it goes (``deletion``), as ``withdrawn`` does.
 """
 
 from __future__ import annotations
@@ -44,6 +46,7 @@ from fedcore.transport import certificate_facts
 from fedcore_operator.conditions import (
     differs,
     format_rfc3339,
+    parse_rfc3339,
     pod_phase,
     pod_ready,
     set_condition,
@@ -55,6 +58,10 @@ from fedcore_operator.site import objects as site_objects
 from fedcore_operator.site.objects import SiteContext
 
 Object = dict[str, Any]
+FINALIZER = "fedcore.dev/tell-the-hub"
+"""Kept on a Participation until the hub has been told that a deleted approval is withdrawn."""
+DELETION_GIVE_UP_SECONDS = 120
+"""How long a deleted Participation waits for an unreachable hub before it goes untold."""
 MAX_CLIENT_RESTARTS = 3
 """Failed client pods made again per Participation before it fails."""
 STOP_GRACE_SECONDS = 30
@@ -313,6 +320,15 @@ class _SitePlanner:
     # ------------------------------------------------------------------ decide
 
     def decide(self) -> SitePlan:
+        finalizers = list(self.o.body["metadata"].get("finalizers") or [])
+        if FINALIZER not in finalizers:
+            self.steps.append(
+                PatchObject(
+                    "Participation",
+                    self.name,
+                    {"metadata": {"finalizers": [*finalizers, FINALIZER]}},
+                )
+            )
         try:
             spec = ParticipationSpec.model_validate(self.o.body.get("spec") or {})
         except ValidationError as exc:
@@ -561,3 +577,36 @@ def _past_half_life(secret: Object, now: datetime.datetime) -> bool:
 
 KINDS = ("Pod", "Secret", "ConfigMap", "ServiceAccount", "NetworkPolicy")
 """The kinds a pass lists, by the Participation's label."""
+
+
+def deletion(
+    body: Object, now: datetime.datetime, offer: Offer | None, problem: HubProblem | None
+) -> tuple[SiteStep, ...]:
+    """The steps for a Participation being deleted: tell the hub it is withdrawn (when the
+    hub was told it approved, and still serves that run), then drop ``FINALIZER``; the pods
+    go with the Participation (owner references). An unreachable hub is given
+    ``DELETION_GIVE_UP_SECONDS`` before the Participation goes untold."""
+    meta = body["metadata"]
+    finalizers = list(meta.get("finalizers") or [])
+    if FINALIZER not in finalizers:
+        return ()
+    remaining = [name for name in finalizers if name != FINALIZER]
+    release = PatchObject("Participation", meta["name"], {"metadata": {"finalizers": remaining}})
+    reported = (body.get("status") or {}).get("reported") or {}
+    run = str((body.get("spec") or {}).get("run", ""))
+    served = offer is not None and offer.name == run
+    unreachable = offer is None and (problem is None or problem.reason == "Unreachable")
+    if reported.get("verdict") != "Approved" or not (served or unreachable):
+        return (release,)  # nothing to withdraw, or the hub no longer serves the run
+    if served:
+        tell = ReportToHub(run, "Withdrawn", message="The site deleted its Participation.")
+        return (tell, release)
+    since = parse_rfc3339(str(meta.get("deletionTimestamp")))
+    if (now - since).total_seconds() >= DELETION_GIVE_UP_SECONDS:
+        note = Note(
+            f"Participation {meta['name']} is deleted; the hub did not answer for "
+            f"{DELETION_GIVE_UP_SECONDS} s, so it was not told of the withdrawal.",
+            warning=True,
+        )
+        return (note, release)
+    return ()

@@ -34,7 +34,7 @@ from fedcore.sites.site import SiteConfig, enroll
 from fedcore.transport import TlsBundle, certificate_facts, new_key_and_request
 from fedcore_operator.kube import Kube
 from fedcore_operator.plan import CreateObjects, DeletePod, Note, PatchObject
-from fedcore_operator.reconcile import CREATE_CONCURRENCY, Outcome
+from fedcore_operator.reconcile import Outcome, create_all
 from fedcore_operator.settings import OperatorSettings
 from fedcore_operator.site import objects as site_objects
 from fedcore_operator.site.plan import (
@@ -46,6 +46,7 @@ from fedcore_operator.site.plan import (
     SiteObserved,
     SiteStep,
     Verdict,
+    deletion,
     plan,
     review_offer,
 )
@@ -234,13 +235,15 @@ class SiteReconciler:
         """Runs one pass over the Participation ``namespace/name``; a vanished one is a no-op."""
         body = self.kube.get("Participation", namespace, name)
         outcome = Outcome()
-        if body is None or body["metadata"].get("deletionTimestamp"):
+        if body is None:
             return outcome
+        if body["metadata"].get("deletionTimestamp"):
+            return self.delete(body, namespace, outcome)
         observed = self.observe(body)
         decided = plan(observed)
         patch = decided.status_patch
         for step in decided.steps:
-            if not self._apply(step, namespace, outcome, observed) and patch is not None:
+            if not self._apply(step, namespace, outcome) and patch is not None:
                 # The hub did not take the report: the status must not say it did.
                 previous = (body.get("status") or {}).get("reported")
                 patch = {"status": {**patch["status"], "reported": previous}}
@@ -248,6 +251,14 @@ class SiteReconciler:
         if patch is not None:
             self.kube.patch("Participation", namespace, name, patch, sub="status")
             outcome.writes += 1
+        return outcome
+
+    def delete(self, body: Object, namespace: str, outcome: Outcome) -> Outcome:
+        """A deleted Participation: the hub is told of the withdrawal, then it may go."""
+        observed = self.observe(body)
+        for step in deletion(body, observed.now, observed.offer, observed.problem):
+            if not self._apply(step, namespace, outcome):
+                return outcome  # the hub did not take it: the next pass tries again
         return outcome
 
     # ------------------------------------------------------------------ observe
@@ -310,9 +321,7 @@ class SiteReconciler:
 
     # ------------------------------------------------------------------ apply
 
-    def _apply(
-        self, step: SiteStep, namespace: str, outcome: Outcome, observed: SiteObserved
-    ) -> bool:
+    def _apply(self, step: SiteStep, namespace: str, outcome: Outcome) -> bool:
         """Carries out one step; returns False only for a report the hub did not take."""
         if isinstance(step, CreateObjects):
             self._create_all(list(step.objects), outcome)
@@ -336,17 +345,7 @@ class SiteReconciler:
         return True
 
     def _create_all(self, items: list[Object], outcome: Outcome) -> None:
-        if len(items) > 1:
-            from concurrent.futures import ThreadPoolExecutor
-
-            with ThreadPoolExecutor(CREATE_CONCURRENCY) as pool:
-                created = list(pool.map(self.kube.create, items))
-        else:
-            created = [self.kube.create(item) for item in items]
-        for obj, result in zip(items, created, strict=True):
-            if result is not None:
-                outcome.writes += 1
-                outcome.actions.append(f"created {obj['kind']}/{obj['metadata']['name']}")
+        create_all(self.kube, items, outcome)
 
     def _api(self) -> HubApiClient:
         _, bundle = self.identity.current()
