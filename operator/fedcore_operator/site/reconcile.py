@@ -22,7 +22,7 @@ import logging
 import os
 import socket
 import threading
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from kubernetes.client.exceptions import ApiException
@@ -229,7 +229,8 @@ class SiteReconciler:
         self.settings = settings
         self.site = site
         self.identity = SiteIdentity(kube, site)
-        self._reviews: dict[tuple[str, int, str], Verdict] = {}
+        self._reviews: dict[str, tuple[tuple[int, str], Verdict]] = {}
+        """Per Participation (uid), its last review: (generation, digest) and the verdict."""
 
     def reconcile(self, namespace: str, name: str) -> Outcome:
         """Runs one pass over the Participation ``namespace/name``; a vanished one is a no-op."""
@@ -268,42 +269,43 @@ class SiteReconciler:
         meta = body["metadata"]
         labels = site_objects.selector(meta["name"])
         listed = {kind: self.kube.list(kind, meta["namespace"], labels) for kind in KINDS}
-        base = {
-            "body": body,
-            "now": datetime.datetime.now(datetime.UTC),
-            "settings": self.settings,
-            "hub": self.site.hub,
-            "pods": listed.pop("Pod"),
-            "owned": listed,
-            "hub_addresses": self.hub_addresses(),
-        }
+        base = SiteObserved(
+            body=body,
+            now=datetime.datetime.now(datetime.UTC),
+            settings=self.settings,
+            hub=self.site.hub,
+            site=None,
+            pods=listed.pop("Pod"),
+            owned=listed,
+            hub_addresses=self.hub_addresses(),
+        )
         try:
             config, bundle = self.identity.current()
         except (FedcoreError, HubRefused, TransportError, OSError) as exc:
-            return SiteObserved(site=None, enrollment=str(exc), **base)  # type: ignore[arg-type]
+            return replace(base, enrollment=str(exc))
+        enrolled = replace(base, site=config.name)
         api = HubApiClient(self.site.hub, bundle.ca_pem, bundle, timeout=HUB_TIMEOUT_SECONDS)
         try:
             offer = Offer.from_answer(api.call("GET", "/v1/run"))
         except HubRefused as exc:
-            problem = HubProblem(exc.reason, str(exc))
-            return SiteObserved(site=config.name, problem=problem, **base)  # type: ignore[arg-type]
+            return replace(enrolled, problem=HubProblem(exc.reason, str(exc)))
         except (TransportError, OSError, KeyError, ValueError, TypeError) as exc:
-            problem = HubProblem("Unreachable", f"The hub at {self.site.hub} did not answer: {exc}")
-            return SiteObserved(site=config.name, problem=problem, **base)  # type: ignore[arg-type]
-        verdict = self.review(body, config.name, offer)
-        return SiteObserved(site=config.name, offer=offer, verdict=verdict, **base)  # type: ignore[arg-type]
+            message = f"The hub at {self.site.hub} did not answer: {exc}"
+            return replace(enrolled, problem=HubProblem("Unreachable", message))
+        return replace(enrolled, offer=offer, verdict=self.review(body, config.name, offer))
 
     def review(self, body: Object, site: str, offer: Offer) -> Verdict | None:
         """The review of ``offer``, computed once per Participation generation and digest."""
         meta = body["metadata"]
-        key = (str(meta.get("uid")), int(meta.get("generation") or 0), offer.digest)
-        if key not in self._reviews:
+        uid, key = str(meta.get("uid")), (int(meta.get("generation") or 0), offer.digest)
+        known = self._reviews.get(uid)
+        if known is None or known[0] != key:
             try:
                 spec = ParticipationSpec.model_validate(body.get("spec") or {})
             except ValueError:
                 return None  # the plan reports the invalid spec
-            self._reviews[key] = review_offer(spec, site, offer, self.settings)
-        return self._reviews[key]
+            known = self._reviews[uid] = (key, review_offer(spec, site, offer, self.settings))
+        return known[1]
 
     def hub_addresses(self) -> tuple[str, ...]:
         """The CIDRs the client pods may reach the hub at: the chart's, else the hub's
