@@ -24,6 +24,7 @@ import socket
 import subprocess
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -59,6 +60,9 @@ log = logging.getLogger(__name__)
 SITE_FILE = "site.json"
 IDENTITY_FOLDER = "identity"
 STOP_SECONDS = 10.0
+LOCAL_CONNECT_SECONDS = 5.0
+"""How long a relay waits for the client it splices to to listen on its peer port (the hub's
+broker waits 15 s for the whole dial-back)."""
 _TOKEN_SITE = re.compile(r"([a-z][a-z0-9-]{0,39})\.")
 
 
@@ -85,6 +89,78 @@ class SiteConfig:
             raise FedcoreError(
                 f"{directory} holds no joined site ({path}: {exc}); run fedcore site join first."
             ) from exc
+
+
+def answer_relays(
+    api: Callable[[], HubApiClient],
+    hub: str,
+    where: Callable[[int], tuple[str, int] | None],
+    stopping: threading.Event,
+) -> bool:
+    """Answers the hub's relay requests until ``stopping`` is set: polls ``/v1/tunnels`` and,
+    for each, dials the hub back and splices the connection to the peer port of the client
+    it names (``where``: its host and port; None: not one of this site's). Returns True when
+    the hub revoked the site (it stops answering), False when stopped."""
+    while not stopping.is_set():
+        try:
+            answer = api().call("GET", "/v1/tunnels", wait=20.0)
+        except HubRefused as exc:
+            if exc.reason == "Revoked":
+                return True
+            stopping.wait(1.0)
+            continue
+        except (TransportError, OSError, FedcoreError):
+            stopping.wait(1.0)
+            continue
+        for tunnel in answer.get("tunnels", []):
+            threading.Thread(
+                target=dial_back, args=(hub, tunnel, where), daemon=True, name="dial-back"
+            ).start()
+    return False
+
+
+def dial_back(
+    hub: str, tunnel: dict[str, Any], where: Callable[[int], tuple[str, int] | None]
+) -> None:
+    """Dials the hub back for one relay (``FCTUNNEL <token>``) and splices it to the client
+    the tunnel names, at ``where(index)``; the two clients' own TLS runs through it."""
+    target = str(tunnel.get("target", ""))
+    token = str(tunnel.get("token", ""))
+    try:
+        identity = Identity.parse(target.split(".", 1)[0])
+    except TransportError:
+        return
+    address = where(identity.index) if identity.index is not None else None
+    if address is None or not re.fullmatch(r"[0-9a-f]{64}", token):
+        log.warning("The hub asked for a relay to %s, which this site does not run.", target)
+        return
+    try:
+        local = _connect(address, LOCAL_CONNECT_SECONDS)  # never proxied
+        back = dial(hub)
+        back.sendall(b"FCTUNNEL " + token.encode() + b"\n")
+    except (TransportError, OSError) as exc:
+        log.warning("A dial-back for %s failed: %s", target, exc)
+        return
+    back.settimeout(None)
+    local.settimeout(None)
+    splice(back, local)
+
+
+def _connect(address: tuple[str, int], seconds: float) -> socket.socket:
+    """A connection to a client's peer port, retried for ``seconds`` (a client that has just
+    started may not listen yet).
+
+    Raises:
+        OSError: it still refused, or did not answer, when the time was up.
+    """
+    deadline = time.monotonic() + seconds
+    while True:
+        try:
+            return socket.create_connection(address, timeout=10.0)
+        except ConnectionRefusedError:
+            if time.monotonic() >= deadline:
+                raise
+            time.sleep(0.2)
 
 
 def enroll(*, hub: str, token: str, expected_fingerprint: str) -> tuple[SiteConfig, TlsBundle]:
@@ -397,44 +473,14 @@ class SiteAgent:
 
     def _relay(self) -> None:
         """Answers the hub's relay requests: dials back and splices to the client's port."""
-        while not self._stopping.is_set():
-            try:
-                answer = self.api.call("GET", "/v1/tunnels", wait=20.0)
-            except HubRefused as exc:
-                if exc.reason == "Revoked":
-                    self.revoked = True
-                    return
-                time.sleep(1.0)
-                continue
-            except (TransportError, OSError):
-                time.sleep(1.0)
-                continue
-            for tunnel in answer.get("tunnels", []):
-                threading.Thread(
-                    target=self._dial_back, args=(tunnel,), daemon=True, name="dial-back"
-                ).start()
-
-    def _dial_back(self, tunnel: dict[str, Any]) -> None:
-        target = str(tunnel.get("target", ""))
-        token = str(tunnel.get("token", ""))
-        try:
-            identity = Identity.parse(target.split(".", 1)[0])
-        except TransportError:
-            return
-        port = self._peer_ports.get(identity.index if identity.index is not None else -1)
-        if port is None or not re.fullmatch(r"[0-9a-f]{64}", token):
-            log.warning("The hub asked for a relay to %s, which this site does not run.", target)
-            return
-        try:
-            back = dial(self.config.hub)
-            back.sendall(b"FCTUNNEL " + token.encode() + b"\n")
-            local = socket.create_connection((LOOPBACK, port), timeout=10.0)  # never proxied
-        except (TransportError, OSError) as exc:
-            log.warning("A dial-back for %s failed: %s", target, exc)
-            return
-        back.settimeout(None)
-        local.settimeout(None)
-        splice(back, local)
+        self.revoked = answer_relays(
+            lambda: self.api,
+            self.config.hub,
+            lambda index: (
+                None if index not in self._peer_ports else (LOOPBACK, self._peer_ports[index])
+            ),
+            self._stopping,
+        )
 
     def stop(self) -> None:
         """Stops every client still running: SIGTERM, then SIGKILL."""
@@ -452,4 +498,4 @@ class SiteAgent:
                 child.wait()
 
 
-__all__ = ["SiteAgent", "SiteConfig", "enroll", "join"]
+__all__ = ["SiteAgent", "SiteConfig", "answer_relays", "dial_back", "enroll", "join"]

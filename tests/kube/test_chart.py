@@ -407,6 +407,18 @@ def test_site_mode_runs_the_runtime_image_with_the_site_env_and_participation_rb
         "ports": [{"protocol": "TCP", "port": 7443}],
         "to": [{"ipBlock": {"cidr": "203.0.113.0/24"}}],
     }
+    # ... and the site's client pods' peer port, for the relays it splices to them.
+    assert policies["demo-fedcore-operator"]["egress"][-2] == {
+        "ports": [{"protocol": "TCP", "port": OperatorSettings().peer_port}],
+        "to": [
+            {
+                "namespaceSelector": {},
+                "podSelector": {
+                    "matchExpressions": [{"key": "fedcore.dev/participation", "operator": "Exists"}]
+                },
+            }
+        ],
+    }
 
 
 def test_site_mode_without_hub_cidrs_opens_the_hubs_port_only() -> None:

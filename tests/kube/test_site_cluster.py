@@ -315,7 +315,7 @@ class BareSite:
     """The second site: `fedcore site join` (once, when the hub first listens), then
     `fedcore site serve` with its policy for ``run``."""
 
-    def __init__(self, hub: HubState, run: FederatedRun, data: Path) -> None:
+    def __init__(self, hub: HubState, run: FederatedRun, data: Path | None) -> None:
         self.hub = hub
         folder = self.folder = hub.bare_folder
         folder.mkdir(parents=True, exist_ok=True)
@@ -331,7 +331,7 @@ class BareSite:
                     "specDigest": spec_digest(run),
                     "clients": 1,
                     "floor": {"protocols": [run.spec.protocol.name]},
-                    "data": {"sources": [{"path": str(data)}]},
+                    **({} if data is None else {"data": {"sources": [{"path": str(data)}]}}),
                 }
             ],
         }
@@ -718,3 +718,41 @@ def test_a_participation_deleted_mid_run_tells_the_hub_before_it_goes(
         hub.ended(240)
     assert hub.error is None and hub.result is not None and hub.result.phase == "Succeeded"
     assert [r["participants"] for r in hub.events("round")] == [3, 1, 1]
+
+
+def test_lppa_peer_links_reach_the_clusters_pods_through_the_hubs_relay_and_the_operator(
+    control_plane: ControlPlane,
+    operator: OperatorProcess,
+    namespace: str,
+    hub_state: HubState,
+    tmp_path: Path,
+) -> None:
+    """lppa over a complete graph of three clients, two in the cluster: every link to a
+    cluster client is relayed by the hub to the site's operator, which splices it to the
+    client pod's peer port; the other site's client answers its own."""
+    document = yaml.safe_load((ROOT / "examples" / "digits-lppa.yaml").read_text())
+    document["metadata"]["name"] = "lppa-cluster"
+    spec = document["spec"]
+    spec["clients"] = {"count": 3}
+    spec["protocol"]["lppa"]["topology"] = {"kind": "KRegular", "degree": 2}
+    spec["protocol"]["lppa"]["secureNoise"] = False
+    spec["rounds"] = 3
+    spec["evaluation"] = {"everyRounds": 3}
+    spec["checkpoint"] = {"everyRounds": 0}
+    spec["sites"] = [{"name": SITE, "clients": 2}, {"name": BARE, "clients": 1}]
+    path, run = write_run(tmp_path / "hub", document)
+    body = participation(run, floor={"protocols": ["lppa"]})
+    del body["spec"]["data"]  # the run's data is the Digits set, split by client index
+    control_plane.kubectl("apply", "-n", namespace, "-f", "-", input=json.dumps(body))
+    with Hub(hub_state, path, tmp_path / "hub" / "work") as hub, BareSite(hub_state, run, None):
+        hub.ended(240)
+    assert hub.error is None and hub.result is not None, (hub.error, operator.tail())
+    assert hub.result.phase == "Succeeded" and hub.result.rounds_completed == 3
+    assert hub.serve.endpoint is not None
+    relayed = hub.serve.endpoint.metrics.registry.get_sample_value(
+        "fedcore_hub_connections_total", {"run": "lppa-cluster", "route": "relay"}
+    )
+    assert relayed is not None and relayed >= 3 * 2  # each client's two out-links at least
+    assert "A dial-back for" not in operator.log.read_text()  # none failed at the operator
+    pods = {p["metadata"]["name"]: p for p in client_pods(control_plane, namespace)}
+    assert sorted(pods) == ["study-client-0", "study-client-1"]

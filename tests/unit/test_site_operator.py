@@ -567,15 +567,39 @@ def test_review_refuses_another_run_by_name() -> None:
     assert verdict.digest == DIGEST
 
 
-def test_review_refuses_a_decentralized_protocol_as_unsupported() -> None:
-    # Prepare
+def test_review_approves_a_decentralized_protocol() -> None:
+    # Its peer links go through the hub's relays, which the site's operator answers.
     assert protocol_facts("lppa").decentralized
     spec = approval(digest_of(LPPA_MANIFEST), floor={"protocols": ["lppa"]})
-    # Execute
     verdict = verdict_of(spec, offer(LPPA_MANIFEST))
-    # Assert
-    assert (verdict.approved, verdict.reason) == (False, "Unsupported")
-    assert "protocol 'lppa'" in verdict.message
+    assert (verdict.approved, verdict.reason) == (True, "Approved")
+
+
+RELAY_FROM = (
+    {
+        "namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": "fedcore-system"}},
+        "podSelector": {"matchLabels": {"app.kubernetes.io/component": "operator"}},
+    },
+)
+
+
+def test_a_decentralized_client_pod_dials_every_peer_at_the_hub() -> None:
+    spec = approval(digest_of(LPPA_MANIFEST), floor={"protocols": ["lppa"]})
+    ctx = replace(context(spec, LPPA_MANIFEST), relay_from=RELAY_FROM)
+    pod = site_objects.client_pod(ctx, 1, digest_of(LPPA_MANIFEST))
+    env = {item["name"]: item.get("value") for item in pod["spec"]["containers"][0]["env"]}
+    assert env["FEDCORE_PEER_TEMPLATE"] == HUB  # the hub relays by the peer's name
+    assert env["FEDCORE_PEER_LISTEN"] == f"$(POD_IP):{SETTINGS.peer_port}"
+    policy = site_objects.network_policy(ctx, ["192.0.2.7/32"], digest_of(LPPA_MANIFEST))
+    assert policy["spec"]["ingress"] == [
+        {"from": list(RELAY_FROM), "ports": [{"protocol": "TCP", "port": SETTINGS.peer_port}]}
+    ]
+
+
+def test_a_centralized_client_pod_takes_no_relay() -> None:
+    ctx = replace(context(approval()), relay_from=RELAY_FROM)
+    policy = site_objects.network_policy(ctx, ["192.0.2.7/32"], DIGEST)
+    assert policy["spec"]["ingress"] == []
 
 
 def test_review_refuses_a_manifest_that_does_not_parse_as_invalid_run() -> None:

@@ -42,6 +42,8 @@ class SiteContext:
         run: the hub's run, as the hub's manifest says.
         manifest: the hub's manifest text, unchanged (its digest is what was approved).
         settings: the operator's settings (default image, ports, DNS and scraper peers).
+        relay_from: NetworkPolicy peers of the site's operator, which splices the hub's
+            relays to the client pods' peer port (decentralized protocols).
     """
 
     name: str
@@ -53,6 +55,7 @@ class SiteContext:
     run: FederatedRun
     manifest: str
     settings: OperatorSettings
+    relay_from: tuple[Object, ...] = ()
 
     @property
     def clients(self) -> range:
@@ -211,9 +214,14 @@ def client_pod(ctx: SiteContext, index: int, digest: str) -> Object:
     spec = pod["spec"]
     spec.pop("subdomain", None)  # no headless Service: peers are not reached in the cluster
     container = spec["containers"][0]
+    run_ctx = ctx.run_context(digest)
     hub_links = {"FEDCORE_SERVER": ctx.hub}
-    if ctx.run_context(digest).needs_kdc:
+    if run_ctx.needs_kdc:
         hub_links["FEDCORE_KDC"] = ctx.hub
+    if run_ctx.decentralized:
+        # Every peer is dialled at the hub, which relays by the peer's name (its TLS server
+        # name) to the peer's site: through this site's operator when the peer is here.
+        hub_links["FEDCORE_PEER_TEMPLATE"] = ctx.hub
     container["env"] = [
         {"name": item["name"], "value": hub_links[item["name"]]}
         if item["name"] in hub_links
@@ -231,7 +239,8 @@ def client_pod(ctx: SiteContext, index: int, digest: str) -> Object:
 def network_policy(ctx: SiteContext, hub_addresses: list[str], digest: str) -> Object:
     """The client pods may reach only the hub's endpoint (its addresses as resolved, or the
     chart's ``hubCidrs``), the cluster DNS and the S3 endpoints of the site's data; they
-    serve /metrics to the chart's scraper only. No ingress from anywhere else."""
+    serve /metrics to the chart's scraper only, and their peer port (decentralized
+    protocols) to the site's operator only. No ingress from anywhere else."""
     settings = ctx.settings
     port = int(ctx.hub.rsplit(":", 1)[1])
     run_ctx = ctx.run_context(digest)
@@ -257,6 +266,13 @@ def network_policy(ctx: SiteContext, hub_addresses: list[str], digest: str) -> O
         if settings.metrics_from
         else []
     )
+    if run_ctx.decentralized and ctx.relay_from:
+        ingress.append(
+            {
+                "from": [copy.deepcopy(peer) for peer in ctx.relay_from],
+                "ports": [{"protocol": "TCP", "port": settings.peer_port}],
+            }
+        )
     return {
         "apiVersion": "networking.k8s.io/v1",
         "kind": "NetworkPolicy",

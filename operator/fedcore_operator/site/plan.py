@@ -40,7 +40,7 @@ from pydantic import ValidationError
 from fedcore.errors import FedcoreError, SpecError
 from fedcore.sites.participation import ParticipationSpec, image_allowed
 from fedcore.sites.policy import SiteRefused, review
-from fedcore.spec import FederatedRun, parse_manifest, protocol_facts, spec_digest
+from fedcore.spec import FederatedRun, parse_manifest, spec_digest
 from fedcore.spec._loading import load_document
 from fedcore.transport import certificate_facts
 from fedcore_operator.conditions import (
@@ -138,6 +138,7 @@ class SiteObserved:
         problem: why there is no offer (None when there is one).
         verdict: the review of ``offer`` against this Participation (None without offer).
         hub_addresses: the CIDRs the client pods may reach the hub at.
+        relay_from: NetworkPolicy peers of the site's operator (relays to the client pods).
         pods: the Participation's pods as listed.
         owned: its other objects as listed, by kind (Secret, ConfigMap, ServiceAccount,
             NetworkPolicy).
@@ -153,6 +154,7 @@ class SiteObserved:
     problem: HubProblem | None = None
     verdict: Verdict | None = None
     hub_addresses: tuple[str, ...] = ()
+    relay_from: tuple[Object, ...] = ()
     pods: Sequence[Object] = ()
     owned: Mapping[str, Sequence[Object]] = field(default_factory=dict)
 
@@ -202,8 +204,7 @@ def review_offer(
 ) -> Verdict:
     """Reviews the hub's run against a Participation, as a site's policy file is reviewed
     (:func:`fedcore.sites.policy.review`: the approved digest, the client count, the privacy
-    floor), plus what a Kubernetes site adds: the image allow-list, and the protocols it can
-    run (decentralized ones need relays that a site's cluster does not run yet)."""
+    floor), plus what a Kubernetes site adds: the image allow-list."""
     try:
         run = parse_manifest(load_document(offer.manifest, source="the hub's manifest"))
     except (SpecError, FedcoreError, ValueError) as exc:
@@ -227,16 +228,6 @@ def review_offer(
             f"allow (allowed: the operator's own image {settings.image!r}"
             + (f" and {', '.join(spec.images)}" if spec.images else "")
             + ").",
-            digest,
-            run,
-        )
-    if protocol_facts(run.spec.protocol.name).decentralized:
-        return Verdict(
-            False,
-            "Unsupported",
-            f"Run {name!r} uses protocol {run.spec.protocol.name!r}, whose clients link to "
-            "each other through the hub's relays; a site's Kubernetes cluster does not answer "
-            "relays yet (run that site with `fedcore site serve`).",
             digest,
             run,
         )
@@ -412,6 +403,7 @@ class _SitePlanner:
             run=verdict.run,
             manifest=offer.manifest,
             settings=self.o.settings,
+            relay_from=self.o.relay_from,
         )
         return self.run_clients(ctx, offer, verdict.digest)
 

@@ -10,7 +10,8 @@ It renews the certificate at half its life.
 run it serves (``GET /v1/run``, with the site's certificate), reviews it (cached per spec
 generation and digest: the review computes the planned epsilon), lists what the
 Participation owns, hands all that to the pure ``plan`` and carries out its steps. Client
-keys are made here and only their certificate requests go to the hub.
+keys are made here and only their certificate requests go to the hub. For a decentralized
+protocol, ``SiteRelay`` answers the hub's relays to the site's client pods.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ import logging
 import os
 import socket
 import threading
+from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -30,8 +32,10 @@ from kubernetes.client.exceptions import ApiException
 from fedcore.errors import FedcoreError, TransportError
 from fedcore.sites._api import HubApiClient, HubRefused
 from fedcore.sites.participation import ParticipationSpec
-from fedcore.sites.site import SiteConfig, enroll
+from fedcore.sites.site import SiteConfig, answer_relays, enroll
+from fedcore.spec import protocol_facts
 from fedcore.transport import TlsBundle, certificate_facts, new_key_and_request
+from fedcore_operator import objects
 from fedcore_operator.kube import Kube
 from fedcore_operator.plan import CreateObjects, DeletePod, Note, PatchObject
 from fedcore_operator.reconcile import Outcome, create_all
@@ -221,6 +225,61 @@ class SiteIdentity:
         return config, renewed
 
 
+OPERATOR_POD_LABELS = {
+    "app.kubernetes.io/name": "fedcore",
+    "app.kubernetes.io/component": "operator",
+}
+"""The labels the chart gives the operator's pod (what the client pods take relays from)."""
+
+
+class SiteRelay:
+    """Splices the hub's relays (decentralized protocols) to the site's client pods.
+
+    Once started, a thread polls the hub's ``/v1/tunnels`` with the site's certificate; for
+    each relay it dials the hub back and connects to the named client's pod at its IP and
+    peer port, which every reconcile pass publishes (:meth:`publish`). The two clients' own
+    mutual TLS runs end to end through it; the operator sees only ciphertext.
+    """
+
+    def __init__(self, identity: SiteIdentity, hub: str, peer_port: int) -> None:
+        self.identity = identity
+        self.hub = hub
+        self.peer_port = peer_port
+        self._addresses: dict[int, str] = {}
+        self._lock = threading.Lock()
+        self._stopping = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def publish(self, pods: Sequence[Object]) -> None:
+        """Records the pod IP of each client pod listed (by its client index)."""
+        with self._lock:
+            for pod in pods:
+                index = (pod["metadata"].get("labels") or {}).get(objects.INDEX_LABEL)
+                ip = (pod.get("status") or {}).get("podIP")
+                if index is not None and index.isdigit() and ip:
+                    self._addresses[int(index)] = str(ip)
+
+    def where(self, index: int) -> tuple[str, int] | None:
+        """The pod address of client ``index``, if it is one of this site's."""
+        with self._lock:
+            ip = self._addresses.get(index)
+        return None if ip is None else (ip, self.peer_port)
+
+    def start(self) -> None:
+        """Starts answering relays (once)."""
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._serve, daemon=True, name="site-relay")
+            self._thread.start()
+
+    def _serve(self) -> None:
+        def api() -> HubApiClient:
+            _, bundle = self.identity.current()
+            return HubApiClient(self.hub, bundle.ca_pem, bundle, timeout=HUB_TIMEOUT_SECONDS)
+
+        if answer_relays(api, self.hub, self.where, self._stopping):
+            log.error("The hub revoked this site: it answers no relay any more.")
+
+
 class SiteReconciler:
     """Reconciles Participations through a ``Kube``; one instance serves them all."""
 
@@ -229,6 +288,15 @@ class SiteReconciler:
         self.settings = settings
         self.site = site
         self.identity = SiteIdentity(kube, site)
+        self.relay = SiteRelay(self.identity, site.hub, settings.peer_port)
+        self.relay_from = (
+            {
+                "namespaceSelector": {
+                    "matchLabels": {"kubernetes.io/metadata.name": site.namespace}
+                },
+                "podSelector": {"matchLabels": dict(OPERATOR_POD_LABELS)},
+            },
+        )
         self._reviews: dict[str, tuple[tuple[int, str], Verdict]] = {}
         """Per Participation (uid), its last review: (generation, digest) and the verdict."""
 
@@ -241,6 +309,11 @@ class SiteReconciler:
         if body["metadata"].get("deletionTimestamp"):
             return self.delete(body, namespace, outcome)
         observed = self.observe(body)
+        verdict = observed.verdict
+        approved = verdict.run if verdict is not None and verdict.approved else None
+        if approved is not None and protocol_facts(approved.spec.protocol.name).decentralized:
+            self.relay.publish(observed.pods)
+            self.relay.start()
         decided = plan(observed)
         patch = decided.status_patch
         for step in decided.steps:
@@ -278,6 +351,7 @@ class SiteReconciler:
             pods=listed.pop("Pod"),
             owned=listed,
             hub_addresses=self.hub_addresses(),
+            relay_from=self.relay_from,
         )
         try:
             config, bundle = self.identity.current()
