@@ -48,7 +48,14 @@ from fedcore_operator.plan import (
 )
 from fedcore_operator.settings import OperatorSettings
 
-__all__ = ["CREATE_CONCURRENCY", "Outcome", "Reconciler", "create_all", "manifest_of"]
+__all__ = [
+    "CREATE_CONCURRENCY",
+    "Outcome",
+    "Reconciler",
+    "apply_write",
+    "create_all",
+    "manifest_of",
+]
 
 log = logging.getLogger(__name__)
 
@@ -78,6 +85,29 @@ def create_all(kube: Kube, items: list[Object], outcome: Outcome) -> None:
         if result is not None:
             outcome.writes += 1
             outcome.actions.append(f"created {obj['kind']}/{obj['metadata']['name']}")
+
+
+def apply_write(kube: Kube, step: object, namespace: str, outcome: Outcome) -> bool:
+    """Carries out the steps both reconcilers plan (creates, patches, pod deletes, notes);
+    returns False for any other step, which the caller carries out."""
+    if isinstance(step, CreateObjects):
+        create_all(kube, list(step.objects), outcome)
+    elif isinstance(step, PatchObject):
+        kube.patch(step.kind, namespace, step.name, step.patch)
+        outcome.writes += 1
+        outcome.actions.append(f"updated {step.kind}/{step.name}")
+    elif isinstance(step, DeletePod):
+        if kube.delete("Pod", namespace, step.name, step.grace):
+            outcome.writes += 1
+            outcome.actions.append(f"deleted Pod/{step.name}")
+    elif isinstance(step, Note):
+        if step.warning:
+            log.warning("%s", step.text)
+        else:
+            outcome.actions.append(step.text)
+    else:
+        return False
+    return True
 
 
 class Reconciler:
@@ -126,17 +156,9 @@ class Reconciler:
     # -------------------------------------------------------------------------- apply
 
     def _apply(self, step: Step, namespace: str, outcome: Outcome) -> None:
-        if isinstance(step, CreateObjects):
-            self._create_all(list(step.objects), outcome)
-        elif isinstance(step, PatchObject):
-            self.kube.patch(step.kind, namespace, step.name, step.patch)
-            outcome.writes += 1
-            outcome.actions.append(f"updated {step.kind}/{step.name}")
-        elif isinstance(step, DeletePod):
-            if self.kube.delete("Pod", namespace, step.name, step.grace):
-                outcome.writes += 1
-                outcome.actions.append(f"deleted Pod/{step.name}")
-        elif isinstance(step, IssueCertificates):
+        if apply_write(self.kube, step, namespace, outcome):
+            return
+        if isinstance(step, IssueCertificates):
             self._issue_certificates(step, outcome)
         elif isinstance(step, IssueKeys):
             ctx = step.context
@@ -149,11 +171,6 @@ class Reconciler:
             )
         elif isinstance(step, MoveCa):
             self._move_ca(step, namespace, outcome)
-        elif isinstance(step, Note):
-            if step.warning:
-                log.warning("%s", step.text)
-            else:
-                outcome.actions.append(step.text)
 
     def _create_all(self, items: list[Object], outcome: Outcome) -> None:
         create_all(self.kube, items, outcome)

@@ -37,8 +37,7 @@ from fedcore.spec import protocol_facts
 from fedcore.transport import TlsBundle, certificate_facts, new_key_and_request
 from fedcore_operator import objects
 from fedcore_operator.kube import Kube
-from fedcore_operator.plan import CreateObjects, DeletePod, Note, PatchObject
-from fedcore_operator.reconcile import Outcome, create_all
+from fedcore_operator.reconcile import Outcome, apply_write, create_all
 from fedcore_operator.settings import OperatorSettings
 from fedcore_operator.site import objects as site_objects
 from fedcore_operator.site.plan import (
@@ -399,25 +398,12 @@ class SiteReconciler:
 
     def _apply(self, step: SiteStep, namespace: str, outcome: Outcome) -> bool:
         """Carries out one step; returns False only for a report the hub did not take."""
-        if isinstance(step, CreateObjects):
-            self._create_all(list(step.objects), outcome)
-        elif isinstance(step, PatchObject):
-            self.kube.patch(step.kind, namespace, step.name, step.patch)
-            outcome.writes += 1
-            outcome.actions.append(f"updated {step.kind}/{step.name}")
-        elif isinstance(step, DeletePod):
-            if self.kube.delete("Pod", namespace, step.name, step.grace):
-                outcome.writes += 1
-                outcome.actions.append(f"deleted Pod/{step.name}")
-        elif isinstance(step, IssueClientCertificates):
+        if isinstance(step, IssueClientCertificates):
             self._issue(step, namespace, outcome)
         elif isinstance(step, ReportToHub):
             return self._report(step, outcome)
-        elif isinstance(step, Note):
-            if step.warning:
-                log.warning("%s", step.text)
-            else:
-                outcome.actions.append(step.text)
+        else:
+            apply_write(self.kube, step, namespace, outcome)
         return True
 
     def _create_all(self, items: list[Object], outcome: Outcome) -> None:
