@@ -467,13 +467,15 @@ def test_s3_down_past_retry_seconds_fails_the_run_clearly_and_resume_continues(
     # (the server then counts it as failed, and cannot remove it while S3 is down): it is
     # listed only if complete, and every listed round passes its checksums.
     failed = saved[-1] + 1
-    assert checkpointer.rounds() in (saved[-3:], [*saved, failed][-3:])
-    for round_ in checkpointer.rounds():
+    listed = checkpointer.rounds()
+    assert listed in (saved[-3:], [*saved, failed][-3:])
+    for round_ in listed:
         checkpointer.load(round_)
-    # ...and resuming once S3 is back ends with the uninterrupted model, bit for bit.
+    # ...and resuming once S3 is back starts from the newest whole checkpoint (the failed
+    # round's, where it landed) and ends with the uninterrupted model, bit for bit.
     resume_to(tmp_path, 6, checkpoint, work)
     assert [e["round"] for e in events_of(work / "events.jsonl") if e["event"] == "resumed"] == [
-        saved[-1]
+        listed[-1]
     ]
     assert models_equal(
         load_file(str(work / "model.safetensors")), simulate(load_manifest(manifest)).weights
