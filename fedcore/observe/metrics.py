@@ -163,10 +163,11 @@ class HubMetrics:
 
     Args:
         run: the run the hub serves ("" for none): a label on every series.
+        registry: where the series are registered (default: a registry of their own).
     """
 
-    def __init__(self, run: str = "") -> None:
-        self.registry = CollectorRegistry()
+    def __init__(self, run: str = "", registry: CollectorRegistry | None = None) -> None:
+        self.registry = CollectorRegistry() if registry is None else registry
         labels = ["run"]
         self._run = run
         self._refused = Counter(

@@ -27,7 +27,7 @@ import os
 import re
 import secrets
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -102,10 +102,14 @@ class HubRegistry:
 
     Args:
         directory: the hub's folder; created (with a fresh CA) when it holds none.
+        on_change: called (with the lock held) after every change of the folder, so that a
+            hub that keeps its state elsewhere (the operator: a Secret) saves it before the
+            change is answered; an exception from it fails the call that made the change.
     """
 
-    def __init__(self, directory: Path) -> None:
+    def __init__(self, directory: Path, *, on_change: Callable[[Path], None] | None = None) -> None:
         self.directory = Path(directory)
+        self._on_change = on_change
         self._sites_path = self.directory / "sites.json"
         self.revoked_path = self.directory / "revoked-sites.json"
         """The file of revoked sites' names the server and the KDC read."""
@@ -130,6 +134,8 @@ class HubRegistry:
         write_atomically(self.directory / "ca" / "ca.key", key_pem, mode=0o600)
         ca.issue("hub", valid_days=HUB_CA_DAYS).write(self.directory / "endpoint")
         RevokedSites.write(self.revoked_path, set())
+        if self._on_change is not None:
+            self._on_change(self.directory)
 
     @contextlib.contextmanager
     def _locked(self) -> Iterator[None]:
@@ -153,6 +159,8 @@ class HubRegistry:
         write_atomically(self._sites_path, data, mode=0o600)
         revoked = {name for name, site in sites.items() if site.get("revoked") is not None}
         RevokedSites.write(self.revoked_path, revoked)
+        if self._on_change is not None:
+            self._on_change(self.directory)
 
     # ----------------------------------------------------------------------- the admin's
 

@@ -11,7 +11,8 @@ One TCP port (:class:`fedcore.transport.SniRouter`) carries everything a site ne
 - ``hub.fedcore.invalid``: the hub API, JSON over HTTPS, terminated here with the endpoint's
   certificate (signed by the hub CA): a site enrolls, renews its certificate, reads the run
   it is part of (with its phase, round and epsilon), has its clients' certificate requests
-  signed, reports a refusal or a withdrawal, and polls for relays.
+  signed, reports a refusal or a withdrawal and how many of its clients are ready, and polls
+  for relays.
 
 Every refused API call is logged with its sender and counted (``refused``).
 """
@@ -24,6 +25,7 @@ import logging
 import socket
 import ssl
 import threading
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from http.server import BaseHTTPRequestHandler
@@ -83,8 +85,9 @@ class HubEndpoint:
     Args:
         registry: the hub's CA and sites.
         listen: ``host:port`` to listen on.
-        run: the run served, None for an endpoint that only enrolls.
-        backends: the address of the run's ``server`` and ``kdc`` (loopback).
+        run: the run served, None for an endpoint that only enrolls (see :meth:`serve`).
+        backends: the address of the run's ``server`` and ``kdc``.
+        metrics: the endpoint's metrics (default: its own, labelled with the run's name).
     """
 
     def __init__(
@@ -94,23 +97,37 @@ class HubEndpoint:
         *,
         run: HubRun | None = None,
         backends: dict[str, str] | None = None,
+        metrics: HubMetrics | None = None,
     ) -> None:
         self.registry = registry
         self.run = run
         self.refused: dict[str, int] = {}
         """Refused API calls and connections, by reason (also ``fedcore_hub_refused_total``)."""
-        self.metrics = HubMetrics("" if run is None else run.run.metadata.name)
+        self.last_seen: dict[str, float] = {}
+        """When each site last called the API with its certificate (Unix time)."""
+        self.metrics = metrics or HubMetrics("" if run is None else run.run.metadata.name)
         self._lock = threading.Lock()
-        self._backends = {
-            Identity(role).dns_name: (role, forward_to(address))  # type: ignore[arg-type]
-            for role, address in (backends or {}).items()
-        }
+        self._backends: dict[str, tuple[str, ConnectionHandler]] = {}
+        self._backend_addresses: dict[str, str] = {}
+        self.serve(run, backends or {})
         self.broker = TunnelBroker(self._site_of_target)
         self._context = _server_context(registry)
         self.router = SniRouter(
             listen, self._route, broker=self.broker, on_refused=lambda _, why: self._refuse(why)
         )
         self.port = self.router.port
+
+    def serve(self, run: HubRun | None, backends: dict[str, str]) -> None:
+        """Serves ``run`` (None: none) with its ``server`` and ``kdc`` at ``backends`` from
+        the next connection on; connections already spliced stay as they are."""
+        with self._lock:
+            self.run = run
+            if backends != self._backend_addresses:
+                self._backend_addresses = dict(backends)
+                self._backends = {
+                    Identity(role).dns_name: (role, forward_to(address))  # type: ignore[arg-type]
+                    for role, address in backends.items()
+                }
 
     def start(self) -> None:
         """Starts serving."""
@@ -129,8 +146,9 @@ class HubEndpoint:
         if name == HUB_NAME:
             self.metrics.routed("api")
             return self._serve_api
-        if name in self._backends:
-            role, handler = self._backends[name]
+        backend = self._backends.get(name)
+        if backend is not None:
+            role, handler = backend
             self.metrics.routed(role)
             return handler
         if (
@@ -205,6 +223,7 @@ class HubEndpoint:
             raise EnrollmentRefused("This call needs the site's certificate.", reason="NotASite")
         site = self.registry.site_of_certificate(cert_der)
         self.metrics.site_seen(site)
+        self.last_seen[site] = time.time()
         if (method, path) == ("POST", "/v1/renew"):
             cert = self.registry.renew(site, _pem(body, "request"))
             log.info("Site %s renewed its certificate.", site)
@@ -249,6 +268,20 @@ class HubEndpoint:
                 "Site %s refused run %s (%s): %s", site, hub_run.run.metadata.name, reason, message
             )
             hub_run.events("site_refused", site=site, reason=reason, message=message)
+            return 200, {}
+        if (method, path) == ("POST", "/v1/run/clients"):
+            reported = body.get("clients")
+            if not isinstance(reported, dict):
+                raise EnrollmentRefused("No client counts were sent.", reason="BadRequest")
+            counts = {
+                key: int(value)
+                for key, value in reported.items()
+                if key in ("total", "ready", "succeeded")
+                and isinstance(value, int)
+                and not isinstance(value, bool)
+                and 0 <= value <= len(clients)
+            }
+            hub_run.events("site_clients", site=site, **counts)
             return 200, {}
         if (method, path) == ("POST", "/v1/run/withdrawal"):
             message = _printable(str(body.get("message", "")))[:MAX_REFUSAL_CHARS]

@@ -17,6 +17,7 @@ from kubernetes import client, config
 
 from fedcore.observe.kube_status import load_in_cluster
 from fedcore_operator.crd import crds_yaml, write_crds
+from fedcore_operator.hub.service import HubService
 from fedcore_operator.kube import Kube
 from fedcore_operator.leader import LeaseElector
 from fedcore_operator.metrics import OperatorMetrics
@@ -145,6 +146,12 @@ def crd(write: bool) -> None:
     envvar="FEDCORE_SITE_RESYNC_SECONDS",
     help="How often each Participation asks the hub about its run.",
 )
+@click.option(
+    "--hub-listen",
+    default="",
+    envvar="FEDCORE_HUB_LISTEN",
+    help="Serve the hub's endpoint (runs with spec.sites) on this host:port; empty: none.",
+)
 def run(
     namespaces: tuple[str, ...],
     kubeconfig: str | None,
@@ -165,9 +172,12 @@ def run(
     log_format: str,
     mode: str,
     site_resync_seconds: float,
+    hub_listen: str,
 ) -> None:
     """Runs the operator until SIGTERM (graceful) or the loss of the leader Lease."""
     _configure_logging(log_format)
+    if hub_listen and mode == "site":
+        raise click.UsageError("--hub-listen: a hub's endpoint needs --mode hub or both.")
     try:
         site_settings = SiteSettings.from_env(lease_namespace) if mode != "hub" else None
     except ValueError as exc:
@@ -201,14 +211,6 @@ def run(
             cafile=webhook_ca,
             managed=manage_webhook,
         )
-    registry = build_registry(
-        reconciler,
-        metrics,
-        resync_seconds=settings.resync_seconds,
-        webhook=webhook,
-        site=site,
-        site_resync_seconds=site_resync_seconds,
-    )
     stop_flag = threading.Event()
     lost = threading.Event()
     elector: LeaseElector | None = None
@@ -229,6 +231,21 @@ def run(
         metrics.leader.set(1)
     else:
         metrics.leader.set(1)
+    hub = None
+    if reconciler is not None and hub_listen:
+        # Only the leader serves: the registry's Secret has one writer.
+        hub = HubService(kube, settings, hub_listen, metrics_registry=metrics.registry)
+        hub.start()
+        reconciler.hub = hub
+    registry = build_registry(
+        reconciler,
+        metrics,
+        resync_seconds=settings.resync_seconds,
+        webhook=webhook,
+        site=site,
+        site_resync_seconds=site_resync_seconds,
+        hub=hub,
+    )
     liveness = f"http://{metrics_address}:{health_port}/healthz" if health_port else None
 
     async def operate() -> None:

@@ -14,6 +14,7 @@ import base64
 import copy
 import ipaddress
 import json
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 from urllib.parse import urlparse
@@ -86,6 +87,17 @@ class RunContext:
     def decentralized(self) -> bool:
         """Whether clients talk to each other over peer links."""
         return protocol_facts(self.run.spec.protocol.name).decentralized
+
+    @property
+    def at_sites(self) -> bool:
+        """Whether the run's clients are at sites (spec.sites): this cluster runs only its
+        KDC and server, which the hub's endpoint puts the sites' clients through to."""
+        return self.run.spec.sites is not None
+
+    @property
+    def local_clients(self) -> int:
+        """How many client pods this cluster runs for the run (none for a run at sites)."""
+        return 0 if self.at_sites else self.run.spec.clients.count
 
 
 # ------------------------------------------------------------------------------------ names
@@ -249,7 +261,7 @@ def pod_identities(ctx: RunContext) -> list[tuple[str, str, int | None]]:
     identities.append((pod_name(ctx.name, "server"), "server", None))
     identities += [
         (pod_name(ctx.name, "client", index), f"client-{index}", index)
-        for index in range(ctx.run.spec.clients.count)
+        for index in range(ctx.local_clients)
     ]
     return identities
 
@@ -445,6 +457,8 @@ def services(ctx: RunContext) -> list[Object]:
         result.append(
             _service(ctx, "kdc", [("grpc", settings.kdc_port), ("metrics", settings.metrics_port)])
         )
+    if ctx.at_sites:
+        return result
     peers = _service(
         ctx, "client", [("peer", settings.peer_port), ("metrics", settings.metrics_port)]
     )
@@ -500,6 +514,8 @@ def network_policies(ctx: RunContext) -> list[Object]:
         else []
     )
     clients: dict[str, Any] = {"podSelector": {"matchLabels": selector(ctx.name, "client")}}
+    # A run at sites has no client pods: its clients come through the hub's endpoint.
+    callers = hub_peers(settings) if ctx.at_sites else [clients]
 
     def to_role(role: str, port: int) -> dict[str, Any]:
         return {
@@ -518,7 +534,7 @@ def network_policies(ctx: RunContext) -> list[Object]:
             ctx,
             "server",
             ingress=[
-                {"from": [clients], "ports": [{"protocol": "TCP", "port": settings.server_port}]},
+                {"from": callers, "ports": [{"protocol": "TCP", "port": settings.server_port}]},
                 *scrapes,
             ],
             egress=server_egress,
@@ -526,7 +542,7 @@ def network_policies(ctx: RunContext) -> list[Object]:
     ]
     if ctx.needs_kdc:
         client_egress.append(to_role("kdc", settings.kdc_port))
-        kdc_callers = [clients]
+        kdc_callers = copy.deepcopy(callers)
         if ctx.server_uses_kdc:
             kdc_callers.append({"podSelector": {"matchLabels": selector(ctx.name, "server")}})
         policies.append(
@@ -549,8 +565,51 @@ def network_policies(ctx: RunContext) -> list[Object]:
         client_ingress.append(
             {"from": [clients], "ports": [{"protocol": "TCP", "port": settings.peer_port}]}
         )
-    policies.append(_policy(ctx, "client", ingress=client_ingress, egress=client_egress))
+    if not ctx.at_sites:
+        policies.append(_policy(ctx, "client", ingress=client_ingress, egress=client_egress))
     return policies
+
+
+OPERATOR_POD_LABELS = {
+    "app.kubernetes.io/name": "fedcore",
+    "app.kubernetes.io/component": "operator",
+}
+"""The labels the chart gives the operator's pod."""
+
+
+def hub_peers(settings: OperatorSettings) -> list[dict[str, Any]]:
+    """NetworkPolicy peers of the hub's endpoint (the operator's pods, in its namespace):
+    the only callers of a run-at-sites' server and KDC."""
+    if settings.hub_from:
+        return [copy.deepcopy(peer) for peer in settings.hub_from]
+    return [
+        {
+            "namespaceSelector": {
+                "matchLabels": {"kubernetes.io/metadata.name": settings.ca_namespace}
+            },
+            "podSelector": {"matchLabels": dict(OPERATOR_POD_LABELS)},
+        }
+    ]
+
+
+def revoked_sites_name(run: str) -> str:
+    """``<run>-revoked-sites``: the hub's revoked sites, as a run-at-sites' server reads them."""
+    return f"{run}-revoked-sites"
+
+
+REVOKED_DIR = "/etc/fedcore/revoked"
+REVOKED_FILE = "revoked-sites.json"
+
+
+def revoked_sites_config_map(ctx: RunContext, revoked: Sequence[str]) -> Object:
+    """The ConfigMap the server and KDC of a run at sites read the revoked sites from
+    (``fedcore.transport.RevokedSites``); the operator keeps it equal to the hub's list."""
+    return {
+        "apiVersion": "v1",
+        "kind": "ConfigMap",
+        "metadata": _metadata(ctx, revoked_sites_name(ctx.name), run_labels(ctx.name)),
+        "data": {REVOKED_FILE: json.dumps({"revoked": sorted(revoked)}, indent=1)},
+    }
 
 
 def _to_cidrs(cidrs: tuple[str, ...], ports: tuple[int, ...]) -> dict[str, Any]:
@@ -818,6 +877,13 @@ def _pod(
     }
     if keys is not None:
         container["volumeMounts"].append({"name": "keys", "mountPath": KEYS_DIR, "readOnly": True})
+    if ctx.at_sites and role in ("server", "kdc"):
+        container["volumeMounts"].append(
+            {"name": "revoked-sites", "mountPath": REVOKED_DIR, "readOnly": True}
+        )
+        container["env"].append(
+            {"name": "FEDCORE_REVOKED_SITES", "value": f"{REVOKED_DIR}/{REVOKED_FILE}"}
+        )
     # Clients of a decentralized protocol write their own checkpoints.
     writes_checkpoints = role in ("server", "kdc") or (role == "client" and ctx.decentralized)
     if s3 is not None and s3.credentials_secret and writes_checkpoints:
@@ -858,6 +924,10 @@ def _pod(
                 "name": "keys",
                 "secret": {"secretName": keys_secret_name(ctx.name, role), "defaultMode": 0o440},
             }
+        )
+    if ctx.at_sites and role in ("server", "kdc"):
+        spec["volumes"].append(
+            {"name": "revoked-sites", "configMap": {"name": revoked_sites_name(ctx.name)}}
         )
     if placement.node_selector:
         spec["nodeSelector"] = dict(placement.node_selector)

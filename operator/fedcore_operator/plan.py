@@ -42,8 +42,9 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from fedcore.errors import SpecError, SpecIssue
+from fedcore.errors import SpecError
 from fedcore.spec import FederatedRun, parse_manifest, resolve_share
+from fedcore.spec._sites import SiteSpec
 from fedcore.spec._status import MAX_FAILURES
 from fedcore_operator import objects
 from fedcore_operator.conditions import (
@@ -58,6 +59,7 @@ from fedcore_operator.conditions import (
     set_condition,
     terminating,
 )
+from fedcore_operator.hub.view import HubView, refusal, site_statuses
 from fedcore_operator.settings import OperatorSettings
 
 Object = dict[str, Any]
@@ -88,6 +90,7 @@ OPERATOR_FIELDS = (
     "completionTime",
     "activeSeconds",
     "activeSince",
+    "sites",
 )
 """The status fields the operator owns; the server patches the others."""
 
@@ -108,6 +111,8 @@ class Observed:
         owned: the run's other objects as listed, by kind (``Secret`` and ``STATIC_KINDS``); a
             kind that is absent counts as listed empty. ``kinds_to_observe`` says which kinds
             the plan reads.
+        hub: for a run at sites (spec.sites), what the hub's endpoint knows of it; None: this
+            operator runs no hub.
     """
 
     body: Object
@@ -115,6 +120,7 @@ class Observed:
     settings: OperatorSettings
     pods: Sequence[Object] = ()
     owned: Mapping[str, Sequence[Object]] = field(default_factory=dict)
+    hub: HubView | None = None
 
 
 def manifest_of(body: Object) -> FederatedRun:
@@ -124,7 +130,7 @@ def manifest_of(body: Object) -> FederatedRun:
         SpecError: the stored spec is not a valid run (the webhook normally refuses those).
     """
     meta = body["metadata"]
-    run = parse_manifest(
+    return parse_manifest(
         {
             "apiVersion": body["apiVersion"],
             "kind": body["kind"],
@@ -132,24 +138,6 @@ def manifest_of(body: Object) -> FederatedRun:
             "spec": body.get("spec") or {},
         }
     )
-    issues = kubernetes_issues(run)
-    if issues:
-        raise SpecError(issues)
-    return run
-
-
-def kubernetes_issues(run: FederatedRun) -> list[SpecIssue]:
-    """What a valid manifest asks that the operator does not do yet: clients at sites (a hub
-    serves those: ``fedcore hub serve``, docs/sites.md)."""
-    if run.spec.sites is None:
-        return []
-    return [
-        SpecIssue(
-            "spec.sites",
-            "clients at sites are served by a hub (fedcore hub serve, docs/sites.md); the "
-            "operator does not run a hub or sites yet.",
-        )
-    ]
 
 
 def kinds_to_observe(body: Object) -> tuple[str, ...]:
@@ -372,6 +360,8 @@ class _Planner:
             self.status.setdefault("activeSeconds", 0.0)
         self._set_condition("Suspended", False, "Running", "The run is not suspended.")
 
+        if spec.sites is not None and not self._hub_serves(spec.sites):
+            return self._result()
         self._ensure_secrets()
         self._ensure_static()
         if not self._deadline_ok() or not self._replace_failed_pods():
@@ -447,9 +437,58 @@ class _Planner:
         if keys:
             self.steps.append(IssueKeys(self.ctx, keys))
 
+    def _hub_serves(self, sites: Sequence[SiteSpec]) -> bool:
+        """For a run at sites: its ``status.sites``; False (nothing more this pass) while the
+        hub's endpoint cannot serve it, and when a site refused it (the run fails)."""
+        view = self.observed.hub
+        if view is None:
+            self._set_phase(
+                "Pending",
+                "NoHub",
+                "The run's clients are at sites, and this operator runs no hub (its chart's "
+                "mode is site); install the chart with mode hub or both.",
+            )
+            return False
+        self.status["sites"] = site_statuses(
+            sites, view, self.old.get("sites") or [], self.clock, self.generation
+        )
+        refused = refusal(view)
+        if refused is not None:
+            site, facts = refused
+            self._finish(
+                "Failed",
+                "SiteRefused",
+                f"Site {site} refused the run ({facts.reason}): {facts.message}",
+            )
+            self._remove_pods(keep_finished=True)
+            self._count_roles()
+            return False
+        if not view.serving:
+            self._set_condition(
+                "HubEndpoint",
+                False,
+                "EndpointBusy",
+                f"The hub's endpoint serves run {view.holder}; it serves one run at a time.",
+            )
+            self._set_phase(
+                "Pending",
+                "EndpointBusy",
+                f"Waiting for the hub's endpoint, which serves run {view.holder} now.",
+            )
+            self._count_roles()
+            return False
+        self._set_condition(
+            "HubEndpoint", True, "Serving", "The hub's endpoint serves this run to its sites."
+        )
+        return True
+
     def _ensure_static(self) -> None:
         listed = {kind: self._listed(kind) for kind in STATIC_KINDS}
-        for desired in objects.static_objects(self.ctx):
+        wanted = objects.static_objects(self.ctx)
+        if self.observed.hub is not None and self.ctx.at_sites:
+            revoked = [n for n, state in self.observed.hub.registry.items() if state == "Revoked"]
+            wanted.append(objects.revoked_sites_config_map(self.ctx, revoked))
+        for desired in wanted:
             kind = desired["kind"]
             name = desired["metadata"]["name"]
             actual = listed[kind].get(name)
@@ -638,10 +677,15 @@ class _Planner:
                 "Pending", "WaitingForServer", "Waiting for the server pod to be ready."
             )
             return
+        if ctx.at_sites:
+            self._set_phase(
+                "Running", "Training", "The server is ready; the sites' clients join it."
+            )
+            return
         self._create(
             *(
                 objects.client_pod(ctx, index)
-                for index in range(ctx.run.spec.clients.count)
+                for index in range(ctx.local_clients)
                 if objects.pod_name(self.name, "client", index) not in self.pods
             )
         )
@@ -676,7 +720,7 @@ class _Planner:
         for role, key, desired in (
             ("kdc", "kdc", 1 if self.ctx.needs_kdc else 0),
             ("server", "server", 1),
-            ("client", "clients", spec.clients.count),
+            ("client", "clients", self.ctx.local_clients),
         ):
             if spec.suspend:
                 desired = 0

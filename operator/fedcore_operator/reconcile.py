@@ -30,6 +30,7 @@ from kubernetes.client.exceptions import ApiException
 
 from fedcore.transport import RunCa
 from fedcore_operator import objects
+from fedcore_operator.hub.service import HubService
 from fedcore_operator.kube import Kube
 from fedcore_operator.plan import (
     CreateObjects,
@@ -118,9 +119,13 @@ class Reconciler:
         settings: the operator's settings (image, ports).
     """
 
-    def __init__(self, kube: Kube, settings: OperatorSettings) -> None:
+    def __init__(
+        self, kube: Kube, settings: OperatorSettings, hub: HubService | None = None
+    ) -> None:
         self.kube = kube
         self.settings = settings
+        self.hub = hub
+        """The hub's endpoint (mode hub or both with the chart's hub.enabled), or None."""
 
     def reconcile(self, namespace: str, name: str) -> Outcome:
         """Runs one pass over the run ``namespace/name``; a vanished run is a no-op."""
@@ -136,7 +141,26 @@ class Reconciler:
         if decided.status_patch is not None:
             self.kube.patch("FederatedRun", namespace, name, decided.status_patch, sub="status")
             outcome.writes += 1
+        if observed.hub is not None and observed.hub.serving:
+            self._serve_at_hub(body, observed, decided.phase)
         return outcome
+
+    def _serve_at_hub(self, body: Object, observed: Observed, phase: str | None) -> None:
+        """Points the hub's endpoint at the run's server and KDC, or frees it once the run
+        has ended."""
+        assert self.hub is not None
+        meta = body["metadata"]
+        if phase in ("Succeeded", "Failed"):
+            self.hub.release(meta["namespace"], meta["name"])
+            return
+        secret = self.kube.get(
+            "Secret",
+            self.settings.ca_namespace,
+            objects.ca_secret_name(meta["namespace"], meta["name"]),
+        )
+        if secret is None or not objects.ca_secret_is_for(secret, meta["uid"]):
+            return  # the next pass, once the CA is made
+        self.hub.serve(body, manifest_of(body), observed.pods, objects.load_ca(secret))
 
     def observe(self, body: Object) -> Observed:
         """Lists what the plan for ``body`` reads, and stamps the pass with the current time."""
@@ -145,12 +169,14 @@ class Reconciler:
         listed = {
             kind: self.kube.list(kind, meta["namespace"], labels) for kind in kinds_to_observe(body)
         }
+        at_sites = (body.get("spec") or {}).get("sites") is not None
         return Observed(
             body=body,
             now=datetime.datetime.now(datetime.UTC),
             settings=self.settings,
             pods=listed.pop("Pod", []),
             owned=listed,
+            hub=self.hub.view(body) if at_sites and self.hub is not None else None,
         )
 
     # -------------------------------------------------------------------------- apply
@@ -239,6 +265,8 @@ class Reconciler:
 
         Returns whether it deleted one; a Secret of a newer run of that name is kept.
         """
+        if self.hub is not None:
+            self.hub.release(namespace, name)
         where = self.settings.ca_namespace
         secret_name = objects.ca_secret_name(namespace, name)
         secret = self.kube.get("Secret", where, secret_name)

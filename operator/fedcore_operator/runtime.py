@@ -25,6 +25,7 @@ import kopf
 
 from fedcore_operator import admission, objects
 from fedcore_operator.crd import GROUP, PLURAL, VERSION
+from fedcore_operator.hub.service import HubService
 from fedcore_operator.metrics import OperatorMetrics
 from fedcore_operator.reconcile import Outcome, Reconciler
 from fedcore_operator.site import objects as site_objects
@@ -86,6 +87,7 @@ class RunQueue:
         self.known: set[Key] = set()
         self.resyncer: asyncio.Task[None] | None = None
         self.collector: asyncio.Task[None] | None = None
+        self.site_syncer: asyncio.Task[None] | None = None
 
     def trigger(self, key: Key) -> None:
         """Marks ``key`` for a reconcile pass soon."""
@@ -139,9 +141,12 @@ def build_registry(
     webhook: WebhookConfig | None,
     site: SiteReconciler | None = None,
     site_resync_seconds: float = SITE_RESYNC_SECONDS,
+    hub: HubService | None = None,
 ) -> kopf.OperatorRegistry:
     """Registers the operator's kopf handlers in a fresh registry: FederatedRuns' with a
-    ``reconciler`` (the hub's part), Participations' with a ``site`` reconciler."""
+    ``reconciler`` (the hub's part), Participations' with a ``site`` reconciler; with a
+    ``hub`` endpoint, its site list is synced every ``resync_seconds`` and a site's word
+    about a run triggers that run's pass."""
     registry = kopf.OperatorRegistry()
 
     @kopf.on.startup(registry=registry)
@@ -174,6 +179,14 @@ def build_registry(
     async def start_resync(**_: Any) -> None:
         queue.resyncer = asyncio.create_task(queue.resync(resync_seconds))
         queue.collector = asyncio.create_task(collect_orphans(reconciler, resync_seconds))
+        if hub is not None:
+            loop = asyncio.get_running_loop()
+
+            def notify(namespace: str, name: str) -> None:
+                loop.call_soon_threadsafe(queue.trigger, (namespace, name))
+
+            hub.notify = notify
+            queue.site_syncer = asyncio.create_task(sync_hub_sites(hub, resync_seconds))
 
     @kopf.on.event(GROUP, VERSION, PLURAL, registry=registry)
     async def run_changed(**kwargs: Any) -> None:
@@ -271,6 +284,17 @@ def _register_site(
         owner = kwargs["labels"].get(site_objects.PARTICIPATION_LABEL)
         if owner:
             queue.trigger((kwargs["namespace"], owner))
+
+
+async def sync_hub_sites(hub: HubService, seconds: float) -> None:
+    """Brings the hub's registry to the chart's site list now and every ``seconds``."""
+    while True:
+        try:
+            for action in await asyncio.to_thread(hub.sync_sites):
+                log.info("Hub: %s", action)
+        except Exception:
+            log.exception("Syncing the hub's sites failed; retried later.")
+        await asyncio.sleep(seconds)
 
 
 async def collect_orphans(reconciler: Reconciler, seconds: float) -> None:

@@ -45,6 +45,8 @@ class OperatorSettings:
         finish_grace_seconds: how long the pods still running when a run succeeds may take to
             end on their own (clients writing their final models) before they are deleted.
         extra_env: environment added to every role's container (e.g. a proxy setting).
+        hub_from: NetworkPolicy peers of the hub's endpoint, the only callers of the server
+            and KDC of a run at sites (empty: the operator's pods in ``ca_namespace``).
     """
 
     image: str = DEFAULT_IMAGE
@@ -64,14 +66,15 @@ class OperatorSettings:
     resync_seconds: float = 30.0
     finish_grace_seconds: float = 30.0
     extra_env: dict[str, str] = field(default_factory=dict)
+    hub_from: tuple[dict[str, Any], ...] = ()
 
     @classmethod
     def from_env(cls, environ: dict[str, str] | None = None) -> OperatorSettings:
         """Reads ``FEDCORE_OPERATOR_*`` variables; unset ones keep their defaults.
 
         ``CA_NAMESPACE`` (else ``NAMESPACE``, the operator's own, which the chart sets),
-        ``API_CIDRS`` (comma-separated), and ``METRICS_FROM``, ``DNS_TO`` and ``S3_TO`` as
-        JSON lists of NetworkPolicy peers.
+        ``API_CIDRS`` (comma-separated), and ``METRICS_FROM``, ``DNS_TO``, ``S3_TO`` and
+        ``HUB_FROM`` as JSON lists of NetworkPolicy peers.
 
         Raises:
             ValueError: a variable that does not parse, naming it.
@@ -101,6 +104,7 @@ class OperatorSettings:
             resync_seconds=float(env.get(prefix + "RESYNC_SECONDS", "30")),
             finish_grace_seconds=float(env.get(prefix + "FINISH_GRACE_SECONDS", "30")),
             extra_env=extra,
+            hub_from=_peers(prefix + "HUB_FROM", env.get(prefix + "HUB_FROM"), ()),
         )
 
 

@@ -22,11 +22,11 @@ from cryptography import x509
 from cryptography.hazmat.primitives import serialization
 
 from fedcore.cli import main
-from fedcore.errors import FedcoreError, SpecError
+from fedcore.errors import FedcoreError
 from fedcore.sites._registry import SITE_URI_PREFIX, EnrollmentRefused, HubRegistry, JoinToken
 from fedcore.sites.binding import SiteBinding
 from fedcore.sites.policy import Approval, spec_digest
-from fedcore.spec import FederatedRun, load_manifest, parse_manifest
+from fedcore.spec import FederatedRun, load_manifest
 from fedcore.transport import (
     Identity,
     RevokedSites,
@@ -466,19 +466,10 @@ def _body(document: dict[str, Any]) -> dict[str, Any]:
     return body
 
 
-def test_the_operator_refuses_a_run_with_sites() -> None:
-    # Prepare
+def test_the_operator_takes_a_run_with_sites_which_its_hub_serves() -> None:
     document = yaml.safe_load(CONSORTIUM.read_text())
-    parse_manifest(copy.deepcopy(document))  # a valid manifest, for fedcore run
-    # Execute
-    with pytest.raises(SpecError) as caught:
-        manifest_of(_body(document))
-    problems = admission.check(_body(document), None, "CREATE")
-    # Assert
-    assert [issue.path for issue in caught.value.issues] == ["spec.sites"]
-    assert "fedcore hub serve" in caught.value.issues[0].message
-    assert problems == [f"spec.sites: {caught.value.issues[0].message}"]
-    assert "the operator does not run a hub or sites" in problems[0]
+    assert manifest_of(_body(document)).spec.sites is not None
+    assert admission.check(_body(document), None, "CREATE") == []
 
 
 def test_the_operator_takes_a_run_without_sites() -> None:

@@ -33,7 +33,7 @@ from fedcore.errors import FedcoreError, TransportError
 from fedcore.sites._api import HubApiClient, HubRefused
 from fedcore.sites.participation import ParticipationSpec
 from fedcore.sites.site import SiteConfig, answer_relays, enroll
-from fedcore.spec import protocol_facts
+from fedcore.spec import FederatedRun, protocol_facts
 from fedcore.transport import TlsBundle, certificate_facts, new_key_and_request
 from fedcore_operator import objects
 from fedcore_operator.kube import Kube
@@ -298,6 +298,8 @@ class SiteReconciler:
         )
         self._reviews: dict[str, tuple[tuple[int, str], Verdict]] = {}
         """Per Participation (uid), its last review: (generation, digest) and the verdict."""
+        self._told: dict[str, dict[str, int]] = {}
+        """Per Participation (uid), the client counts the hub was last told."""
 
     def reconcile(self, namespace: str, name: str) -> Outcome:
         """Runs one pass over the Participation ``namespace/name``; a vanished one is a no-op."""
@@ -324,7 +326,27 @@ class SiteReconciler:
         if patch is not None:
             self.kube.patch("Participation", namespace, name, patch, sub="status")
             outcome.writes += 1
+        if approved is not None and decided.phase == "Running":
+            status = (patch or body).get("status") or {}
+            self._tell_clients(str(body["metadata"].get("uid")), approved, status.get("clients"))
         return outcome
+
+    def _tell_clients(self, uid: str, run: FederatedRun, clients: Any) -> None:
+        """Tells the hub how many of the site's clients are ready and done, when that
+        changed (the hub shows it in its run's ``status.sites``)."""
+        if not isinstance(clients, dict):
+            return
+        counts = {key: int(clients.get(key) or 0) for key in ("total", "ready", "succeeded")}
+        if self._told.get(uid) == counts:
+            return
+        try:
+            self._api().call(
+                "POST", "/v1/run/clients", {"run": run.metadata.name, "clients": counts}
+            )
+        except (HubRefused, TransportError, OSError, FedcoreError) as exc:
+            log.warning("Telling the hub the clients of run %s failed: %s", run.metadata.name, exc)
+            return
+        self._told[uid] = counts
 
     def delete(self, body: Object, namespace: str, outcome: Outcome) -> Outcome:
         """A deleted Participation: the hub is told of the withdrawal, then it may go."""
