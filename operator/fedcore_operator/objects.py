@@ -390,7 +390,7 @@ def _dns_names(ctx: RunContext, service: str) -> list[str]:
 
 def service_accounts(ctx: RunContext) -> list[Object]:
     """One ServiceAccount per role; only the server's token is mounted (to patch status)."""
-    roles = (["kdc"] if ctx.needs_kdc else []) + ["server", "client"]
+    roles = (["kdc"] if ctx.needs_kdc else []) + ["server"] + ([] if ctx.at_sites else ["client"])
     return [
         {
             "apiVersion": "v1",
@@ -527,7 +527,11 @@ def network_policies(ctx: RunContext) -> list[Object]:
     server_egress = [dns, _to_cidrs(settings.api_cidrs, settings.api_ports), *store]
     if ctx.needs_kdc and ctx.server_uses_kdc:  # the server fetches its own keys (ebscfl)
         server_egress.append(to_role("kdc", settings.kdc_port))
-    client_egress = [dns, to_role("server", settings.server_port), *_client_data_egress(ctx)]
+    client_egress = (
+        []
+        if ctx.at_sites  # no client pods here; the sites bind their clients' data
+        else [dns, to_role("server", settings.server_port), *_client_data_egress(ctx)]
+    )
     client_ingress = [*scrapes]
     policies = [
         _policy(

@@ -19,6 +19,7 @@ import pytest
 import yaml
 
 import fedcore
+from fedcore_operator import objects
 from fedcore_operator.kube import request
 from fedcore_operator.settings import CLUSTER_DNS, OperatorSettings
 from tests.kube._operator import install_crd, wait_for_run
@@ -271,6 +272,8 @@ def test_pod_security_labels_only_the_run_namespaces_and_only_when_asked() -> No
     assert "Namespace" not in unlabelled
 
 
+FINGERPRINT = "sha256:" + "ab" * 32
+SITE = ["site.hub=hub.example.org:7443", f"site.fingerprint={FINGERPRINT}"]
 BAD_VALUES = [
     (["operator.logFormat=xml"], "operator.logFormat"),
     (["operator.replicas=0"], "operator.replicas"),
@@ -291,6 +294,18 @@ BAD_VALUES = [
     (["site.hub=hub.example.org:7443"], "site.fingerprint is required"),
     (["site.hubCidrs={anywhere}"], "site.hubCidrs"),
     (["site.joinTokenSecret=Not_A_Name"], "site.joinTokenSecret"),
+    (["mode=site", *SITE, "hub.enabled=true"], "hub.enabled is true in mode: site"),
+    (["hub.sites={hospital-a,Bad_Site}"], "hub.sites.1: Does not match pattern"),
+    (["hub.revokedSites={" + "a" * 41 + "}"], "hub.revokedSites.0"),
+    (["hub.service.type=Internal"], "hub.service.type must be one of"),
+    (["hub.from[0].hostNetwork=true"], "hostNetwork"),
+    (["hub.enabled=true", "hub.service.nodePort=30443"], "hub.service.nodePort and"),
+    (["hub.enabled=true", "hub.service.loadBalancerIP=192.0.2.1"], "hub.service.loadBalancerIP"),
+    (
+        ["hub.enabled=true", "hub.ingress.enabled=true"],
+        "hub.ingress.enabled needs hub.ingress.host",
+    ),
+    (["hub.enabled=true", "hub.port=8080"], "hub.port 8080 is taken"),
 ]
 
 
@@ -304,8 +319,6 @@ def test_bad_values_are_refused_with_a_clear_message(sets: list[str], message: s
     assert message in result.stderr, result.stderr
 
 
-FINGERPRINT = "sha256:" + "ab" * 32
-SITE = ["site.hub=hub.example.org:7443", f"site.fingerprint={FINGERPRINT}"]
 RUNTIME_IMAGE = f"ghcr.io/fedcore/fedcore:{fedcore.__version__}"
 OPERATOR_IMAGE = f"ghcr.io/fedcore/fedcore-operator:{fedcore.__version__}"
 SITE_KINDS = ("pods", "secrets", "configmaps", "serviceaccounts", "networkpolicies")
@@ -493,6 +506,214 @@ def test_site_mode_needs_the_hub_and_names_it() -> None:
     result = helm("template", "demo", str(CHART), "--set", "mode=site", check=False)
     assert result.returncode != 0
     assert "site.hub" in result.stderr and "site.fingerprint" in result.stderr, result.stderr
+
+
+HUB_NAMES = ("hub.fedcore.invalid", "server.fedcore.invalid", "kdc.fedcore.invalid")
+HUB_PEERS = [{"ipBlock": {"cidr": "203.0.113.0/24"}}]
+
+
+def named(kinds: dict[str, list[dict[str, Any]]], kind: str, name: str) -> dict[str, Any]:
+    (found,) = [doc for doc in kinds.get(kind, []) if doc["metadata"]["name"] == name]
+    return found
+
+
+def hub_objects(kinds: dict[str, list[dict[str, Any]]]) -> list[tuple[str, str]]:
+    """The hub endpoint's objects rendered: (kind, name)."""
+    names = {"demo-fedcore-hub", "fedcore-hub-sites"}
+    return sorted(
+        (doc["kind"], doc["metadata"]["name"])
+        for docs in kinds.values()
+        for doc in docs
+        if doc["metadata"]["name"] in names
+    )
+
+
+def test_the_hub_endpoint_is_off_by_default() -> None:
+    # Execute: hub values do nothing while hub.enabled is false.
+    default = by_kind(render())
+    idle = render("hub.sites={hospital-a}", "hub.service.type=LoadBalancer", "hub.port=8443")
+
+    # Assert
+    assert hub_objects(default) == []
+    container = operator_container(default)
+    assert "hub" not in [port["name"] for port in container["ports"]]
+    assert "FEDCORE_HUB_LISTEN" not in operator_env(default)
+    assert without_generated_certs(idle) == without_generated_certs(render())
+
+
+def test_the_hub_endpoint_renders_its_port_service_sites_rbac_and_policy() -> None:
+    # Execute
+    values = {
+        "hub": {
+            "enabled": True,
+            "sites": ["hospital-a", "lab-b2"],
+            "revokedSites": ["old-site"],
+            "from": HUB_PEERS,
+        }
+    }
+    kinds = by_kind(render_values(values))
+    bare = by_kind(render("mode=hub", "hub.enabled=true", "hub.port=8443"))
+
+    # Assert: the operator serves it on its port "hub"...
+    container = operator_container(kinds)
+    assert {"name": "hub", "containerPort": 7443} in container["ports"]
+    assert operator_env(kinds)["FEDCORE_HUB_LISTEN"] == "0.0.0.0:7443"
+    assert operator_env(bare)["FEDCORE_HUB_LISTEN"] == "0.0.0.0:8443"
+    # ... behind a ClusterIP Service by default, selecting the operator's pod ...
+    service = named(kinds, "Service", "demo-fedcore-hub")
+    pod_labels = kinds["Deployment"][0]["spec"]["template"]["metadata"]["labels"]
+    assert service["spec"]["type"] == "ClusterIP"
+    assert service["spec"]["selector"].items() <= pod_labels.items()
+    assert service["spec"]["ports"] == [
+        {"name": "hub", "protocol": "TCP", "port": 7443, "targetPort": "hub"}
+    ]
+    assert "Ingress" not in kinds
+    # ... with the sites in the ConfigMap the operator reads, by its fixed name ...
+    sites = named(kinds, "ConfigMap", "fedcore-hub-sites")
+    assert sites["metadata"]["namespace"] == "fedcore-system"
+    assert sites["data"] == {"sites": "hospital-a lab-b2", "revoked": "old-site"}
+    assert named(bare, "ConfigMap", "fedcore-hub-sites")["data"] == {"sites": "", "revoked": ""}
+    # ... RBAC on exactly its Secrets and ConfigMap, in the release namespace only ...
+    role = named(kinds, "Role", "demo-fedcore-hub")
+    assert role["metadata"]["namespace"] == "fedcore-system"
+    assert role["rules"] == [
+        {
+            "apiGroups": [""],
+            "resources": ["secrets"],
+            "resourceNames": [
+                "fedcore-hub",
+                "fedcore-hub-join-hospital-a",
+                "fedcore-hub-join-lab-b2",
+            ],
+            "verbs": ["get", "patch"],
+        },
+        {"apiGroups": [""], "resources": ["secrets"], "verbs": ["create"]},
+        {
+            "apiGroups": [""],
+            "resources": ["configmaps"],
+            "resourceNames": ["fedcore-hub-sites"],
+            "verbs": ["get"],
+        },
+    ]
+    binding = named(kinds, "RoleBinding", "demo-fedcore-hub")
+    assert binding["roleRef"] == {
+        "apiGroup": "rbac.authorization.k8s.io",
+        "kind": "Role",
+        "name": "demo-fedcore-hub",
+    }
+    assert [b["roleRef"]["name"] for b in kinds["ClusterRoleBinding"]] == ["demo-fedcore-discovery"]
+    # ... and a NetworkPolicy: in on the hub's port from hub.from, out to the runs' server and
+    # KDC pods (as the operator labels them) on their ports.
+    policy = named(kinds, "NetworkPolicy", "demo-fedcore-hub")["spec"]
+    assert policy["podSelector"]["matchLabels"] == service["spec"]["selector"]
+    assert policy["ingress"] == [{"ports": [{"protocol": "TCP", "port": 7443}], "from": HUB_PEERS}]
+    settings = OperatorSettings()
+    ports = {"server": settings.server_port, "kdc": settings.kdc_port}
+    assert [rule["ports"] for rule in policy["egress"]] == [
+        [{"protocol": "TCP", "port": 7070}],
+        [{"protocol": "TCP", "port": 7071}],
+    ]
+    for rule, role_name in zip(policy["egress"], ("server", "kdc"), strict=True):
+        (peer,) = rule["to"]
+        assert peer["namespaceSelector"] == {}
+        labels = peer["podSelector"]["matchLabels"]
+        assert labels.items() <= objects.role_labels("some-run", role_name).items()
+        assert not labels.items() <= objects.role_labels("some-run", "client", 0).items()
+        assert rule["ports"][0]["port"] == ports[role_name]
+    open_policy = named(bare, "NetworkPolicy", "demo-fedcore-hub")["spec"]
+    assert open_policy["ingress"] == [{"ports": [{"protocol": "TCP", "port": 8443}]}]
+
+
+def test_the_hub_sites_and_names_are_what_the_operator_reads() -> None:
+    from fedcore_operator.hub import state
+
+    kinds = by_kind(
+        render("hub.enabled=true", "hub.sites={hospital-a,lab-b}", "hub.revokedSites={old}")
+    )
+    config_map = named(kinds, "ConfigMap", state.SITES_CONFIG_MAP)
+    assert state.SiteList.from_config_map(config_map) == state.SiteList(
+        sites=("hospital-a", "lab-b"), revoked=("old",)
+    )
+    (secrets, *_) = named(kinds, "Role", "demo-fedcore-hub")["rules"]
+    assert secrets["resourceNames"] == [
+        state.HUB_SECRET,
+        state.join_secret_name("hospital-a"),
+        state.join_secret_name("lab-b"),
+    ]
+
+
+HUB_SERVICES = [
+    ("ClusterIP", [], {"type": "ClusterIP"}, {}),
+    (
+        "NodePort",
+        ["hub.service.type=NodePort", "hub.service.nodePort=30443"],
+        {"type": "NodePort"},
+        {"nodePort": 30443},
+    ),
+    (
+        "LoadBalancer",
+        [
+            "hub.service.type=LoadBalancer",
+            "hub.service.loadBalancerSourceRanges={198.51.100.0/24,203.0.113.0/24}",
+            "hub.service.loadBalancerIP=192.0.2.10",
+            "hub.service.externalTrafficPolicy=Local",
+            "hub.service.annotations.example\\.com/lb=internal",
+            "hub.service.port=443",
+        ],
+        {
+            "type": "LoadBalancer",
+            "loadBalancerSourceRanges": ["198.51.100.0/24", "203.0.113.0/24"],
+            "loadBalancerIP": "192.0.2.10",
+            "externalTrafficPolicy": "Local",
+        },
+        {"port": 443},
+    ),
+]
+
+
+@pytest.mark.parametrize(
+    ("case", "sets", "spec", "port"), HUB_SERVICES, ids=[c[0] for c in HUB_SERVICES]
+)
+def test_the_hub_service_takes_each_type(
+    case: str, sets: list[str], spec: dict[str, Any], port: dict[str, Any]
+) -> None:
+    kinds = by_kind(render("hub.enabled=true", *sets))
+    service = named(kinds, "Service", "demo-fedcore-hub")
+    rest = {k: v for k, v in service["spec"].items() if k not in ("selector", "ports")}
+    assert rest == spec, case
+    assert service["spec"]["ports"] == [
+        {"name": "hub", "protocol": "TCP", "port": 7443, "targetPort": "hub", **port}
+    ]
+    annotations = service["metadata"].get("annotations")
+    assert annotations == ({"example.com/lb": "internal"} if case == "LoadBalancer" else None)
+
+
+def test_the_hub_ingress_passes_tls_through_for_the_host_and_each_role_name() -> None:
+    # Execute
+    kinds = by_kind(
+        render(
+            "hub.enabled=true",
+            "hub.ingress.enabled=true",
+            "hub.ingress.host=hub.example.org",
+            "hub.ingress.className=nginx",
+        )
+    )
+
+    # Assert: a rule per server name, all to the hub Service's port; no TLS section.
+    ingress = named(kinds, "Ingress", "demo-fedcore-hub")
+    assert ingress["apiVersion"] == "networking.k8s.io/v1"
+    assert ingress["metadata"]["annotations"] == {
+        "nginx.ingress.kubernetes.io/ssl-passthrough": "true",
+        "nginx.ingress.kubernetes.io/backend-protocol": "HTTPS",
+    }
+    assert ingress["spec"]["ingressClassName"] == "nginx"
+    assert "tls" not in ingress["spec"]
+    rules = ingress["spec"]["rules"]
+    assert [rule["host"] for rule in rules] == ["hub.example.org", *HUB_NAMES]
+    backend = {"service": {"name": "demo-fedcore-hub", "port": {"name": "hub"}}}
+    for rule in rules:
+        assert rule["http"]["paths"] == [{"path": "/", "pathType": "Prefix", "backend": backend}]
+    assert named(kinds, "Service", "demo-fedcore-hub")["spec"]["ports"][0]["name"] == "hub"
 
 
 RBAC_KINDS = {"ServiceAccount", "ClusterRole", "ClusterRoleBinding", "Role", "RoleBinding"}

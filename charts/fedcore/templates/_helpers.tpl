@@ -81,3 +81,34 @@ review computes the run's planned epsilon: torch, dp-accounting), else the opera
 {{- define "fedcore.hubPort" -}}
 {{- splitList ":" .Values.site.hub | last -}}
 {{- end -}}
+
+{{/* "true" when the operator serves the hub's endpoint (hub.enabled, mode hub or both), else "".
+Fails on hub.enabled in mode site, on a hub.port taken by another of the operator's ports, and
+on hub.service values that its type does not take. */}}
+{{- define "fedcore.hubEndpoint" -}}
+{{- $hub := .Values.hub -}}
+{{- if $hub.enabled -}}
+{{- if eq .Values.mode "site" -}}
+{{- fail "hub.enabled is true in mode: site: a site does not serve the hub's endpoint (set mode: hub or both, or hub.enabled: false)" -}}
+{{- end -}}
+{{- if has (int $hub.port) (list (int .Values.metrics.port) (int .Values.webhook.port) 8081) -}}
+{{- fail (printf "hub.port %d is taken by another port of the operator (metrics.port, webhook.port or 8081, its health port)" (int $hub.port)) -}}
+{{- end -}}
+{{- $type := $hub.service.type -}}
+{{- if and (eq $type "ClusterIP") (or (not (kindIs "invalid" $hub.service.nodePort)) $hub.service.externalTrafficPolicy) -}}
+{{- fail "hub.service.nodePort and hub.service.externalTrafficPolicy need hub.service.type NodePort or LoadBalancer" -}}
+{{- end -}}
+{{- if and (ne $type "LoadBalancer") (or $hub.service.loadBalancerIP $hub.service.loadBalancerSourceRanges) -}}
+{{- fail "hub.service.loadBalancerIP and hub.service.loadBalancerSourceRanges need hub.service.type LoadBalancer" -}}
+{{- end -}}
+{{- if and $hub.ingress.enabled (not $hub.ingress.host) -}}
+{{- fail "hub.ingress.enabled needs hub.ingress.host (the host name the sites dial, which the ingress controller matches by SNI)" -}}
+{{- end -}}
+true
+{{- end -}}
+{{- end -}}
+
+{{/* The TLS server names (SNI) of the hub endpoint's roles that an Ingress routes (JSON list). */}}
+{{- define "fedcore.hubServerNames" -}}
+{{- list "hub.fedcore.invalid" "server.fedcore.invalid" "kdc.fedcore.invalid" | toJson -}}
+{{- end -}}

@@ -8,10 +8,11 @@ publishes), signs their certificate requests with that run's CA, and hears each 
 verdict, client counts and calls, which the run's next pass writes into ``status.sites``.
 
 The endpoint tells runs apart by the TLS server name alone (``server.fedcore.invalid``), so it
-serves one run at a time: the oldest run at sites that has not finished (a run that was
-served before the operator restarted keeps its turn); the others wait in phase Pending with
-reason ``EndpointBusy``. Right after the operator starts, a run that was not being served
-waits ``SETTLE_SECONDS`` for every run to have had its first pass.
+serves one run at a time: the first run at sites reconciled while the endpoint is free keeps
+it until it finishes or is deleted (a run that was served before the operator restarted keeps
+its turn); the others wait in phase Pending with reason ``EndpointBusy``. Right after the
+operator starts, a run that was not being served waits ``SETTLE_SECONDS``, so that the one
+that was gets its pass first.
 """
 
 from __future__ import annotations
@@ -136,7 +137,7 @@ class HubService:
         key: Key = (meta["namespace"], meta["name"], str(meta.get("uid")))
         ctx = objects.RunContext(run, key[0], key[2], self.settings)
         status = body.get("status") or {}
-        self._progress[key[2]] = {
+        progress = {
             "phase": status.get("phase") or "Pending",
             "round": status.get("round") or 0,
             "rounds": run.spec.rounds,
@@ -151,20 +152,24 @@ class HubService:
             address = _pod_address(pods, objects.pod_name(key[1], role), port)
             if address is not None:
                 backends[role] = address
+        digest = spec_digest(run)
         with self._lock:
             if self._holder != key:
                 return
+            self._progress[key[2]] = progress
             current = self.endpoint.run
+            # A changed spec is a new offer: the sites review its digest again.
             if (
                 current is None
                 or current.run.metadata.name != key[1]
                 or current.ca.cert_pem != ca.cert_pem
+                or current.digest != digest
             ):
                 hub_run = HubRun(
                     run,
                     objects.manifest_text(ctx),
                     ca,
-                    spec_digest(run),
+                    digest,
                     self._events(key),
                     progress=lambda: dict(self._progress.get(key[2], {})),
                 )

@@ -76,7 +76,10 @@ class SecretRegistry:
 
     def _restore(self, secret: Object) -> None:
         for key, value in (secret.get("data") or {}).items():
-            path = self.folder.joinpath(*key.split(_SEPARATOR))
+            parts = key.split(_SEPARATOR)
+            if any(part in ("", ".", "..") for part in parts):
+                raise RuntimeError(f"Secret {self.namespace}/{HUB_SECRET} has a bad key {key!r}.")
+            path = self.folder.joinpath(*parts)
             path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
             path.touch(mode=0o600)
             path.write_bytes(base64.b64decode(value))
