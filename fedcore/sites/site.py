@@ -60,6 +60,8 @@ log = logging.getLogger(__name__)
 SITE_FILE = "site.json"
 IDENTITY_FOLDER = "identity"
 STOP_SECONDS = 10.0
+HEARTBEAT_SECONDS = 30.0
+"""How often a serving site renews what is due and reports its clients to the hub."""
 LOCAL_CONNECT_SECONDS = 5.0
 """How long a relay waits for the client it splices to to listen on its peer port (the hub's
 broker waits 15 s for the whole dial-back)."""
@@ -457,19 +459,35 @@ class SiteAgent:
         log.info("Renewed the certificates of site %s's clients %s.", self.config.name, clients)
         return True
 
+    def report_clients(self) -> None:
+        """Tells the hub how many of the run's clients here run and have finished (it shows
+        that, and when the site last called, in its run's status)."""
+        if self._serving is None:
+            return
+        codes = [child.poll() for child in self.children.values()]
+        counts = {
+            "total": len(self._serving[1]),
+            "ready": sum(code is None for code in codes),
+            "succeeded": sum(code == 0 for code in codes),
+        }
+        self.api.call("POST", "/v1/run/clients", {"run": self._serving[0], "clients": counts})
+
     def _keep_certificate(self) -> None:
-        while not self._stopping.wait(30.0):
+        """Every 30 s: renews the site's and its clients' certificates when due, and tells
+        the hub how its clients are doing (the site's heartbeat)."""
+        while not self._stopping.wait(HEARTBEAT_SECONDS):
             try:
                 self.renew_if_due()
                 self.renew_clients_if_due()
+                self.report_clients()
             except HubRefused as exc:
                 if exc.reason == "Revoked":
                     self.revoked = True
                     log.error("The hub revoked site %s: %s", self.config.name, exc)
                     return
-                log.warning("Renewing site %s's certificate failed: %s", self.config.name, exc)
+                log.warning("Site %s's call to the hub failed: %s", self.config.name, exc)
             except (TransportError, OSError) as exc:
-                log.warning("Renewing site %s's certificate failed: %s", self.config.name, exc)
+                log.warning("Site %s's call to the hub failed: %s", self.config.name, exc)
 
     def _relay(self) -> None:
         """Answers the hub's relay requests: dials back and splices to the client's port."""

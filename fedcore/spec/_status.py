@@ -138,6 +138,39 @@ MAX_FAILURES = 10
 """How many failed pods status.failures keeps, the newest last."""
 
 
+class SiteClientCounts(SpecModel):
+    """A site's clients of the run, as the site reports them (the hub cannot check them)."""
+
+    total: int | None = Field(None, description="total: the site's clients of the run.")
+    ready: int | None = Field(None, description="ready: its client pods that are ready.")
+    succeeded: int | None = Field(None, description="succeeded: its client pods that are done.")
+
+
+class SiteRunStatus(SpecModel):
+    """One site of a run at sites (spec.sites), as the hub's endpoint knows it."""
+
+    name: str = Field(description="name of the site.")
+    clients: int = Field(description="clients the run has at the site.")
+    state: str = Field(
+        description="state of the site in the hub's registry: Invited, Enrolled, "
+        "TokenExpired, Revoked, or Unknown (not on the hub's site list)."
+    )
+    approval: Literal["Pending", "Approved", "Refused", "Withdrawn"] = Field(
+        description="approval: the site's last word on this run."
+    )
+    reason: str | None = Field(None, description="reason the site gave for a refusal.")
+    message: str | None = Field(None, description="message the site gave.")
+    reported: SiteClientCounts | None = Field(
+        None, description="reported: the site's clients, as the site reports them."
+    )
+    last_seen: str | None = Field(
+        None, description="lastSeen: when the site last called the hub (RFC 3339)."
+    )
+    conditions: list[Condition] = Field(
+        default_factory=list, description="conditions: Enrolled, Approved and Reachable."
+    )
+
+
 class FederatedRunStatus(SpecModel):
     """status of a FederatedRun, written by fedcore on Kubernetes."""
 
@@ -179,4 +212,9 @@ class FederatedRunStatus(SpecModel):
     )
     active_since: str | None = Field(
         None, description="activeSince: when the current unsuspended stretch began (RFC 3339)."
+    )
+    sites: list[SiteRunStatus] = Field(
+        default_factory=list,
+        description="sites of a run at sites (spec.sites): each one's enrollment, approval, "
+        "clients and link, as the hub's endpoint knows them.",
     )

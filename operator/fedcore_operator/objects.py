@@ -586,14 +586,15 @@ def hub_peers(settings: OperatorSettings) -> list[dict[str, Any]]:
     the only callers of a run-at-sites' server and KDC."""
     if settings.hub_from:
         return [copy.deepcopy(peer) for peer in settings.hub_from]
-    return [
-        {
-            "namespaceSelector": {
-                "matchLabels": {"kubernetes.io/metadata.name": settings.ca_namespace}
-            },
-            "podSelector": {"matchLabels": dict(OPERATOR_POD_LABELS)},
-        }
-    ]
+    return [operator_peer(settings.ca_namespace)]
+
+
+def operator_peer(namespace: str) -> dict[str, Any]:
+    """The NetworkPolicy peer of the operator's pods in ``namespace``."""
+    return {
+        "namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": namespace}},
+        "podSelector": {"matchLabels": dict(OPERATOR_POD_LABELS)},
+    }
 
 
 def revoked_sites_name(run: str) -> str:

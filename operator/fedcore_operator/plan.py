@@ -445,8 +445,8 @@ class _Planner:
             self._set_phase(
                 "Pending",
                 "NoHub",
-                "The run's clients are at sites, and this operator runs no hub (its chart's "
-                "mode is site); install the chart with mode hub or both.",
+                "The run's clients are at sites, and this operator's hub endpoint is off: "
+                "set the chart's hub.enabled (the operator's --hub-listen).",
             )
             return False
         self.status["sites"] = site_statuses(

@@ -564,3 +564,38 @@ def test_an_agent_renews_its_clients_certificates_at_half_their_life(
         assert Identity.from_certificate(renewed.cert_pem) == Identity("client", index)
         assert renewed.ca_pem == run_ca
     assert [f["clients"] for e, f in hub.events if e == "site_certificates"] == [2, 2]
+
+
+def test_a_serving_agent_reports_its_clients_to_the_hub_and_bad_counts_are_refused(
+    hub: Hub, tmp_path: Path
+) -> None:
+    # Prepare: hospital-a serves the run's clients 0 and 1: one still runs, one ended well.
+    import subprocess
+    import sys
+
+    bundle = joined_site(hub, tmp_path / "a")
+    agent = SiteAgent(tmp_path / "a", policy_file(tmp_path, parse_manifest(RUN)))
+    agent._serving = (RUN["metadata"]["name"], [0, 1], b"", tmp_path / "work")
+    running = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    done = subprocess.Popen([sys.executable, "-c", "pass"])
+    done.wait(30)
+    agent.children = {0: running, 1: done}
+    try:
+        # Execute
+        agent.report_clients()
+    finally:
+        running.kill()
+        running.wait(10)
+    # Assert: the hub heard the site's counts, and when it last called.
+    reports = [fields for event, fields in hub.events if event == "site_clients"]
+    assert reports == [{"site": "hospital-a", "total": 2, "ready": 1, "succeeded": 1}]
+    assert time.time() - hub.endpoint.last_seen["hospital-a"] < 30
+    # Counts that are not whole numbers within the site's clients are dropped; no counts at
+    # all are refused with a reason.
+    api = HubApiClient(hub.address, bundle.ca_pem, bundle)
+    body = {"run": RUN["metadata"]["name"], "clients": {"total": 9, "ready": True, "x": 1}}
+    api.call("POST", "/v1/run/clients", body)
+    assert [f for e, f in hub.events if e == "site_clients"][-1] == {"site": "hospital-a"}
+    with pytest.raises(HubRefused) as refused:
+        api.call("POST", "/v1/run/clients", {"run": RUN["metadata"]["name"], "clients": [1]})
+    assert refused.value.reason == "BadRequest" and refused.value.status == 403

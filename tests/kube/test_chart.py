@@ -295,6 +295,7 @@ BAD_VALUES = [
     (["site.hubCidrs={anywhere}"], "site.hubCidrs"),
     (["site.joinTokenSecret=Not_A_Name"], "site.joinTokenSecret"),
     (["mode=site", *SITE, "hub.enabled=true"], "hub.enabled is true in mode: site"),
+    (["hub.enabled=true", "operator.replicas=2"], "hub.enabled needs operator.replicas: 1"),
     (["hub.sites={hospital-a,Bad_Site}"], "hub.sites.1: Does not match pattern"),
     (["hub.revokedSites={" + "a" * 41 + "}"], "hub.revokedSites.0"),
     (["hub.service.type=Internal"], "hub.service.type must be one of"),

@@ -146,7 +146,7 @@ def test_a_run_at_sites_waits_with_no_hub_and_makes_nothing(protocol: str) -> No
 
     # Assert
     assert (result.phase, result.status["reason"]) == ("Pending", "NoHub")
-    assert "mode hub or both" in result.status["message"]
+    assert "hub.enabled" in result.status["message"]
     assert result.steps == ()
     assert conditions_of(result.status)["Ready"] == ("False", "NoHub")
     assert "sites" not in result.status

@@ -83,13 +83,16 @@ review computes the run's planned epsilon: torch, dp-accounting), else the opera
 {{- end -}}
 
 {{/* "true" when the operator serves the hub's endpoint (hub.enabled, mode hub or both), else "".
-Fails on hub.enabled in mode site, on a hub.port taken by another of the operator's ports, and
+Fails on hub.enabled in mode site or with more than one replica, on a hub.port taken by another of the operator's ports, and
 on hub.service values that its type does not take. */}}
 {{- define "fedcore.hubEndpoint" -}}
 {{- $hub := .Values.hub -}}
 {{- if $hub.enabled -}}
 {{- if eq .Values.mode "site" -}}
 {{- fail "hub.enabled is true in mode: site: a site does not serve the hub's endpoint (set mode: hub or both, or hub.enabled: false)" -}}
+{{- end -}}
+{{- if gt (int .Values.operator.replicas) 1 -}}
+{{- fail "hub.enabled needs operator.replicas: 1 (only the leader serves the hub's endpoint, and its Service would send sites to the standby replicas too)" -}}
 {{- end -}}
 {{- if has (int $hub.port) (list (int .Values.metrics.port) (int .Values.webhook.port) 8081) -}}
 {{- fail (printf "hub.port %d is taken by another port of the operator (metrics.port, webhook.port or 8081, its health port)" (int $hub.port)) -}}

@@ -141,6 +141,7 @@ class HubService:
             "phase": status.get("phase") or "Pending",
             "round": status.get("round") or 0,
             "rounds": run.spec.rounds,
+            **({"reason": status["reason"]} if status.get("phase") == "Failed" else {}),
             **(
                 {"epsilon": status["privacy"]["epsilon"]}
                 if (status.get("privacy") or {}).get("epsilon") is not None

@@ -224,13 +224,6 @@ class SiteIdentity:
         return config, renewed
 
 
-OPERATOR_POD_LABELS = {
-    "app.kubernetes.io/name": "fedcore",
-    "app.kubernetes.io/component": "operator",
-}
-"""The labels the chart gives the operator's pod (what the client pods take relays from)."""
-
-
 class SiteRelay:
     """Splices the hub's relays (decentralized protocols) to the site's client pods.
 
@@ -288,14 +281,7 @@ class SiteReconciler:
         self.site = site
         self.identity = SiteIdentity(kube, site)
         self.relay = SiteRelay(self.identity, site.hub, settings.peer_port)
-        self.relay_from = (
-            {
-                "namespaceSelector": {
-                    "matchLabels": {"kubernetes.io/metadata.name": site.namespace}
-                },
-                "podSelector": {"matchLabels": dict(OPERATOR_POD_LABELS)},
-            },
-        )
+        self.relay_from = (objects.operator_peer(site.namespace),)
         self._reviews: dict[str, tuple[tuple[int, str], Verdict]] = {}
         """Per Participation (uid), its last review: (generation, digest) and the verdict."""
         self._told: dict[str, dict[str, int]] = {}
