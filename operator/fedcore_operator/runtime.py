@@ -178,7 +178,14 @@ def build_registry(
     @kopf.on.startup(registry=registry)
     async def start_resync(**_: Any) -> None:
         queue.resyncer = asyncio.create_task(queue.resync(resync_seconds))
-        queue.collector = asyncio.create_task(collect_orphans(reconciler, resync_seconds))
+        queue.collector = asyncio.create_task(
+            every(
+                resync_seconds,
+                reconciler.collect_orphans,
+                "Deleted the CA Secret of a deleted run: ",
+                "Collecting the CA Secrets of deleted runs",
+            )
+        )
         if hub is not None:
             loop = asyncio.get_running_loop()
 
@@ -186,7 +193,9 @@ def build_registry(
                 loop.call_soon_threadsafe(queue.trigger, (namespace, name))
 
             hub.notify = notify
-            queue.site_syncer = asyncio.create_task(sync_hub_sites(hub, resync_seconds))
+            queue.site_syncer = asyncio.create_task(
+                every(resync_seconds, hub.sync_sites, "Hub: ", "Syncing the hub's sites")
+            )
 
     @kopf.on.event(GROUP, VERSION, PLURAL, registry=registry)
     async def run_changed(**kwargs: Any) -> None:
@@ -286,25 +295,15 @@ def _register_site(
             queue.trigger((kwargs["namespace"], owner))
 
 
-async def sync_hub_sites(hub: HubService, seconds: float) -> None:
-    """Brings the hub's registry to the chart's site list now and every ``seconds``."""
+async def every(seconds: float, work: Callable[[], list[str]], done: str, what: str) -> None:
+    """Runs ``work`` (in a thread) now and every ``seconds``, forever: each line it returns
+    is logged after ``done``; a failure is logged as ``what`` failing, and retried."""
     while True:
         try:
-            for action in await asyncio.to_thread(hub.sync_sites):
-                log.info("Hub: %s", action)
+            for line in await asyncio.to_thread(work):
+                log.info("%s%s", done, line)
         except Exception:
-            log.exception("Syncing the hub's sites failed; retried later.")
-        await asyncio.sleep(seconds)
-
-
-async def collect_orphans(reconciler: Reconciler, seconds: float) -> None:
-    """Deletes the CA Secrets of deleted runs now and every ``seconds``, forever."""
-    while True:
-        try:
-            for name in await asyncio.to_thread(reconciler.collect_orphans):
-                log.info("Deleted the CA Secret %s: its run is gone.", name)
-        except Exception:
-            log.exception("Collecting the CA Secrets of deleted runs failed; retried later.")
+            log.exception("%s failed; retried later.", what)
         await asyncio.sleep(seconds)
 
 

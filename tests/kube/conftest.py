@@ -6,6 +6,8 @@ The control plane needs the binaries `bash hack/control-plane.sh` builds (or
 
 from __future__ import annotations
 
+import subprocess
+import sys
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
@@ -57,3 +59,15 @@ def namespace(control_plane: ControlPlane) -> Iterator[str]:
     name = control_plane.create_namespace(f"t-{uuid.uuid4().hex[:10]}")
     yield name
     control_plane.delete_namespace(name)
+
+
+@pytest.fixture(scope="module")
+def hospitals(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The hospitals example's tables (examples/make_data.py): ``hospital-<i>`` folders."""
+    out = tmp_path_factory.mktemp("data")
+    subprocess.run(
+        [sys.executable, str(HERE.parents[1] / "examples" / "make_data.py"), "--out", str(out)],
+        check=True,
+        capture_output=True,
+    )
+    return out / "hospitals"

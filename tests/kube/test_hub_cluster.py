@@ -199,20 +199,6 @@ def hub_namespace(hub: HubSide) -> Iterator[str]:
     hub.plane.delete_namespace(name)
 
 
-@pytest.fixture(scope="module")
-def hospitals(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    import subprocess
-    import sys
-
-    out = tmp_path_factory.mktemp("data")
-    subprocess.run(
-        [sys.executable, str(ROOT / "examples" / "make_data.py"), "--out", str(out)],
-        check=True,
-        capture_output=True,
-    )
-    return out / "hospitals"
-
-
 # ------------------------------------------------------------------------------ the run
 
 

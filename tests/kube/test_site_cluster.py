@@ -118,17 +118,6 @@ def hub_state(tmp_path_factory: pytest.TempPathFactory) -> HubState:
 
 
 @pytest.fixture(scope="module")
-def hospitals(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    out = tmp_path_factory.mktemp("data")
-    subprocess.run(
-        [sys.executable, str(ROOT / "examples" / "make_data.py"), "--out", str(out)],
-        check=True,
-        capture_output=True,
-    )
-    return out / "hospitals"
-
-
-@pytest.fixture(scope="module")
 def site_operator(
     control_plane: ControlPlane,
     kubelet: FakeKubelet,
