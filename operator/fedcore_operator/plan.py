@@ -360,7 +360,9 @@ class _Planner:
             self.status.setdefault("activeSeconds", 0.0)
         self._set_condition("Suspended", False, "Running", "The run is not suspended.")
 
-        if spec.sites is not None and not self._hub_serves(spec.sites):
+        if spec.sites is not None and (
+            not self._deadline_ok() or not self._hub_serves(spec.sites)
+        ):  # waiting for the hub's endpoint counts against the deadline, as pending pods do
             return self._result()
         self._ensure_secrets()
         self._ensure_static()

@@ -1254,3 +1254,18 @@ def test_client_counts_through_the_endpoint_reach_the_runs_status(service: HubSe
         {"total": 1, "ready": 1},
     )
     assert conditions_of(b)["Reachable"] == ("True", "Calling")
+
+
+def test_a_run_waiting_for_the_endpoint_fails_past_its_active_deadline() -> None:
+    # Prepare: a run at sites has waited 100 s for the endpoint, with a 60 s deadline.
+    body = sites_body(status={"phase": "Pending", "activeSince": stamp(100), "activeSeconds": 0})
+    body["spec"]["activeDeadlineSeconds"] = 60
+    view = HubView(serving=False, holder="team-b/other", registry=REGISTRY)
+
+    # Execute
+    result = plan(at_hub(body, view, fresh=True))
+
+    # Assert: it fails as a run whose pods wait would, and makes nothing.
+    assert (result.phase, result.status["reason"]) == ("Failed", "DeadlineExceeded")
+    assert "active 100 s, past spec.activeDeadlineSeconds 60" in result.status["message"]
+    assert created(result) == []
