@@ -8,8 +8,8 @@ organization's own clients, reconciled by a site operator in the same cluster) a
 hub's operator wrote into Secrets from its site list. Cases: the run trains the one machine's
 model, the hub's ``status.sites`` shows both sites enrolled, approved, their clients and when
 they were last seen, and nothing of the second site's data source is in any object of the
-hub's cluster; a site whose floor refuses the run fails it with the site's words on both
-sides.
+hub's cluster; a site that refuses the run (its floor, its image allow-list, a spec changed
+since it approved) fails it with the site's reason and words on both sides.
 """
 
 from __future__ import annotations
@@ -352,36 +352,67 @@ def test_a_run_with_clients_in_the_hubs_cluster_and_a_sites_cluster_trains_the_o
     hub.plane.delete_namespace(own)
 
 
-def test_a_sites_floor_that_refuses_the_run_fails_it_on_both_clusters(
+def evil_image(document: dict[str, Any]) -> None:
+    document["spec"]["roles"] = {"clients": {"image": "evil.example/fedcore:latest"}}
+
+
+def more_rounds(document: dict[str, Any]) -> None:
+    document["spec"]["rounds"] = 4
+
+
+@pytest.mark.parametrize(
+    ("case", "reason", "words"),
+    [
+        ("floor", "Protocol", "dp-fedavg"),
+        ("image", "ImageNotAllowed", "evil.example/fedcore:latest"),
+        ("spec", "SpecChanged", "sha256:"),
+    ],
+)
+def test_a_site_that_refuses_the_run_fails_it_with_its_reason_on_both_clusters(
     hub: HubSide,
     cluster_site: OperatorProcess,
     control_plane: ControlPlane,
     namespace: str,
     hub_namespace: str,
+    case: str,
+    reason: str,
+    words: str,
 ) -> None:
-    # Prepare: the second site takes only dp-fedavg runs.
-    document = run_document("refused")
+    # Prepare: the second site's Participation takes only dp-fedavg runs (floor), allows no
+    # image but the operator's own (image), or approved the run before it changed (spec).
+    document = run_document(f"refused-{case}")
+    approved = json.loads(json.dumps(document))
+    spec: dict[str, Any] = {}
+    if case == "floor":
+        spec["floor"] = {"protocols": ["dp-fedavg"]}
+    elif case == "image":
+        evil_image(document)
+        approved = json.loads(json.dumps(document))
+    else:
+        more_rounds(document)
     control_plane.kubectl(
         "apply", "-n", namespace, "-f", "-",
-        input=participation(document, 2, SENTINEL, floor={"protocols": ["dp-fedavg"]}),
+        input=participation(approved, 2, SENTINEL, **spec),
     )  # fmt: skip
     # Execute
     hub.plane.kubectl("apply", "-n", hub_namespace, "-f", "-", input=json.dumps(document))
     done = wait_for_run(
-        hub.plane, hub_namespace, "refused",
+        hub.plane, hub_namespace, f"refused-{case}",
         lambda r: (r.get("status") or {}).get("phase") in ("Succeeded", "Failed"),
         timeout=120, what="its end", debug=lambda: hub.operator.tail(40),
     )  # fmt: skip
     # Assert: the hub's run failed with the site's reason and words...
     status = done["status"]
     assert (status["phase"], status["reason"]) == ("Failed", "SiteRefused"), status
-    assert f"Site {SITE} refused the run (Protocol)" in status["message"], status
+    assert f"Site {SITE} refused the run ({reason})" in status["message"], status
+    assert words in status["message"], status
     entry = sites_of(done)[SITE]
-    assert entry["approval"] == "Refused" and entry["reason"] == "Protocol", entry
+    assert entry["approval"] == "Refused" and entry["reason"] == reason, entry
     conditions = {c["type"]: (c["status"], c["reason"]) for c in entry["conditions"]}
-    assert conditions["Approved"] == ("False", "Protocol"), entry
-    # ...and the site's Participation says the same, no client pod made.
+    assert conditions["Approved"] == ("False", reason), entry
+    # ...and the site's Participation says the same, with no client pod made.
     found = get_participation(control_plane, namespace, "study")
-    assert found["status"]["phase"] == "Refused", found["status"]
-    assert found["status"]["reason"] == "Protocol", found["status"]
+    assert (found["status"]["phase"], found["status"]["reason"]) == ("Refused", reason)
     assert found["status"]["reported"]["verdict"] == "Refused"
+    pods = control_plane.kubectl("-n", namespace, "get", "pods", "-o", "name").stdout
+    assert pods.strip() == "", pods
