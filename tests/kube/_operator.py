@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -65,10 +66,26 @@ class OperatorProcess:
         return int(self.process.returncode)
 
 
-def install_crd(plane: ControlPlane) -> None:
-    """Applies the chart's CRD and waits until it is Established."""
-    plane.kubectl("apply", "-f", str(CHART_CRD_PATH))
-    plane.kubectl("wait", "--for=condition=Established", f"crd/{CRD_NAME}", "--timeout=60s")
+def install_crd(plane: ControlPlane, path: Path = CHART_CRD_PATH, name: str = CRD_NAME) -> None:
+    """Applies one of the chart's CRDs (the FederatedRun's by default) and waits until it is
+    Established.
+
+    Polled rather than ``kubectl wait``: a kubectl newer than the API server fails at once
+    ("conditions accessor error") while a CRD just made has no conditions yet.
+    """
+    plane.kubectl("apply", "-f", str(path))
+    deadline = time.monotonic() + 60
+    while True:
+        found = plane.kubectl("get", f"crd/{name}", "-o", "json", check=False)
+        if found.returncode == 0:
+            conditions = (json.loads(found.stdout).get("status") or {}).get("conditions") or []
+            if any(
+                c.get("type") == "Established" and c.get("status") == "True" for c in conditions
+            ):
+                return
+        if time.monotonic() > deadline:
+            raise AssertionError(f"CRD {name} is not Established after 60 s: {found.stdout}")
+        time.sleep(0.3)
 
 
 def webhook_certificates(folder: Path) -> tuple[Path, Path, Path]:

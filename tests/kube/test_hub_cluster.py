@@ -37,6 +37,7 @@ from tests.kube.kubelet import FakeKubelet
 from tests.kube.test_client_data_runs import bound_claim
 from tests.kube.test_site_cluster import (
     PARTICIPATION_CRD,
+    PARTICIPATION_CRD_NAME,
     ROOT,
     get_participation,
     phase,
@@ -82,10 +83,7 @@ def hub_plane(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ControlPlane
 
 
 def install_participations(plane: ControlPlane) -> None:
-    plane.kubectl("apply", "-f", str(PARTICIPATION_CRD))
-    plane.kubectl(
-        "wait", "--for=condition=Established", "crd/participations.fedcore.dev", "--timeout=60s"
-    )
+    install_crd(plane, PARTICIPATION_CRD, PARTICIPATION_CRD_NAME)
 
 
 @pytest.fixture(scope="module")

@@ -43,7 +43,7 @@ from fedcore.sites.hub import HubEndpoint
 from fedcore.sites.hub_serve import HubServe
 from fedcore.spec import FederatedRun, load_manifest, parse_manifest, spec_digest
 from fedcore_operator.crd import GROUP, VERSION
-from tests.kube._operator import WEBHOOK_NAME, OperatorProcess, start_operator
+from tests.kube._operator import WEBHOOK_NAME, OperatorProcess, install_crd, start_operator
 from tests.kube.cluster import ControlPlane
 from tests.kube.kubelet import FakeKubelet
 from tests.kube.test_client_data_runs import bound_claim
@@ -51,6 +51,7 @@ from tests.kube.test_operator_runs import listed
 
 ROOT = Path(__file__).resolve().parents[2]
 PARTICIPATION_CRD = ROOT / "charts" / "fedcore" / "crds" / "participations.yaml"
+PARTICIPATION_CRD_NAME = "participations.fedcore.dev"
 SENTINEL = "q7f3a"
 """In every name of the cluster site's data (claims, sub-paths): none may reach the hub."""
 SITE = "hospital-k8s"
@@ -128,10 +129,7 @@ def site_operator(
     demand; the first start enrolls the site with a join token in a Secret; every operator is
     stopped at the end."""
     registry, port = hub_state.registry, hub_state.port
-    control_plane.kubectl("apply", "-f", str(PARTICIPATION_CRD))
-    control_plane.kubectl(
-        "wait", "--for=condition=Established", "crd/participations.fedcore.dev", "--timeout=60s"
-    )
+    install_crd(control_plane, PARTICIPATION_CRD, PARTICIPATION_CRD_NAME)
     token = registry.add_site(SITE).token
     control_plane.kubectl(
         "-n", OPERATOR_NAMESPACE, "create", "secret", "generic", "fedcore-site-join",
