@@ -26,7 +26,6 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-import yaml
 
 from fedcore.local.ports import free_port
 from fedcore.simulation import simulate
@@ -38,10 +37,12 @@ from tests.kube.test_client_data_runs import bound_claim
 from tests.kube.test_site_cluster import (
     PARTICIPATION_CRD,
     PARTICIPATION_CRD_NAME,
-    ROOT,
     get_participation,
     phase,
     wait_participation,
+)
+from tests.kube.test_site_cluster import (
+    run_document as site_run_document,
 )
 
 OWN = "hub-own"
@@ -202,18 +203,9 @@ def hub_namespace(hub: HubSide) -> Iterator[str]:
 
 def run_document(name: str) -> dict[str, Any]:
     """The hospitals example as FedAvg: client 0 at the hub's own site, 1 and 2 at the other."""
-    document = yaml.safe_load((ROOT / "examples" / "hospitals-tabular.yaml").read_text())
-    document["metadata"]["name"] = name
-    spec = document["spec"]
-    spec["protocol"] = {"name": "fedavg"}
-    spec.pop("privacy")
-    spec["rounds"] = 3
-    spec["clients"] = {"count": 3}
-    spec["checkpoint"] = {"everyRounds": 0}
-    spec["failurePolicy"] = {"connectTimeoutSeconds": 120, "roundTimeoutSeconds": 60}
-    spec["data"]["clientData"] = {"format": "Parquet"}
-    spec["sites"] = [{"name": OWN, "clients": 1}, {"name": SITE, "clients": 2}]
-    return document
+    return site_run_document(
+        name, sites=[{"name": OWN, "clients": 1}, {"name": SITE, "clients": 2}]
+    )
 
 
 def participation(document: dict[str, Any], clients: int, claims: str, **spec: Any) -> str:
