@@ -449,7 +449,7 @@ def json_safe(value: Any) -> Any:
     default="auto",
     show_default=True,
     metavar="N|auto",
-    help="Clients that share one process (a thread each, each with its own key, data and "
+    help="Clients that share one process (on one event loop, each with its own key, data and "
     "metrics). auto: one each up to 8 clients per core, then about 2 processes per core.",
 )
 @click.option(
@@ -883,15 +883,16 @@ def clients(
     kdc_address: str | None,
     **options: Any,
 ) -> None:
-    """Runs several client roles of one run in this process, a thread each, each with its own
-    key, certificate, data and metrics (fedcore run uses it for many clients on few cores)."""
+    """Runs several client roles of one run in this process, on one event loop, each with its
+    own key, certificate, data and metrics (fedcore run uses it for many clients on few cores)."""
     from fedcore.roles import RoleConfig
     from fedcore.roles._common import configure_logging
 
     with imports_uncollected():
-        from fedcore.roles.client_group import run_client_group
+        from fedcore.roles.client_group import name_members_in_logs, run_client_group
 
-    configure_logging("%(threadName)s", options["log_level"])
+    configure_logging("%(member)s", options["log_level"])
+    name_members_in_logs()
     with role_errors("clients"):
         config = RoleConfig(
             manifest=options["manifest"],

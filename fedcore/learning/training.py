@@ -130,6 +130,7 @@ class LocalLearner:
         self._client_index = client_index
         self._dtype = _model_dtype(model)
         self._classes = data.num_classes
+        self._optimizer: torch.optim.Optimizer | None = None
         self._mapped: np.ndarray | None = None
         if isinstance(data.x, np.memmap) and data.x.nbytes > _resident_bytes():
             # Streamed: batches are read from the cache's map as they are used.
@@ -236,9 +237,10 @@ class LocalLearner:
         if epochs < 1:
             raise ValueError(f"The number of local epochs must be at least 1, got {epochs}.")
         self._check_round(round)
-        set_weights(self._model, weights)
-        self._model.train()
-        optimizer = _optimizer(self._model, self._training)
+        state = set_weights(self._model, weights)
+        if not self._model.training:  # train() and eval() set every submodule
+            self._model.train()
+        optimizer = self._fresh_optimizer()
         order = np.random.default_rng([self._seed, round, self._client_index])
         n = self.num_examples
         batch_size = self._training.batch_size
@@ -260,7 +262,7 @@ class LocalLearner:
                     steps += 1
         per_step = torch.stack(losses).to("cpu", torch.float64).numpy()
         mean_loss = float(np.dot(per_step, np.asarray(sizes, dtype=np.float64))) / (epochs * n)
-        return get_weights(self._model), LocalStats(n, mean_loss, steps)
+        return get_weights(self._model, state), LocalStats(n, mean_loss, steps)
 
     def gradient(
         self, weights: dict[str, np.ndarray], *, round: int
@@ -321,20 +323,39 @@ class LocalLearner:
         if round < 0:
             raise ValueError(f"The round must be non-negative, got {round}.")
 
+    def _fresh_optimizer(self) -> torch.optim.Optimizer:
+        """The optimizer of one call, as freshly made: the learner's own, its state (momenta,
+        Adam's moments and step) emptied. Building one per call cost more than a small
+        model's whole step."""
+        if self._optimizer is None:
+            self._optimizer = _optimizer(self._model, self._training)
+        else:
+            self._optimizer.state.clear()
+        return self._optimizer
+
     @contextlib.contextmanager
     def _forked_rng(self, round: int) -> Iterator[None]:
-        """Seeds torch's RNG from (seed, round, client) and restores the global one after."""
-        words = np.random.SeedSequence(
-            [self._seed, round, self._client_index, _TORCH_SEED_TAG]
-        ).generate_state(1, np.uint64)
-        devices = [self._device] if self._device.type == "cuda" else []
-        with torch.random.fork_rng(devices=devices, device_type=self._device.type):
+        """Seeds torch's RNG from (seed, round, client) and restores the global one after
+        (what ``torch.random.fork_rng`` does, for the generators in use only)."""
+        seed = int(
+            np.random.SeedSequence(
+                [self._seed, round, self._client_index, _TORCH_SEED_TAG]
+            ).generate_state(1, np.uint64)[0]
+        )
+        cuda = self._device.type == "cuda"
+        saved = torch.default_generator.get_state()
+        saved_cuda = torch.cuda.get_rng_state(self._device) if cuda else None
+        try:
             # Seed only the generators in use: torch.manual_seed also queues lazy seeding of
             # every accelerator backend, which costs a stack capture each (0.4 ms per call).
-            torch.default_generator.manual_seed(int(words[0]))
-            if self._device.type == "cuda":
-                torch.cuda.manual_seed(int(words[0]))
+            torch.default_generator.manual_seed(seed)
+            if cuda:
+                torch.cuda.manual_seed(seed)
             yield
+        finally:
+            torch.default_generator.set_state(saved)
+            if saved_cuda is not None:
+                torch.cuda.set_rng_state(saved_cuda, self._device)
 
 
 class Evaluator:

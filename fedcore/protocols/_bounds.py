@@ -36,6 +36,7 @@ import numpy as np
 
 from fedcore.errors import AggregateRefused, ProtocolError, UploadRefused
 from fedcore.protocols._base import Weights
+from fedcore.protocols._maths import scratch_elements
 from fedcore.spec import FederatedRunSpec
 from fedcore.spec._uploads import DEFAULT_EXAMPLES_OVER_MEDIAN, DEFAULT_UPDATE_RMS
 from fedcore.transport import Payload
@@ -55,8 +56,9 @@ def step_norm(tensors: Weights, reference: Weights | None = None, *, scale: floa
     """The L2 norm of ``scale * (tensors - reference)`` (of ``scale * tensors`` without a
     reference) over the floating-point tensors, in float64, one tensor at a time."""
     total = 0.0
-    acc = np.empty(_BLOCK, dtype=np.float64)
-    other = np.empty(_BLOCK, dtype=np.float64)
+    block = scratch_elements(tensors.values())
+    acc = np.empty(block, dtype=np.float64)
+    other = np.empty(block, dtype=np.float64)
     for name, value in tensors.items():
         if not np.issubdtype(value.dtype, np.floating):
             continue
@@ -64,8 +66,8 @@ def step_norm(tensors: Weights, reference: Weights | None = None, *, scale: floa
         ref = None if reference is None else np.ascontiguousarray(reference[name]).reshape(-1)
         # Block by block in float64 scratch that stays in cache (as weighted_mean does): no
         # whole-tensor float64 temporaries, each input read once.
-        for start in range(0, flat.size, _BLOCK):
-            stop = min(start + _BLOCK, flat.size)
+        for start in range(0, flat.size, block):
+            stop = min(start + block, flat.size)
             a = acc[: stop - start]
             np.copyto(a, flat[start:stop], casting="unsafe")
             if ref is not None:
@@ -74,10 +76,6 @@ def step_norm(tensors: Weights, reference: Weights | None = None, *, scale: floa
                 np.subtract(a, b, out=a)
             total += float(np.dot(a, a))
     return abs(scale) * math.sqrt(total)
-
-
-_BLOCK = 1 << 15
-"""Elements per block of step_norm: 2 x 256 KiB of float64 scratch."""
 
 
 AGGREGATE_SLACK = 1e-6

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -29,8 +29,9 @@ def weighted_mean(tensors: Sequence[Weights], weights: Sequence[float]) -> Weigh
     if len(scales) != len(tensors):
         raise ValueError(f"{len(tensors)} uploads but {len(scales)} weights were given.")
     result: Weights = {}
-    acc = np.empty(_BLOCK, dtype=np.float64)
-    term = np.empty(_BLOCK, dtype=np.float64)
+    block = scratch_elements(tensors[0].values())
+    acc = np.empty(block, dtype=np.float64)
+    term = np.empty(block, dtype=np.float64)
     for name, first in tensors[0].items():
         flats = [np.ascontiguousarray(values[name]).reshape(-1) for values in tensors]
         out = np.empty(first.size, dtype=first.dtype)
@@ -38,8 +39,8 @@ def weighted_mean(tensors: Sequence[Weights], weights: Sequence[float]) -> Weigh
         # inputs are read once and the result written once (a whole-tensor float64 temporary
         # per upload moved several times the input bytes through memory). Same operations per
         # element, same order, so the result is bit-identical to accumulating whole tensors.
-        for start in range(0, first.size, _BLOCK):
-            stop = min(start + _BLOCK, first.size)
+        for start in range(0, first.size, block):
+            stop = min(start + block, first.size)
             a, t = acc[: stop - start], term[: stop - start]
             a.fill(0.0)
             for flat, scale in zip(flats, scales, strict=True):
@@ -55,6 +56,13 @@ def weighted_mean(tensors: Sequence[Weights], weights: Sequence[float]) -> Weigh
 
 _BLOCK = 1 << 15
 """Elements per block of weighted_mean: 2 x 256 KiB of float64 scratch, well inside L2."""
+
+
+def scratch_elements(arrays: Iterable[np.ndarray]) -> int:
+    """Elements of blocked float64 scratch for ``arrays``: ``_BLOCK``, or the largest array's
+    size if smaller (a small model's scratch then stays off the allocator's mmap path, which
+    costs a system call and page faults per call)."""
+    return max(1, min(_BLOCK, max((array.size for array in arrays), default=1)))
 
 
 def check_like(reference: Weights, upload: Payload, *, what: str) -> None:

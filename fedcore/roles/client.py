@@ -2,11 +2,10 @@
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
-import functools
 import logging
 import random
-import time
 from collections.abc import Callable
 from contextlib import AbstractContextManager
 from pathlib import Path
@@ -39,7 +38,14 @@ from fedcore.roles._peer_duties import PeerDuties, PeerSettings
 from fedcore.sites.binding import SiteBinding
 from fedcore.sites.policy import RoundGuard, SiteRefused
 from fedcore.spec import FederatedRun, protocol_facts
-from fedcore.transport import Identity, Payload, RemoteError, RpcClient, TlsBundle
+from fedcore.transport import (
+    AsyncRpcClient,
+    Identity,
+    Payload,
+    RemoteError,
+    RpcClient,
+    TlsBundle,
+)
 
 log = logging.getLogger(__name__)
 
@@ -159,38 +165,60 @@ class Client:
         if protocol_facts(spec.protocol.name).needs_kdc and kdc is None:
             raise FedcoreError(f"Protocol {spec.protocol.name!r} needs a KDC: pass --kdc.")
         self._links = (server, kdc, limits)
-        self.server, self.kdc = self._connect(tls)
+        self.kdc = self._connect(tls)
 
-    def _connect(self, tls: TlsBundle) -> tuple[RpcClient, RpcClient | None]:
-        """Channels to the server and (for protocols that need one) the KDC, with ``tls``."""
-        server, kdc, limits = self._links
-        channel = functools.partial(
-            RpcClient, tls=tls, limits=limits, retry=self.retry, on_bytes=self.metrics.count_bytes
+    def _connect(self, tls: TlsBundle) -> RpcClient | None:
+        """The channel to the KDC, for protocols that need one, with ``tls``."""
+        _, kdc, limits = self._links
+        if not (protocol_facts(self.spec.protocol.name).needs_kdc and kdc is not None):
+            return None
+        return RpcClient(
+            kdc,
+            tls=tls,
+            limits=limits,
+            retry=self.retry,
+            on_bytes=self.metrics.count_bytes,
+            service=KDC_SERVICE,
+            peer=Identity("kdc"),
         )
-        to_server = channel(server, service=SERVER_SERVICE, peer=Identity("server"))
-        to_kdc = None
-        if protocol_facts(self.spec.protocol.name).needs_kdc and kdc is not None:
-            to_kdc = channel(kdc, service=KDC_SERVICE, peer=Identity("kdc"))
-        return to_server, to_kdc
 
-    def _refresh_identity(self) -> None:
-        """Before a new session: takes up a renewed certificate in ``tls_dir`` (new channels;
-        sessions on the old ones have ended)."""
+    def _server_link(self) -> AsyncRpcClient:
+        """A channel to the server with the current bundle (inside the event loop)."""
+        server, _, limits = self._links
+        return AsyncRpcClient(
+            server,
+            self.tls,
+            service=SERVER_SERVICE,
+            limits=limits,
+            peer=Identity("server"),
+            on_bytes=self.metrics.count_bytes,
+        )
+
+    def _refresh_identity(self) -> bool:
+        """Before a new session: takes up a renewed certificate in ``tls_dir`` (a new KDC
+        channel; sessions on the old ones have ended). Returns whether it did."""
         if self.tls_dir is None:
-            return
+            return False
         fresh = self.tls.renewed(self.tls_dir)
         if fresh is None:
-            return
+            return False
         log.info("Using this client's renewed certificate from now on.")
-        self.server.close()
         if self.kdc is not None:
             self.kdc.close()
         self.tls = fresh
-        self.server, self.kdc = self._connect(fresh)
+        self.kdc = self._connect(fresh)
+        return True
 
     def serve(self) -> dict[str, Any]:
+        """Takes part in rounds until the server says the run is over; returns a summary
+        (``serve_async`` on an event loop of its own)."""
+        return asyncio.run(self.serve_async())
+
+    async def serve_async(self) -> dict[str, Any]:
         """Takes part in rounds until the server says the run is over; returns a summary.
 
+        The session and its messages are served on the running event loop; an upload is
+        computed on the loop's thread (clients that share a loop compute one at a time).
         A broken session is reopened with backoff (within spec.failurePolicy's
         connectTimeoutSeconds); the server then resends a task still pending for us.
 
@@ -205,16 +233,19 @@ class Client:
         delays = self.retry.delays(jitter)
         last = (0, 0)
         rounds = 0
+        link = self._server_link()
         try:
             while True:
-                self._refresh_identity()
-                session = self.server.open_session("Session")
+                if self._refresh_identity():
+                    await link.close()
+                    link = self._server_link()
+                session = link.open_session("Session")
                 try:
-                    session.send(
+                    await session.send(
                         Payload(meta={"kind": "hello", "round": last[0], "attempt": last[1]})
                     )
                     while True:
-                        message = session.receive()
+                        message = await session.receive()
                         if message is None:
                             break
                         delays = self.retry.delays(jitter)  # connected: reset backoff
@@ -226,7 +257,7 @@ class Client:
                                 "The server answered %s to an upload.", message.meta.get("status")
                             )
                         elif kind == "task" and (refused := self._refused(message)):
-                            session.send(
+                            await session.send(
                                 Payload(
                                     meta={
                                         "kind": "refused",
@@ -237,16 +268,17 @@ class Client:
                                     }
                                 )
                             )
-                            session.finish(GOODBYE_SECONDS)  # the server hears it first
+                            await session.finish(GOODBYE_SECONDS)  # the server hears it first
                             raise refused
                         elif kind == "task" and is_evaluation(
                             message.meta.get("instruction") or {}
                         ):
                             last = (int(message.meta["round"]), int(message.meta["attempt"]))
-                            session.send(self._evaluation(last, message))
+                            await session.send(self._evaluation(last, message))
                         elif kind == "task":
                             last = (int(message.meta["round"]), int(message.meta["attempt"]))
-                            session.send(self._upload(last, message))
+                            keys = await self._keys(last[0], message)
+                            await session.send(self._upload(last, message, keys))
                             rounds += 1
                             self.protocol.after_upload(last[0])
                 except RemoteError as exc:
@@ -264,9 +296,9 @@ class Client:
                         method="Session",
                         code="UNAVAILABLE",
                     )
-                time.sleep(delay)
+                await asyncio.sleep(delay)
         finally:
-            self.server.close()
+            await link.close()
             if self.kdc is not None:
                 self.kdc.close()
             if self.duties is not None:
@@ -288,14 +320,25 @@ class Client:
             return exc
         return None
 
-    def _upload(self, task_id: tuple[int, int], task: Payload) -> Payload:
+    def _instruction(self, task: Payload) -> Payload:
+        return Payload(meta=dict(task.meta.get("instruction") or {}), tensors=task.tensors)
+
+    async def _keys(self, round_: int, task: Payload) -> Payload | None:
+        """This round's keys from the KDC (protocols that need one; a thread waits for the
+        call, so other sessions on the loop go on), or None."""
+        kdc = self.kdc
+        if kdc is None:
+            return None
+        reusable = self.protocol.reusable_keys(round_, self._instruction(task))
+        if reusable is not None:
+            return reusable
+        return await asyncio.to_thread(
+            kdc.call, "IssueKeys", Payload(meta={"round": round_}), timeout=CALL_SECONDS
+        )
+
+    def _upload(self, task_id: tuple[int, int], task: Payload, keys: Payload | None) -> Payload:
         round_, attempt = task_id
-        instruction = Payload(meta=dict(task.meta.get("instruction") or {}), tensors=task.tensors)
-        keys = None
-        if self.kdc is not None:
-            keys = self.protocol.reusable_keys(round_, instruction) or self.kdc.call(
-                "IssueKeys", Payload(meta={"round": round_}), timeout=CALL_SECONDS
-            )
+        instruction = self._instruction(task)
         if self.duties is not None:
             self.duties.before(round_, instruction)
         with self.compute_lock, self.metrics.round_duration.time():

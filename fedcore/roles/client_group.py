@@ -1,4 +1,4 @@
-"""Several client roles in one process: a thread per client, each with its own identity.
+"""Several client roles in one process, each with its own identity, on one event loop.
 
 One process per client is what a pod is, and what ``fedcore run`` does for small runs. With
 hundreds of clients on a few cores, a process each costs every client an interpreter's memory
@@ -8,15 +8,20 @@ each one a participant of its own: its TLS key and certificate (so the server au
 each as itself), its data shard, model, learner, protocol state, sessions and metrics
 endpoint. What they share is the interpreter, the loaded manifest and torch's thread pool.
 
-Clients of a group compute one at a time (one lock, ``Client(compute_lock=...)``): torch's RNG
-is global to a process, and a client forks and reseeds it for every training call, so two
-clients training at once could draw from each other's stream. Under the lock each client
-computes exactly what it would in its own process (tested bit for bit); the GIL would have
-serialized most of that Python-bound work anyway.
+Every client's session is a coroutine on one asyncio loop (``Client.serve_async``): a message
+costs a step of the loop, not a hand-off between a client's threads. Clients of a group
+compute one at a time, on the loop's thread (and under one lock, ``Client(compute_lock=...)``,
+for what runs beside it: a KDC call waits in a thread of its own): torch's RNG is global to a
+process, and a client forks and reseeds it for every training call, so two clients training at
+once could draw from each other's stream. So each client computes exactly what it would in its
+own process (tested bit for bit); the GIL would have serialized most of that Python-bound work
+anyway.
 """
 
 from __future__ import annotations
 
+import asyncio
+import contextvars
 import logging
 import threading
 from dataclasses import dataclass, replace
@@ -34,6 +39,27 @@ log = logging.getLogger(__name__)
 
 INDEX_FIELD = "{index}"
 """What ``--tls-dir`` of a group names each client's bundle folder by (``pki/client-{index}``)."""
+
+
+MEMBER: contextvars.ContextVar[str] = contextvars.ContextVar("fedcore_member", default="")
+"""The client a log line is about: set in each client's task (and so in the threads it starts
+with ``asyncio.to_thread``)."""
+
+
+class _MemberName(logging.Filter):
+    """Gives every record a ``member``: the client it is about, else its thread's name."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        record.member = MEMBER.get() or record.threadName
+        return True
+
+
+def name_members_in_logs() -> None:
+    """Lets the root logger's handlers format ``%(member)s`` (``fedcore clients`` does):
+    every client's lines name it, though all run on one thread."""
+    for handler in logging.getLogger().handlers:
+        if not any(isinstance(found, _MemberName) for found in handler.filters):
+            handler.addFilter(_MemberName())
 
 
 @dataclass(frozen=True)
@@ -70,8 +96,8 @@ def run_client_group(
     server: str,
     kdc: str | None,
 ) -> dict[int, dict[str, Any]]:
-    """The ``fedcore clients`` entry point: runs ``members`` as clients of one run, each in its
-    own thread, until every one has ended; returns each one's summary.
+    """The ``fedcore clients`` entry point: runs ``members`` as clients of one run, each a
+    coroutine on one event loop, until every one has ended; returns each one's summary.
 
     ``config.tls_dir`` is a template with ``{index}``; ``config.metrics_port`` is unused (each
     member names its own).
@@ -91,6 +117,7 @@ def run_client_group(
             f"links, so each runs in a process of its own (fedcore client)."
         )
     limit_threads(config.threads)
+    name_members_in_logs()
     lock = threading.Lock()
     clients = []
     for member in members:
@@ -100,28 +127,29 @@ def run_client_group(
             metrics_port=member.metrics_port,
         )
         tls = TlsBundle.load(own.tls_dir)
-        clients.append(
-            Client(run, own, tls, index=member.index, server=server, kdc=kdc, compute_lock=lock)
-        )
+        token = MEMBER.set(f"client-{member.index}")
+        try:
+            clients.append(
+                Client(run, own, tls, index=member.index, server=server, kdc=kdc, compute_lock=lock)
+            )
+        finally:
+            MEMBER.reset(token)
     results: dict[int, dict[str, Any]] = {}
     failures: dict[int, BaseException] = {}
 
-    def serve(client: Client) -> None:
+    async def serve(client: Client) -> None:
+        MEMBER.set(f"client-{client.index}")  # this client's task only (its own context)
         try:
-            results[client.index] = client.serve()
-        except BaseException as exc:  # reported for this client; the others go on
+            results[client.index] = await client.serve_async()
+        except Exception as exc:  # reported for this client; the others go on
             failures[client.index] = exc
             log.debug("Traceback of client %d's failure:", client.index, exc_info=True)
             log.error("Client %d ended: %s: %s", client.index, type(exc).__name__, exc)
 
-    threads = [
-        threading.Thread(target=serve, args=(client,), name=f"client-{client.index}")
-        for client in clients
-    ]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join()
+    async def serve_all() -> None:
+        await asyncio.gather(*(serve(client) for client in clients))
+
+    asyncio.run(serve_all())
     if failures:
         named = ", ".join(f"client {index}" for index in sorted(failures))
         raise ClientGroupFailed(f"{len(failures)} of {len(members)} clients failed: {named}.")

@@ -95,6 +95,7 @@ class Attempt:
     failed: dict[int, str] = field(default_factory=dict)
     delivered: dict[int, ServerSession] = field(default_factory=dict)
     spec_digest: str | None = None
+    _tasks: dict[int, Payload] = field(default_factory=dict, repr=False)
 
     def deliver(self, client: int, session: ServerSession) -> bool:
         """Sends ``client`` its task on ``session`` unless it already went there."""
@@ -115,18 +116,25 @@ class Attempt:
 
     def task_for(self, client: int) -> Payload:
         """Returns the message that carries ``client``'s instruction, and the digest of the
-        spec the server runs (a site's client checks it against the one it approved)."""
+        spec the server runs (a site's client checks it against the one it approved).
+
+        Clients with the same plan (one object) get the same message object, which the
+        transport then encodes once for all of them."""
         plan = self.plans[client]
-        return Payload(
-            meta={
-                "kind": "task",
-                "round": self.round,
-                "attempt": self.attempt,
-                "instruction": plan.meta,
-                "specDigest": self.spec_digest,
-            },
-            tensors=plan.tensors,
-        )
+        task = self._tasks.get(id(plan))
+        if task is None:
+            task = Payload(
+                meta={
+                    "kind": "task",
+                    "round": self.round,
+                    "attempt": self.attempt,
+                    "instruction": plan.meta,
+                    "specDigest": self.spec_digest,
+                },
+                tensors=plan.tensors,
+            )
+            self._tasks[id(plan)] = task
+        return task
 
 
 class RoundBoard(SessionHandler):
@@ -407,7 +415,10 @@ class Server:
                 attempt.uploads[index] = upload
             else:
                 attempt.failed[index] = "rejected"
-            board.cond.notify_all()
+            if status != "accepted" or attempt.settled():
+                # The round's thread waits for a settled attempt or a failure: waking it for
+                # every upload cost a thread switch per client and round.
+                board.cond.notify_all()
         return status
 
     def site_refused(self, index: int, message: Payload) -> None:

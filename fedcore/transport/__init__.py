@@ -1,6 +1,7 @@
 """Moving Payloads between roles: the chunked wire codec, the per-run mutual-TLS PKI, and a
 hub's one endpoint (routing by TLS server name, relays for parties that only dial out)."""
 
+from fedcore.transport._aio import AsyncClientSession, AsyncRpcClient
 from fedcore.transport._codec import PayloadDecoder, decode_chunks, encode_chunks
 from fedcore.transport._payload import Payload
 from fedcore.transport._revocations import RevokedSites
@@ -13,16 +14,13 @@ from fedcore.transport._router import (
     splice,
 )
 from fedcore.transport._rpc import (
-    CallContext,
     ClientSession,
     Limits,
     RemoteError,
     RetryPolicy,
     RpcClient,
-    RpcServer,
-    ServerSession,
-    SessionHandler,
 )
+from fedcore.transport._server import CallContext, RpcServer, ServerSession, SessionHandler
 from fedcore.transport._tls import (
     Identity,
     RunCa,
@@ -34,6 +32,8 @@ from fedcore.transport._tls import (
 )
 
 __all__ = [
+    "AsyncClientSession",
+    "AsyncRpcClient",
     "CallContext",
     "ClientSession",
     "ConnectionHandler",

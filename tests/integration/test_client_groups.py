@@ -78,6 +78,13 @@ def test_two_processes_run_the_six_clients_each_authenticated_as_itself(runs: di
     assert sorted(logs) == ["clients-0-2.log", "clients-3-5.log", "data-prepare.log", "server.log"]
     connected = re.findall(r"Client (\d+) connected\.", logs["server.log"])
     assert sorted(map(int, connected)) == list(range(CLIENTS))
+    # ... and each group's lines name the client they are about (all share one thread)
+    named = {
+        log: sorted(set(re.findall(r"^\S+ \S+ client-(\d+) INFO", text, re.MULTILINE)))
+        for log, text in logs.items()
+        if log.startswith("clients-")
+    }
+    assert named == {"clients-0-2.log": ["0", "1", "2"], "clients-3-5.log": ["3", "4", "5"]}
 
 
 @pytest.mark.parametrize("mode", ["grouped", "single"])

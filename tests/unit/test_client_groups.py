@@ -3,6 +3,8 @@ what a client group refuses (fedcore.roles.client_group); pure logic, no process
 
 from __future__ import annotations
 
+import asyncio
+import logging
 from pathlib import Path
 
 import pytest
@@ -12,7 +14,7 @@ from hypothesis import strategies as st
 from fedcore.errors import FedcoreError, RunAborted
 from fedcore.local import groups
 from fedcore.local.runner import LocalRun
-from fedcore.roles.client_group import member_tls_dir
+from fedcore.roles.client_group import MEMBER, member_tls_dir, name_members_in_logs
 from fedcore.spec import load_manifest
 
 MANIFEST = """\
@@ -114,3 +116,46 @@ def test_runner_groups_many_clients_and_keeps_small_runs_one_per_process(tmp_pat
     # Assert
     assert alone.client_groups == [[0], [1], [2]]
     assert shared.client_groups == [[0, 1, 2], [3, 4], [5, 6]]
+
+
+def test_each_client_task_names_itself_in_the_log_lines_it_writes() -> None:
+    # Prepare: a handler formatting %(member)s, as `fedcore clients` sets up
+    lines: list[str] = []
+
+    class Collect(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            lines.append(self.format(record))
+
+    root = logging.getLogger()
+    handler = Collect()
+    handler.setFormatter(logging.Formatter("%(member)s %(message)s"))
+    root.addHandler(handler)
+    name_members_in_logs()
+    log = logging.getLogger("test.member")
+
+    async def client(index: int) -> None:
+        MEMBER.set(f"client-{index}")
+        await asyncio.sleep(0)  # the other task runs in between
+        log.warning("step one")
+        await asyncio.to_thread(log.warning, "in a thread")
+        log.warning("step two")
+
+    async def both() -> None:
+        await asyncio.gather(client(1), client(2))
+
+    # Execute
+    try:
+        asyncio.run(both())
+        log.warning("outside")
+    finally:
+        root.removeHandler(handler)
+
+    # Assert: every line names the task it came from (or, outside any, the thread)
+    assert sorted(lines) == sorted(
+        [
+            *(f"client-{i} {what}" for i in (1, 2) for what in ("step one", "in a thread")),
+            "client-1 step two",
+            "client-2 step two",
+            "MainThread outside",
+        ]
+    )

@@ -3,29 +3,34 @@
 from __future__ import annotations
 
 import functools
+from collections.abc import Mapping
 
 import numpy as np
 import torch
 from torch import nn
 
 
-def get_weights(module: nn.Module) -> dict[str, np.ndarray]:
+def get_weights(
+    module: nn.Module, state: Mapping[str, torch.Tensor] | None = None
+) -> dict[str, np.ndarray]:
     """Returns copies of a module's state (parameters and buffers) as numpy arrays.
 
     Args:
         module: the module to read.
+        state: its ``state_dict()`` if the caller holds one taken since its parameters were
+            last replaced (``set_weights`` returns it); None: taken here.
 
     Returns:
         One detached CPU copy per ``state_dict`` entry, in ``state_dict`` order.
     """
-    return {
-        name: tensor.detach().to("cpu", copy=True).numpy()
-        for name, tensor in module.state_dict().items()
-    }
+    if state is None:
+        state = module.state_dict()
+    return {name: tensor.detach().to("cpu", copy=True).numpy() for name, tensor in state.items()}
 
 
-def set_weights(module: nn.Module, weights: dict[str, np.ndarray]) -> None:
-    """Copies ``weights`` into a module's state in place.
+def set_weights(module: nn.Module, weights: dict[str, np.ndarray]) -> dict[str, torch.Tensor]:
+    """Copies ``weights`` into a module's state in place; returns the ``state_dict()`` it
+    copied into (views of the module's tensors).
 
     The names, shapes and dtypes must match ``module.state_dict()`` exactly; nothing is
     copied unless all of them do. ``weights`` itself is not changed.
@@ -58,6 +63,7 @@ def set_weights(module: nn.Module, weights: dict[str, np.ndarray]) -> None:
     with torch.no_grad():
         for name, tensor in state.items():
             tensor.copy_(_as_tensor(weights[name]))
+    return state
 
 
 def _as_tensor(array: np.ndarray) -> torch.Tensor:

@@ -1,0 +1,186 @@
+"""Client sessions on asyncio: many parties' sessions on one thread, no thread per message.
+
+gRPC's synchronous streaming API gives every session a thread that feeds its requests and a
+channel thread that wakes the reader, and every message crosses threads (about 200 us of CPU
+per message and reply on this project's machine, benchmarks in docs/benchmarks.md). On
+``grpc.aio`` a message is a coroutine step on the event loop's thread: the same exchange costs
+a third of that, and a process that runs many clients (``fedcore clients``) serves all their
+sessions from one loop.
+
+What a session carries and checks is what :class:`~fedcore.transport.ClientSession` carries
+and checks: the same chunked codec and size limits, the same channel options, the peer's
+certificate checked against the role name of the party we mean to reach, and grpc's failures
+turned into :class:`RemoteError` with the status's name. Each ``AsyncRpcClient`` is one
+channel with one party's own key and certificate.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import Callable
+from typing import Any
+
+import grpc
+
+from fedcore.errors import MessageRejected
+from fedcore.transport._codec import PayloadDecoder, encode_chunks
+from fedcore.transport._payload import Payload
+from fedcore.transport._rpc import SERVICE_PREFIX, Limits, RemoteError
+from fedcore.transport._tls import Identity, TlsBundle
+
+
+class AsyncRpcClient:
+    """A mutual-TLS ``grpc.aio`` channel to one peer party, for long-lived sessions.
+
+    Create it inside the event loop that uses it. The peer's certificate must carry the role
+    name of ``peer`` (:attr:`Identity.dns_name`), whatever host ``target`` names.
+
+    Args:
+        target: ``host:port`` of the peer.
+        tls: this party's bundle.
+        service: the peer's service name, e.g. ``Server``.
+        limits: message limits.
+        peer: the party we mean to reach.
+        on_bytes: called with (sent, received) byte counts of each message.
+    """
+
+    def __init__(
+        self,
+        target: str,
+        tls: TlsBundle,
+        *,
+        service: str,
+        limits: Limits,
+        peer: Identity,
+        on_bytes: Callable[[int, int], None] | None = None,
+    ) -> None:
+        options = limits.channel_options()
+        options.append(("grpc.ssl_target_name_override", peer.dns_name))
+        credentials = grpc.ssl_channel_credentials(
+            root_certificates=tls.ca_pem, private_key=tls.key_pem, certificate_chain=tls.cert_pem
+        )
+        self.peer = peer
+        self._target = target
+        self._service = service
+        self._limits = limits
+        self._on_bytes = on_bytes
+        self._channel = grpc.aio.secure_channel(target, credentials, options=options)
+
+    def open_session(self, method: str) -> AsyncClientSession:
+        """Opens a long-lived two-way session on ``method`` (no deadline)."""
+        stub = self._channel.stream_stream(f"{SERVICE_PREFIX}{self._service}/{method}")
+        return AsyncClientSession(
+            stub(), self._limits, method=method, target=self._target, on_bytes=self._on_bytes
+        )
+
+    async def close(self) -> None:
+        """Closes the channel (sessions on it end)."""
+        await self._channel.close()
+
+
+class AsyncClientSession:
+    """The client's end of one session: ``send`` writes a message, ``receive`` awaits one."""
+
+    def __init__(
+        self,
+        call: Any,
+        limits: Limits,
+        *,
+        method: str,
+        target: str,
+        on_bytes: Callable[[int, int], None] | None = None,
+    ) -> None:
+        self._call = call
+        self._limits = limits
+        self._method = method
+        self._target = target
+        self._on_bytes = on_bytes
+
+    def _failed(self, exc: grpc.RpcError) -> RemoteError:
+        code = exc.code() if hasattr(exc, "code") else grpc.StatusCode.UNKNOWN
+        details = exc.details() if hasattr(exc, "details") else str(exc)
+        return RemoteError(
+            f"The session {self._method} with {self._target} failed with {code.name}: {details}",
+            method=self._method,
+            code=code.name,
+        )
+
+    async def send(self, payload: Payload) -> None:
+        """Writes ``payload`` to the peer (waits while grpc's flow control holds it back).
+
+        A session the peer has already ended takes nothing: the next ``receive`` says how it
+        ended.
+
+        Raises:
+            RemoteError: the session failed.
+        """
+        sent = 0
+        try:
+            for chunk in encode_chunks(payload, chunk_bytes=self._limits.chunk_bytes):
+                await self._call.write(chunk)
+                sent += len(chunk)
+        except grpc.RpcError as exc:
+            raise self._failed(exc) from exc
+        except asyncio.InvalidStateError:
+            return  # ended (or our side finished writing): receive tells how
+        if self._on_bytes is not None:
+            self._on_bytes(sent, 0)
+
+    async def receive(self) -> Payload | None:
+        """Awaits the next whole message; None when the peer ended the session.
+
+        Raises:
+            RemoteError: the session failed (peer gone, refused, or it rejected our message).
+            MessageRejected: the peer's message was malformed or oversized.
+        """
+        decoder = PayloadDecoder(max_message_bytes=self._limits.max_message_bytes)
+        received = 0
+        try:
+            while True:
+                chunk = await self._call.read()
+                if chunk is grpc.aio.EOF:
+                    break
+                received += len(chunk)
+                decoder.feed(chunk)
+                if decoder.complete:
+                    if self._on_bytes is not None:
+                        self._on_bytes(0, received)
+                    return decoder.finish()
+        except grpc.RpcError as exc:
+            raise self._failed(exc) from exc
+        if received:
+            decoder.finish()  # raises: the stream ended inside a message
+        # The stream ended: with a status that is not OK it failed.
+        code = await self._call.code()
+        if code != grpc.StatusCode.OK:
+            details = await self._call.details()
+            raise RemoteError(
+                f"The session {self._method} with {self._target} failed with {code.name}: "
+                f"{details}",
+                method=self._method,
+                code=code.name,
+            )
+        return None
+
+    async def finish(self, timeout: float) -> None:
+        """Ends our side after what was sent and waits up to ``timeout`` seconds for the peer
+        to end its side (so that our last message reaches it); then cancels the call."""
+        with contextlib.suppress(grpc.RpcError, asyncio.InvalidStateError):
+            await self._call.done_writing()
+
+        async def drain() -> None:
+            with contextlib.suppress(RemoteError, MessageRejected):
+                while await self.receive() is not None:
+                    pass
+
+        try:
+            await asyncio.wait_for(drain(), timeout)
+        except TimeoutError:
+            pass
+        finally:
+            self._call.cancel()
+
+    def close(self) -> None:
+        """Cancels the call (idempotent)."""
+        self._call.cancel()
