@@ -30,7 +30,8 @@ WARM = (
 gc.disable()
 for module in WARM:
     importlib.import_module(module)
-importlib.import_module("torch").set_num_threads(1)
+threads = importlib.import_module("fedcore.local.threads")
+threads.limit_threads(threads.ROLE_THREADS)  # what every role runs at unless told otherwise
 importlib.import_module("fedcore.local.launch").die_with_parent()
 gc.freeze()
 gc.enable()

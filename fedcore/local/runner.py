@@ -2,7 +2,9 @@
 
 It does on one machine what the operator does on Kubernetes: issues the run's CA and a
 certificate per role, starts the KDC (only when the protocol needs one) and waits for it, then
-the server, then the clients; follows the server's progress events; and stops every child on
+the server and, beside it, the clients (the server listens on a port picked beforehand; a
+client that finds it not listening yet retries, as after any loss); follows the server's
+progress events; and stops every child on
 Ctrl-C or when the server or KDC fails, showing that role's error. A client that exits with an
 error before the server has seen its clients join (a bad address, a port taken, a crash at
 start) fails the run at once too: the server would otherwise wait
@@ -15,9 +17,9 @@ times: it continues from its latest checkpoint while the clients reconnect to it
 reported its failure (quorum lost, checkpoint failed, ...) is not restarted.
 
 While it starts, the runner appends a ``starting`` event to ``events.jsonl`` as each phase
-begins (``phase``: ``certificates``, ``kdc``, ``server``, ``clients``), between the server's own
-events (``ready``; then ``connected`` as each client connects, and ``joined``), so that a
-progress display shows what a start of 10 to 30 seconds is doing.
+begins (``phase``: ``certificates``, ``kdc``, ``server``, ``clients``), interleaved with the
+server's own events (``ready``; then ``connected`` as each client connects, and ``joined``),
+so that a progress display shows what the start is doing.
 """
 
 from __future__ import annotations
@@ -461,11 +463,22 @@ class LocalRun:
         self._launch["server"] = (args, port, self.events_path)
         self._announce(on_event, "server")
         strict = ["--require-checkpoint"] if self.resume and self.require_checkpoint else []
-        server = self._spawn("server", [*args, "--listen", f"{LOOPBACK}:0", *resume, *strict], port)
+        # With clients to follow, the server listens on a port picked now, and the clients
+        # start beside it instead of after it (they connect once it listens, retrying as
+        # they do after any loss): their start overlaps the server's.
+        listen = free_port() if self.with_clients else 0
+        server = self._spawn(
+            "server", [*args, "--listen", f"{LOOPBACK}:{listen}", *resume, *strict], port
+        )
+        if self.with_clients:
+            self._start_clients(on_event, f"{LOOPBACK}:{listen}", kdc_address)
         self._ports["server"], _ = self._wait_ready(server, self.events_path, self._attempt_offset)
-        server_address = f"{LOOPBACK}:{self._ports['server']}"
-        if not self.with_clients:
-            return
+
+    def _start_clients(
+        self, on_event: ProgressCallback | None, server_address: str, kdc_address: str | None
+    ) -> None:
+        """Starts every client process (a client or a group of them each)."""
+        spec = self.run.spec
         peers = peer_arguments(spec) if protocol_facts(spec.protocol.name).decentralized else {}
         self._announce(
             on_event, "clients", clients=spec.clients.count, processes=len(self.client_groups)

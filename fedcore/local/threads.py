@@ -18,16 +18,25 @@ ROLE_THREADS = 1
 runs at this count too."""
 
 
+_BLAS_LIMIT: list[int] = []
+"""The BLAS thread cap this process set for good, if any (kept across a fork, as the libraries'
+own settings are: a role forked from the forkserver, which set it, need not find the libraries
+again, which costs threadpoolctl a scan of every loaded library)."""
+
+
 def limit_threads(threads: int) -> None:
     """Caps this process's torch and BLAS threads at ``threads`` for good (a role process:
     many roles share a machine in local runs)."""
     import torch
-    from threadpoolctl import threadpool_limits
 
     count = max(1, threads)
     os.environ.setdefault("OMP_NUM_THREADS", str(count))
     torch.set_num_threads(count)
-    threadpool_limits(limits=count)
+    if [count] != _BLAS_LIMIT:
+        from threadpoolctl import threadpool_limits
+
+        threadpool_limits(limits=count)
+        _BLAS_LIMIT[:] = [count]
 
 
 @contextmanager

@@ -233,6 +233,7 @@ class Client:
         delays = self.retry.delays(jitter)
         last = (0, 0)
         rounds = 0
+        connected = False
         link = self._server_link()
         try:
             while True:
@@ -249,6 +250,7 @@ class Client:
                         if message is None:
                             break
                         delays = self.retry.delays(jitter)  # connected: reset backoff
+                        connected = True
                         kind = message.meta.get("kind")
                         if kind == "done":
                             return {"index": self.index, "rounds": rounds}
@@ -284,7 +286,10 @@ class Client:
                 except RemoteError as exc:
                     if exc.code not in RECONNECT_CODES:
                         raise
-                    log.warning("The session ended (%s); reconnecting.", exc.code)
+                    if connected:
+                        log.warning("The session ended (%s); reconnecting.", exc.code)
+                    else:  # started beside the server, or before it: the usual start
+                        log.info("The server is not reachable yet (%s); retrying.", exc.code)
                 finally:
                     session.close()
                 delay = next(delays, None)

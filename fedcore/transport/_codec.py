@@ -322,12 +322,18 @@ class PayloadDecoder:
 
 
 def _reject_duplicate_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
-    result: dict[str, Any] = {}
-    for key, value in pairs:
-        if key in result:
-            raise MessageRejected(f"The message header repeats the JSON key {key!r}.")
-        result[key] = value
+    result = dict(pairs)
+    if len(result) != len(pairs):
+        seen: set[str] = set()
+        for key, _ in pairs:
+            if key in seen:
+                raise MessageRejected(f"The message header repeats the JSON key {key!r}.")
+            seen.add(key)
     return result
+
+
+_HEADER_JSON = json.JSONDecoder(object_pairs_hook=_reject_duplicate_keys)
+"""One decoder for every header (``json.loads`` with a hook builds a new one per call)."""
 
 
 def _is_int(value: Any) -> bool:
@@ -341,7 +347,7 @@ def _parse_header(raw: bytes, max_message_bytes: int) -> dict[str, Any]:
     except UnicodeDecodeError as exc:
         raise MessageRejected(f"The message header is not valid UTF-8: {exc}.") from exc
     try:
-        header = json.loads(text, object_pairs_hook=_reject_duplicate_keys)
+        header = _HEADER_JSON.decode(text)
     except (ValueError, RecursionError) as exc:
         if isinstance(exc, MessageRejected):
             raise
@@ -389,26 +395,28 @@ def _parse_header(raw: bytes, max_message_bytes: int) -> dict[str, Any]:
 
 def _check_entry(entry: Any, index: int, offset: int, names: set[str]) -> None:
     """Check one tensor entry of a header; ``offset`` is where it must start."""
-    where = f"Tensor entry {index} of the message header"
     if not isinstance(entry, dict):
-        raise MessageRejected(f"{where} must be a JSON object, got {type(entry).__name__}.")
-    if set(entry) != _TENSOR_KEYS:
         raise MessageRejected(
-            f"{where} has the keys {sorted(entry)}, expected exactly {sorted(_TENSOR_KEYS)}."
+            f"Tensor entry {index} of the message header must be a JSON object, got "
+            f"{type(entry).__name__}."
+        )
+    if entry.keys() != _TENSOR_KEYS:
+        raise MessageRejected(
+            f"Tensor entry {index} of the message header has the keys {sorted(entry)}, "
+            f"expected exactly {sorted(_TENSOR_KEYS)}."
         )
     name = entry["name"]
     if not isinstance(name, str) or not 0 < len(name) <= _MAX_NAME_CHARS:
         raise MessageRejected(
-            f"{where} has the name {name!r}; names must be non-empty strings of at most "
-            f"{_MAX_NAME_CHARS} characters."
+            f"Tensor entry {index} of the message header has the name {name!r}; names must "
+            f"be non-empty strings of at most {_MAX_NAME_CHARS} characters."
         )
-    where = f"Tensor {name!r} of the message header"
     if name in names:
-        raise MessageRejected(f"{where} appears more than once.")
+        raise MessageRejected(f"{_tensor(name)} appears more than once.")
     names.add(name)
     dtype = entry["dtype"]
     if not isinstance(dtype, str) or dtype not in _ALLOWED_DTYPES:
-        raise MessageRejected(f"{where} has the unknown dtype {dtype!r}.")
+        raise MessageRejected(f"{_tensor(name)} has the unknown dtype {dtype!r}.")
     shape = entry["shape"]
     if (
         not isinstance(shape, list)
@@ -416,20 +424,26 @@ def _check_entry(entry: Any, index: int, offset: int, names: set[str]) -> None:
         or not all(_is_int(dim) and dim >= 0 for dim in shape)
     ):
         raise MessageRejected(
-            f"{where} has the shape {shape!r}; a shape must be a list of at most {_MAX_NDIM} "
-            "non-negative integers."
+            f"{_tensor(name)} has the shape {shape!r}; a shape must be a list of at most "
+            f"{_MAX_NDIM} non-negative integers."
         )
     nbytes = entry["nbytes"]
     expected = math.prod(shape) * _WIRE_DTYPES[dtype].itemsize
     if not _is_int(nbytes) or nbytes != expected:
         raise MessageRejected(
-            f"{where} has nbytes {nbytes!r} but its shape {shape} of {dtype} needs {expected}."
+            f"{_tensor(name)} has nbytes {nbytes!r} but its shape {shape} of {dtype} needs "
+            f"{expected}."
         )
     if not _is_int(entry["offset"]) or entry["offset"] != offset:
         raise MessageRejected(
-            f"{where} has offset {entry['offset']!r} but must start at byte {offset}, right "
-            "after the previous tensor."
+            f"{_tensor(name)} has offset {entry['offset']!r} but must start at byte {offset}, "
+            "right after the previous tensor."
         )
+
+
+def _tensor(name: str) -> str:
+    """How an error names a tensor of a header."""
+    return f"Tensor {name!r} of the message header"
 
 
 def decode_chunks(chunks: Iterable[bytes], *, max_message_bytes: int) -> Payload:

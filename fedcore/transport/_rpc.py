@@ -44,6 +44,12 @@ MAX_FRAME_BYTES = 1 << 20
 """The largest HTTP/2 frame either end asks for (gRPC's default is 16 KiB): a model of tens
 of KB then crosses as one frame, not several (a tenth less CPU per message on both ends)."""
 
+RECONNECT_BACKOFF_MS = (100, 2_000)
+"""A channel's first and largest wait before it dials a peer again (gRPC's defaults are 1 s
+and 2 min): a client started beside its server, or left by a restarted one, connects within
+a tenth of a second of the server listening, and never waits longer than ``RetryPolicy``'s
+own largest backoff."""
+
 UNARY_SERVICE_SUFFIX = ".Unary"
 """Appended to a service's name for the unary form of its methods."""
 OVERSIZED_REPLY = "fedcore: the response is over one chunk; ask again in the stream form"
@@ -101,7 +107,8 @@ class Limits:
         return self.calls_per_identity * max(parties, 1) + SPARE_WORKERS
 
     def channel_options(self) -> list[tuple[str, Any]]:
-        """Returns the grpc options of both ends: the per-chunk limit, frames, keepalive.
+        """Returns the grpc options of both ends: the per-chunk limit, frames, keepalive and
+        (a channel's) reconnect backoff.
 
         A session can sit idle for a whole round (a client training on its GPU); its pings
         keep it alive, and a server must accept them: by default gRPC's server tolerates one
@@ -119,6 +126,8 @@ class Limits:
             ("grpc.http2.max_pings_without_data", 0),
             ("grpc.http2.min_ping_interval_without_data_ms", self.keepalive_ms // 2),
             ("grpc.http2.max_frame_size", MAX_FRAME_BYTES),
+            ("grpc.initial_reconnect_backoff_ms", RECONNECT_BACKOFF_MS[0]),
+            ("grpc.max_reconnect_backoff_ms", RECONNECT_BACKOFF_MS[1]),
         ]
 
 

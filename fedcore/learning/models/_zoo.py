@@ -41,7 +41,10 @@ def build_model(
     if not input_shape or any(size < 1 for size in input_shape):
         raise ValueError(f"The input shape {input_shape} has no or empty dimensions.")
     with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(seed)
+        # The CPU generator only (all a model is built with): torch.manual_seed also queues
+        # the seeding of every accelerator, which fork_rng(devices=[]) would not undo, and
+        # captures a stack each time (a tenth of a role's start).
+        torch.default_generator.manual_seed(seed)
         if model.kind == "MLP":
             module = _mlp(model, input_shape, num_classes)
         elif model.kind == "CNN":
