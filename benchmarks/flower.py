@@ -198,8 +198,9 @@ def finish_flower(result: Measured, out: Path, launched: float) -> None:
         result.median_round = statistics.median(result.round_seconds)
 
 
-def run_floor(clients: int, rounds: int) -> Measured:
-    """The floor in a fresh process (one torch thread)."""
+def run_floor(clients: int, rounds: int, *, memory: bool = True) -> Measured:
+    """The floor in a fresh process (one torch thread); ``memory``: sample its PSS (which
+    costs CPU beside it, see ``TreeSampler``)."""
     code = (
         "import json, sys, time\n"
         "t = time.time()\n"
@@ -211,7 +212,7 @@ def run_floor(clients: int, rounds: int) -> Measured:
         "print(json.dumps(r))\n"
     )
     result = Measured("floor", clients, rounds)
-    sampler = TreeSampler(interval=0.05)
+    sampler = TreeSampler(interval=0.05) if memory else None
     launched = wall()
     process = subprocess.Popen(
         [sys.executable, "-c", code],
@@ -220,13 +221,15 @@ def run_floor(clients: int, rounds: int) -> Measured:
         env={**os.environ, **ONE_THREAD},
         start_new_session=True,
     )
-    sampler.add(process.pid)
-    sampler.start()
+    if sampler is not None:
+        sampler.add(process.pid)
+        sampler.start()
     stdout, _ = process.communicate()
     result.total = wall() - launched
-    result.peak_bytes = sampler.stop()
-    result.peak_processes = sampler.peak_processes
-    result.cpu_seconds = sampler.cpu_seconds
+    if sampler is not None:
+        result.peak_bytes = sampler.stop()
+        result.peak_processes = sampler.peak_processes
+        result.cpu_seconds = sampler.cpu_seconds
     data = json.loads(stdout.strip().splitlines()[-1])
     result.startup = data["first_round_began"] - launched
     result.round_seconds = data["round_seconds"]

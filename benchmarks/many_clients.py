@@ -47,7 +47,7 @@ from benchmarks.spine import parse_jobs, publish
 
 BEGIN = "<!-- many-clients:begin -->"
 END = "<!-- many-clients:end -->"
-JOBS = ((10, 20), (50, 20), (200, 10))
+JOBS = ((10, 20), (50, 30), (200, 15))
 """(clients K, rounds R)."""
 ONE_PER_PROCESS = (50,)
 """The K at which fedcore also runs with a process per client."""
@@ -84,8 +84,11 @@ def role_of(output: str) -> str | None:
     return None
 
 
-def run_fedcore(folder: Path, clients: int, rounds: int, per_process: str) -> dict[str, Any]:
-    """``fedcore run`` of the job with ``--clients-per-process per_process``, from outside."""
+def run_fedcore(
+    folder: Path, clients: int, rounds: int, per_process: str, *, memory: bool
+) -> dict[str, Any]:
+    """``fedcore run`` of the job with ``--clients-per-process per_process``, from outside;
+    ``memory``: sample every process's PSS (a separate run: sampling costs CPU beside it)."""
     workdir = folder / f"fedcore-k{clients}-{per_process}"
     shutil.rmtree(workdir, ignore_errors=True)
     cache = folder / f"cache-k{clients}-{per_process}"
@@ -93,7 +96,7 @@ def run_fedcore(folder: Path, clients: int, rounds: int, per_process: str) -> di
     command = [sys.executable, "-m", "fedcore", "run", str(manifest(folder, clients, rounds))]
     command += ["--json", "--quiet", "--workdir", str(workdir)]
     command += ["--clients-per-process", per_process]
-    sampler = TreeSampler(interval=0.05)
+    sampler = TreeSampler(interval=0.05) if memory else None
     launched = wall()
     process = subprocess.Popen(
         command,
@@ -104,14 +107,15 @@ def run_fedcore(folder: Path, clients: int, rounds: int, per_process: str) -> di
         env={**os.environ, **ONE_THREAD, "FEDCORE_CACHE_DIR": str(cache)},
         start_new_session=True,
     )
-    sampler.add(process.pid)
-    sampler.start()
+    if sampler is not None:
+        sampler.add(process.pid)
+        sampler.start()
     try:
         stdout, _ = process.communicate(timeout=CAP_SECONDS)
     except subprocess.TimeoutExpired:
         stop_group(process)
         stdout = ""
-    peak = sampler.stop()
+    peak = None if sampler is None else sampler.stop()
     result: dict[str, Any] = {
         "side": f"fedcore-{per_process}",
         "clients": clients,
@@ -130,23 +134,24 @@ def run_fedcore(folder: Path, clients: int, rounds: int, per_process: str) -> di
     result["round_seconds"] = [float(event["seconds"]) for event in rounds_seen]
     result["median_round"] = statistics.median(result["round_seconds"])
     result["accuracy"] = summary["accuracy"]
-    per_role: dict[str, list[int]] = {"server": [], "client": []}
-    for pid, size in sampler.peaks.items():
-        role = role_of(sampler.outputs.get(pid, ""))
-        if role is not None:
-            per_role[role].append(size)
-    result["server_bytes"] = max(per_role["server"], default=0)
-    result["client_process_bytes"] = sorted(per_role["client"])
-    result["client_processes"] = len(per_role["client"])
-    logs = (workdir / "logs").glob("*.log")
+    if sampler is not None:
+        per_role: dict[str, list[int]] = {"server": [], "client": []}
+        for pid, size in sampler.peaks.items():
+            role = role_of(sampler.outputs.get(pid, ""))
+            if role is not None:
+                per_role[role].append(size)
+        result["server_bytes"] = max(per_role["server"], default=0)
+        result["client_process_bytes"] = sorted(per_role["client"])
+    logs = list((workdir / "logs").glob("*.log"))
+    result["client_processes"] = sum(role_of(str(path)) == "client" for path in logs)
     result["parses"] = sum(path.read_text().count("Parsed the data source") for path in logs)
     shutil.rmtree(workdir, ignore_errors=True)
     return result
 
 
-def floor_side(clients: int, rounds: int) -> dict[str, Any]:
+def floor_side(clients: int, rounds: int, *, memory: bool) -> dict[str, Any]:
     """The floor in a fresh process, as benchmarks/flower.py measures it."""
-    measured: Measured = run_floor(clients, rounds)
+    measured: Measured = run_floor(clients, rounds, memory=memory)
     return {
         "side": "floor",
         "clients": clients,
@@ -155,9 +160,16 @@ def floor_side(clients: int, rounds: int) -> dict[str, Any]:
         "round_seconds": measured.round_seconds,
         "total": measured.total,
         "accuracy": measured.accuracy,
-        "peak_bytes": measured.peak_bytes,
+        "peak_bytes": measured.peak_bytes if memory else None,
         "failure": measured.failure,
     }
+
+
+def one_side(folder: Path, side: str, clients: int, rounds: int, *, memory: bool) -> dict[str, Any]:
+    """One run of ``side`` (``floor``, ``fedcore-auto`` or ``fedcore-1``)."""
+    if side == "floor":
+        return floor_side(clients, rounds, memory=memory)
+    return run_fedcore(folder, clients, rounds, side.split("-")[1], memory=memory)
 
 
 def shard_and_model_bytes(clients: int) -> dict[str, int]:
@@ -203,12 +215,13 @@ def run(*, repeats: int = 3, jobs: tuple[tuple[int, int], ...] = JOBS) -> dict[s
             if clients in ONE_PER_PROCESS:
                 sides.append("fedcore-1")
             runs: dict[str, list[dict[str, Any]]] = {side: [] for side in sides}
+            sampled: dict[str, dict[str, Any]] = {}
+
+            for side in sides:  # memory: a run of its own per side, timed by nobody
+                sampled[side] = one_side(folder, side, clients, rounds, memory=True)
             for repeat in range(repeats):
                 for side in sides:
-                    if side == "floor":
-                        runs[side].append(floor_side(clients, rounds))
-                    else:
-                        runs[side].append(run_fedcore(folder, clients, rounds, side.split("-")[1]))
+                    runs[side].append(one_side(folder, side, clients, rounds, memory=False))
                 print(
                     f"K={clients} repeat {repeat + 1}: "
                     + ", ".join(
@@ -222,31 +235,32 @@ def run(*, repeats: int = 3, jobs: tuple[tuple[int, int], ...] = JOBS) -> dict[s
             medians = {
                 side: {
                     key: median_of(runs[side], key)
-                    for key in ("startup", "median_round", "total", "accuracy", "peak_bytes")
+                    for key in ("startup", "median_round", "total", "accuracy")
                 }
                 for side in sides
             }
-            for side in sides[1:]:
+            for side in sides:
+                memory_run = sampled[side]
+                ok = not memory_run.get("failure")
+                medians[side]["peak_bytes"] = memory_run.get("peak_bytes") if ok else None
+                if side == "floor":
+                    continue
                 good = [r for r in runs[side] if not r["failure"]]
-                medians[side]["server_bytes"] = median_of(good, "server_bytes")
+                sizes = memory_run.get("client_process_bytes") if ok else None
+                medians[side]["server_bytes"] = memory_run.get("server_bytes") if ok else None
                 medians[side]["client_processes"] = median_of(good, "client_processes")
-                medians[side]["client_process_median"] = (
-                    statistics.median(statistics.median(r["client_process_bytes"]) for r in good)
-                    if good
-                    else None
+                medians[side]["client_process_median"] = statistics.median(sizes) if sizes else None
+                medians[side]["client_process_max"] = max(sizes) if sizes else None
+                medians[side]["parses"] = max(
+                    (r["parses"] for r in [*good, memory_run] if "parses" in r), default=None
                 )
-                medians[side]["client_process_max"] = (
-                    statistics.median(max(r["client_process_bytes"]) for r in good)
-                    if good
-                    else None
-                )
-                medians[side]["parses"] = max((r["parses"] for r in good), default=None)
             data["jobs"].append(
                 {
                     "clients": clients,
                     "rounds": rounds,
                     "holds": shard_and_model_bytes(clients),
                     "runs": runs,
+                    "memory_runs": sampled,
                     "medians": medians,
                     "ratios": {
                         f"{side}/floor {key}": paired(runs[side], runs["floor"], key)
@@ -317,24 +331,30 @@ def bounds(data: dict[str, Any]) -> list[str]:
     """What bounds the missed targets, as measured."""
     return [
         "**What bounds the round with many clients.** The floor trains every client in one loop: "
-        "about 1 ms per client and round here. fedcore adds, per client and round, one model sent, "
-        "one upload received, decoded, checked and averaged, over a gRPC stream of that client's "
-        "own mutual-TLS channel. Measured with `perf` on a K=50 run (4 processes of 12-13 "
-        "clients, 2026-11-26): a client process spends a round's CPU 42% in the Python "
-        "interpreter, 26% in torch, 11% in the kernel (thread wake-ups), 9% in libc and 7% in "
-        "gRPC's core; the server 37% in Python, 28% in the kernel, 13% in libc, 10% in gRPC's "
-        "core and 8% in numpy. In all about 3 ms of CPU per client and round against the floor's "
-        "1 ms: the Python of gRPC's synchronous streaming API and of fedcore's sessions (a thread "
-        "hand-off per message on both sides), not the bytes (a digits model is 36 KB). "
-        f"{grouping(data)}; what remains is per message, and is the next target of the data "
-        "path's work (an asyncio transport without per-message thread hand-offs, issue 29).",
+        "about 0.3 ms per client and round here. fedcore does the same training in each client "
+        "and adds, per client and round, one model sent and one upload received, decoded, "
+        "checked and averaged, over a gRPC stream of that client's own mutual-TLS channel. "
+        "Sampled with py-spy on K=50 and K=200 runs (2026-11-26): a client process's CPU goes "
+        "52% to training (the floor's work, 0.3-0.35 ms per client), 17% to gRPC's write of the "
+        "upload (TLS and the system call included), 7% each to encoding and decoding, 4% to "
+        "reading and 4% to its metrics; the server's 36% to writing the tasks, 25% to checking "
+        "the uploads (finiteness, step norm), 13% to decoding, 10% to reading, 4% to averaging. "
+        "In all about 1 ms of CPU per client and round (0.75 ms in the client, 0.27 ms in the "
+        "server) against the floor's 0.3 ms: both cores are busy through a round, and at K=200 "
+        "the server's share alone (about 55 ms a round, on one core) is close to the floor's "
+        "whole round. The sessions run on asyncio since 2026-11-26 (docs/architecture.md), "
+        "which took the K=50 round from 47 to 33 ms and the K=200 round from 219 to 129 ms "
+        f"measured side by side; before, most of a round was thread hand-offs. {grouping(data)}; "
+        "what remains is gRPC's own per-message cost and fedcore's checks, not the bytes (a "
+        "digits model is 36 KB).",
         "",
         "**Start-up** is bounded by the forkserver's imports on one core (torch, torch._dynamo "
-        "for the optimizer, fedcore's roles: about 4 s here, a third less with the cyclic GC off "
-        "while importing); the floor imports torch and scikit-learn (about 4.5 s) but imports "
-        "torch._dynamo inside its first round, which is why its round 1 takes 2-3 s "
-        "(docs/benchmarks.md, Flower section). Everything else overlaps it on the other core: the "
-        "command, the certificates and the data cache's parse.",
+        "for the optimizer, fedcore's roles and its spec's pydantic models: about 1.4 s here, "
+        "a third less with the cyclic GC off while importing); the floor imports torch and "
+        "scikit-learn but imports torch._dynamo inside its first round, which is why its round 1 "
+        "takes longer. Everything else overlaps it: on the other core the command, the "
+        "certificates and the data cache's parse; once the forkserver is warm, the server and "
+        "the clients start together (about 0.3 s to the first round at K=10).",
     ]
 
 
@@ -361,7 +381,10 @@ def render(data: dict[str, Any]) -> str:
         "certificates, the forkserver's imports, the server, the data (parsed once per machine, "
         "into a fresh cache each run) and every client connected over mutual TLS. *x floor* is "
         "the median over repeats of the ratio to the floor measured just before. Memory is the "
-        "peak PSS of all the side's processes, and each role process's own peak.",
+        "peak PSS of all the side's processes, and each role process's own peak, sampled every "
+        "50 ms in one more run of each side, apart from the timed ones: reading a process's PSS "
+        "costs about 3 ms of CPU, so sampling a dozen processes every 50 ms took most of a core "
+        "from the side with the most processes, and slowed it by a quarter to a third.",
         "",
         "| K | side | start-up (s) | x floor | median round (ms) | x floor | total (s) "
         "| accuracy | client processes | peak PSS, all (MiB) |",
@@ -383,7 +406,7 @@ def render(data: dict[str, Any]) -> str:
             )
     lines += [
         "",
-        "Memory per role (PSS, MiB; each process's own peak, medians over repeats). A client "
+        "Memory per role (PSS, MiB; each process's own peak, in the sampled run). A client "
         "holds its shard and its model; the rest of a client process is the constant: its share "
         "of the interpreter, torch and gRPC mapped from the forkserver, and its own heap.",
         "",
@@ -418,7 +441,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument(
         "--jobs",
         default=",".join(f"{k}x{r}" for k, r in JOBS),
-        help="KxR pairs, comma-separated (default 10x20,50x20,200x10)",
+        help="KxR pairs, comma-separated (default 10x20,50x30,200x15)",
     )
     parser.add_argument("--write", action="store_true", help="update docs/benchmarks.md")
     args = parser.parse_args(argv)

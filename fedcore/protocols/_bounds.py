@@ -52,6 +52,10 @@ def default_update_norm(weights: Weights) -> float:
     return DEFAULT_UPDATE_RMS * math.sqrt(max(parameter_count(weights), 1))
 
 
+_SMALL = 4096
+"""Tensors up to this many elements are differenced in one call (casting as it goes)."""
+
+
 def step_norm(tensors: Weights, reference: Weights | None = None, *, scale: float = 1.0) -> float:
     """The L2 norm of ``scale * (tensors - reference)`` (of ``scale * tensors`` without a
     reference) over the floating-point tensors, in float64, one tensor at a time."""
@@ -60,10 +64,19 @@ def step_norm(tensors: Weights, reference: Weights | None = None, *, scale: floa
     acc = np.empty(block, dtype=np.float64)
     other = np.empty(block, dtype=np.float64)
     for name, value in tensors.items():
-        if not np.issubdtype(value.dtype, np.floating):
+        if value.dtype.kind != "f":
             continue
         flat = np.ascontiguousarray(value).reshape(-1)
         ref = None if reference is None else np.ascontiguousarray(reference[name]).reshape(-1)
+        if flat.size <= _SMALL:
+            # One call: the same float64 differences, where the calls, not the bytes, cost.
+            a = acc[: flat.size]
+            if ref is None:
+                np.copyto(a, flat, casting="unsafe")
+            else:
+                np.subtract(flat, ref, out=a, dtype=np.float64)
+            total += float(np.dot(a, a))
+            continue
         # Block by block in float64 scratch that stays in cache (as weighted_mean does): no
         # whole-tensor float64 temporaries, each input read once.
         for start in range(0, flat.size, block):

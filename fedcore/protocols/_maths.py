@@ -83,7 +83,7 @@ def check_like(reference: Weights, upload: Payload, *, what: str) -> None:
                 f"The {what}'s tensor {name!r} is {got.dtype}{list(got.shape)}; expected "
                 f"{ref.dtype}{list(ref.shape)}."
             )
-        if not np.all(np.isfinite(got)):
+        if not np.isfinite(got).all():
             raise ProtocolError(f"The {what}'s tensor {name!r} holds NaN or infinite values.")
 
 
