@@ -198,7 +198,9 @@ def finish_flower(result: Measured, out: Path, launched: float) -> None:
         result.median_round = statistics.median(result.round_seconds)
 
 
-def run_floor(clients: int, rounds: int, *, memory: bool = True) -> Measured:
+def run_floor(
+    clients: int, rounds: int, *, memory: bool = True, dataset: str = "digits"
+) -> Measured:
     """The floor in a fresh process (one torch thread); ``memory``: sample its PSS (which
     costs CPU beside it, see ``TreeSampler``)."""
     code = (
@@ -207,7 +209,7 @@ def run_floor(clients: int, rounds: int, *, memory: bool = True) -> Measured:
         f"sys.path.insert(0, {str(ROOT)!r})\n"
         "from benchmarks.floor import run_floor\n"
         "t_call = time.time()\n"
-        f"r = run_floor(clients={clients}, rounds={rounds})\n"
+        f"r = run_floor(clients={clients}, rounds={rounds}, dataset={dataset!r})\n"
         "r['first_round_began'] = t_call + r['setup_seconds']\n"
         "print(json.dumps(r))\n"
     )

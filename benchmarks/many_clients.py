@@ -2,7 +2,9 @@
 
 The job is examples/digits-fedavg.yaml (digits, MLP 64-128-ReLU-10, IID shards, SGD 0.1, one
 local epoch of batch 32, FedAvg by shard size) with K clients and checkpoints off (the floor
-takes none), for K = 10, 50 and 200. Inside every repeat the sides run back to back:
+takes none), for K = 10, 50 and 200; and, for start-up on every shipped data set, the same job
+on the MNIST subset with a CNN (8 and 16 channels) at K = 10 and 50. Inside every repeat the
+sides run back to back:
 
 * **floor**: benchmarks/floor.py in a fresh process, one torch thread: the same maths as one
   plain loop. Its start-up is the command's own, from launch to its first round: the
@@ -15,8 +17,9 @@ takes none), for K = 10, 50 and 200. Inside every repeat the sides run back to b
   changes where ``auto`` groups (at K = 10 ``auto`` is a process per client; at K = 200, 200
   processes on 2 cores are what ``auto`` exists to avoid).
 
-Every process runs torch with one thread. Memory is PSS, sampled every 50 ms: the peak of the
-sum over the side's processes, and each role process's own peak (the server; a client process,
+Every process runs torch with one thread. Memory is PSS, sampled every 50 ms in one more run
+of each side than the timed ones (reading PSS costs CPU beside the run): the peak of the sum
+over the side's processes, and each role process's own peak (the server; a client process,
 the median and the largest); a role is named by the log file its output goes to. The data a
 client holds is its shard (rows x 64 float32 features + a label) and the model it trains
 (parameters x 4 bytes twice: weights and gradients); everything else in its PSS is the constant
@@ -48,7 +51,12 @@ from benchmarks.spine import parse_jobs, publish
 BEGIN = "<!-- many-clients:begin -->"
 END = "<!-- many-clients:end -->"
 JOBS = ((10, 20), (50, 30), (200, 15))
-"""(clients K, rounds R)."""
+"""(clients K, rounds R) of the digits job."""
+START_JOBS = ((10, 3), (50, 3))
+"""(clients K, rounds R) of the MNIST-subset job, whose start-up is measured (issue 28 asks it
+of every shipped data set); its rounds are not a target."""
+TRAIN_EXAMPLES = {"digits": (1437, 64), "mnist": (4000, 784)}
+"""Each job's training examples (the 80% not held out) and features per example."""
 ONE_PER_PROCESS = (50,)
 """The K at which fedcore also runs with a process per client."""
 TARGETS = {
@@ -59,17 +67,20 @@ TARGETS = {
 MEMORY_TARGET = 4 * 2**30
 """All processes of the K = 200 run within 4 GiB."""
 CAP_SECONDS = 600.0
-FEATURES = 64
 
 
-def manifest(folder: Path, clients: int, rounds: int) -> Path:
-    """examples/digits-fedavg.yaml with K clients, R rounds and no checkpoints."""
+def manifest(folder: Path, clients: int, rounds: int, dataset: str = "digits") -> Path:
+    """examples/digits-fedavg.yaml with K clients, R rounds and no checkpoints; for ``mnist``
+    on the MNIST subset with the CNN of 8 and 16 channels (the floor's)."""
     document = copy.deepcopy(yaml.safe_load((ROOT / "examples" / "digits-fedavg.yaml").read_text()))
-    document["metadata"]["name"] = f"many-k{clients}"
+    document["metadata"]["name"] = f"many-{dataset}-k{clients}"
     document["spec"]["clients"]["count"] = clients
     document["spec"]["rounds"] = rounds
     document["spec"]["checkpoint"] = {"everyRounds": 0}
-    path = folder / f"many-k{clients}.yaml"
+    if dataset == "mnist":
+        document["spec"]["data"]["source"] = {"kind": "MNISTSubset"}
+        document["spec"]["model"] = {"kind": "CNN", "channels": [8, 16], "activation": "ReLU"}
+    path = folder / f"many-{dataset}-k{clients}.yaml"
     path.write_text(yaml.safe_dump(document))
     return path
 
@@ -85,15 +96,16 @@ def role_of(output: str) -> str | None:
 
 
 def run_fedcore(
-    folder: Path, clients: int, rounds: int, per_process: str, *, memory: bool
+    folder: Path, clients: int, rounds: int, per_process: str, *, memory: bool, dataset: str
 ) -> dict[str, Any]:
     """``fedcore run`` of the job with ``--clients-per-process per_process``, from outside;
     ``memory``: sample every process's PSS (a separate run: sampling costs CPU beside it)."""
-    workdir = folder / f"fedcore-k{clients}-{per_process}"
+    workdir = folder / f"fedcore-{dataset}-k{clients}-{per_process}"
     shutil.rmtree(workdir, ignore_errors=True)
-    cache = folder / f"cache-k{clients}-{per_process}"
+    cache = folder / f"cache-{dataset}-k{clients}-{per_process}"
     shutil.rmtree(cache, ignore_errors=True)
-    command = [sys.executable, "-m", "fedcore", "run", str(manifest(folder, clients, rounds))]
+    document = manifest(folder, clients, rounds, dataset)
+    command = [sys.executable, "-m", "fedcore", "run", str(document)]
     command += ["--json", "--quiet", "--workdir", str(workdir)]
     command += ["--clients-per-process", per_process]
     sampler = TreeSampler(interval=0.05) if memory else None
@@ -149,9 +161,9 @@ def run_fedcore(
     return result
 
 
-def floor_side(clients: int, rounds: int, *, memory: bool) -> dict[str, Any]:
+def floor_side(clients: int, rounds: int, *, memory: bool, dataset: str) -> dict[str, Any]:
     """The floor in a fresh process, as benchmarks/flower.py measures it."""
-    measured: Measured = run_floor(clients, rounds, memory=memory)
+    measured: Measured = run_floor(clients, rounds, memory=memory, dataset=dataset)
     return {
         "side": "floor",
         "clients": clients,
@@ -165,24 +177,27 @@ def floor_side(clients: int, rounds: int, *, memory: bool) -> dict[str, Any]:
     }
 
 
-def one_side(folder: Path, side: str, clients: int, rounds: int, *, memory: bool) -> dict[str, Any]:
+def one_side(
+    folder: Path, side: str, clients: int, rounds: int, *, memory: bool, dataset: str
+) -> dict[str, Any]:
     """One run of ``side`` (``floor``, ``fedcore-auto`` or ``fedcore-1``)."""
     if side == "floor":
-        return floor_side(clients, rounds, memory=memory)
-    return run_fedcore(folder, clients, rounds, side.split("-")[1], memory=memory)
+        return floor_side(clients, rounds, memory=memory, dataset=dataset)
+    per_process = side.split("-")[1]
+    return run_fedcore(folder, clients, rounds, per_process, memory=memory, dataset=dataset)
 
 
-def shard_and_model_bytes(clients: int) -> dict[str, int]:
+def shard_and_model_bytes(clients: int, dataset: str = "digits") -> dict[str, int]:
     """What a client of the K-client job must hold: its shard and its model."""
     from fedcore.roles._common import model_parameters
     from fedcore.spec import load_manifest
 
     with tempfile.TemporaryDirectory() as tmp:
-        spec = load_manifest(manifest(Path(tmp), clients, 1)).spec
+        spec = load_manifest(manifest(Path(tmp), clients, 1, dataset)).spec
     parameters = model_parameters(spec)
-    train = 1437  # digits' 1,797 examples less the 20% held out (360)
+    train, features = TRAIN_EXAMPLES[dataset]
     rows = -(-train // clients)
-    return {"shard": rows * (FEATURES * 4 + 8), "model": parameters * 4 * 2}
+    return {"shard": rows * (features * 4 + 8), "model": parameters * 4 * 2}
 
 
 def paired(fedcore: list[dict[str, Any]], floor: list[dict[str, Any]], key: str) -> float | None:
@@ -200,7 +215,12 @@ def median_of(runs: list[dict[str, Any]], key: str) -> float | None:
     return statistics.median(values) if values else None
 
 
-def run(*, repeats: int = 3, jobs: tuple[tuple[int, int], ...] = JOBS) -> dict[str, Any]:
+def run(
+    *,
+    repeats: int = 3,
+    jobs: tuple[tuple[int, int], ...] = JOBS,
+    start_jobs: tuple[tuple[int, int], ...] = START_JOBS,
+) -> dict[str, Any]:
     """Runs every side of every job, alternating; returns the raw runs, medians and ratios."""
     data: dict[str, Any] = {
         "machine": machine(),
@@ -210,20 +230,25 @@ def run(*, repeats: int = 3, jobs: tuple[tuple[int, int], ...] = JOBS) -> dict[s
     }
     with tempfile.TemporaryDirectory(prefix="fedcore-many-") as tmp:
         folder = Path(tmp)
-        for clients, rounds in jobs:
+        every = [("digits", k, r) for k, r in jobs] + [("mnist", k, r) for k, r in start_jobs]
+        for dataset, clients, rounds in every:
             sides = ["floor", "fedcore-auto"]
-            if clients in ONE_PER_PROCESS:
+            if clients in ONE_PER_PROCESS and dataset == "digits":
                 sides.append("fedcore-1")
             runs: dict[str, list[dict[str, Any]]] = {side: [] for side in sides}
             sampled: dict[str, dict[str, Any]] = {}
 
             for side in sides:  # memory: a run of its own per side, timed by nobody
-                sampled[side] = one_side(folder, side, clients, rounds, memory=True)
+                sampled[side] = one_side(
+                    folder, side, clients, rounds, memory=True, dataset=dataset
+                )
             for repeat in range(repeats):
                 for side in sides:
-                    runs[side].append(one_side(folder, side, clients, rounds, memory=False))
+                    runs[side].append(
+                        one_side(folder, side, clients, rounds, memory=False, dataset=dataset)
+                    )
                 print(
-                    f"K={clients} repeat {repeat + 1}: "
+                    f"{dataset} K={clients} repeat {repeat + 1}: "
                     + ", ".join(
                         f"{side} start {runs[side][-1].get('startup') or 0:.2f} s, round "
                         f"{(runs[side][-1].get('median_round') or 0) * 1000:.0f} ms"
@@ -256,9 +281,10 @@ def run(*, repeats: int = 3, jobs: tuple[tuple[int, int], ...] = JOBS) -> dict[s
                 )
             data["jobs"].append(
                 {
+                    "dataset": dataset,
                     "clients": clients,
                     "rounds": rounds,
-                    "holds": shard_and_model_bytes(clients),
+                    "holds": shard_and_model_bytes(clients, dataset),
                     "runs": runs,
                     "memory_runs": sampled,
                     "medians": medians,
@@ -286,16 +312,18 @@ def target_rows(data: dict[str, Any]) -> list[str]:
     rows = []
     for job in data["jobs"]:
         k = job["clients"]
+        dataset = job.get("dataset", "digits")
+        job_name = JOB_NAMES[dataset]
         for key in ("startup", "median_round"):
             limit = TARGETS["startup" if key == "startup" else "round"].get(k)
             ratio = job["ratios"].get(f"fedcore-auto/floor {key}")
-            if limit is None or ratio is None:
+            if limit is None or ratio is None or (key != "startup" and dataset != "digits"):
                 continue
             what = (
-                f"fedcore run's start-up (launch to round 1) on the digits job at K={k} at most "
-                f"{limit}x the floor's"
+                f"fedcore run's start-up (launch to round 1) on the {job_name} at K={k} at "
+                f"most {limit}x the floor's"
                 if key == "startup"
-                else f"fedcore median round on the digits job (K={k}, clients grouped as auto "
+                else f"fedcore median round on the {job_name} (K={k}, clients grouped as auto "
                 f"picks) at most {limit}x the floor"
             )
             rows.append(f"| {what} | {ratio:.2f}x | {'met' if ratio <= limit else 'missed'} |")
@@ -358,6 +386,8 @@ def bounds(data: dict[str, Any]) -> list[str]:
     ]
 
 
+JOB_NAMES = {"digits": "digits job", "mnist": "MNIST-subset job (CNN)"}
+
 LABELS = {
     "floor": "floor (one process)",
     "fedcore-auto": "fedcore run (auto)",
@@ -375,7 +405,9 @@ def render(data: dict[str, Any]) -> str:
         f"{data['repeats']} repeats, the sides back to back inside each; medians. Load average "
         f"(1/5/15 min) {data['load_start']} at the start, {data['load_end']} at the end.",
         "",
-        "The job is examples/digits-fedavg.yaml with K clients and checkpoints off. *Start-up* "
+        "The job is examples/digits-fedavg.yaml with K clients and checkpoints off (*digits*), "
+        "and, for the start-up of every shipped data set, the same on the MNIST subset with a CNN "
+        "of 8 and 16 channels (*mnist*, a few rounds: its rounds are no target). *Start-up* "
         "is from the command's launch to its first round for every side: for the floor, the "
         "interpreter, torch, scikit-learn, data and model; for fedcore, the command, the CA and "
         "certificates, the forkserver's imports, the server, the data (parsed once per machine, "
@@ -386,9 +418,9 @@ def render(data: dict[str, Any]) -> str:
         "costs about 3 ms of CPU, so sampling a dozen processes every 50 ms took most of a core "
         "from the side with the most processes, and slowed it by a quarter to a third.",
         "",
-        "| K | side | start-up (s) | x floor | median round (ms) | x floor | total (s) "
+        "| data | K | side | start-up (s) | x floor | median round (ms) | x floor | total (s) "
         "| accuracy | client processes | peak PSS, all (MiB) |",
-        "|---|---|---|---|---|---|---|---|---|---|",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for job in data["jobs"]:
         k = job["clients"]
@@ -396,7 +428,8 @@ def render(data: dict[str, Any]) -> str:
             start = job["ratios"].get(f"{side}/floor startup")
             rnd = job["ratios"].get(f"{side}/floor median_round")
             lines.append(
-                f"| {k} | {LABELS[side]} | {secs(values['startup'])} | "
+                f"| {job.get('dataset', 'digits')} | {k} | {LABELS[side]} | "
+                f"{secs(values['startup'])} | "
                 f"{'-' if start is None else f'{start:.2f}x'} | "
                 f"{secs(values['median_round'], 1000, '.0f')} | "
                 f"{'-' if rnd is None else f'{rnd:.2f}x'} | {secs(values['total'], 1, '.1f')} | "
@@ -410,9 +443,9 @@ def render(data: dict[str, Any]) -> str:
         "holds its shard and its model; the rest of a client process is the constant: its share "
         "of the interpreter, torch and gRPC mapped from the forkserver, and its own heap.",
         "",
-        "| K | side | server | client process, median | client process, largest "
+        "| data | K | side | server | client process, median | client process, largest "
         "| clients per process | a client's shard + model (KiB) | parses of the source |",
-        "|---|---|---|---|---|---|---|---|",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
     for job in data["jobs"]:
         k = job["clients"]
@@ -423,7 +456,8 @@ def render(data: dict[str, Any]) -> str:
             processes = values.get("client_processes") or 0
             per = f"{k / processes:.1f}" if processes else "-"
             lines.append(
-                f"| {k} | {LABELS[side]} | {mib(values.get('server_bytes'))} | "
+                f"| {job.get('dataset', 'digits')} | {k} | {LABELS[side]} | "
+                f"{mib(values.get('server_bytes'))} | "
                 f"{mib(values.get('client_process_median'))} | "
                 f"{mib(values.get('client_process_max'))} | {per} | "
                 f"{(holds['shard'] + holds['model']) / 1024:.0f} | {values.get('parses')} |"
@@ -443,10 +477,17 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         default=",".join(f"{k}x{r}" for k, r in JOBS),
         help="KxR pairs, comma-separated (default 10x20,50x30,200x15)",
     )
+    parser.add_argument(
+        "--start-jobs",
+        default=",".join(f"{k}x{r}" for k, r in START_JOBS),
+        help="KxR pairs of the MNIST-subset job, measured for start-up (default 10x3,50x3; "
+        "empty: none)",
+    )
     parser.add_argument("--write", action="store_true", help="update docs/benchmarks.md")
     args = parser.parse_args(argv)
-    jobs = parse_jobs(args.jobs)
-    data = run(repeats=args.repeats, jobs=jobs)
+    data = run(
+        repeats=args.repeats, jobs=parse_jobs(args.jobs), start_jobs=parse_jobs(args.start_jobs)
+    )
     publish(render(data), data, "many_clients", begin=BEGIN, end=END, write=args.write)
     return data
 

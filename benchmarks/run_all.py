@@ -122,7 +122,11 @@ def steps() -> list[Step]:
         ),
         Step(
             "many_clients",
-            module("many_clients", ["--repeats", "3"], ["--repeats", "1", "--jobs", "10x3,50x3"]),
+            module(
+                "many_clients",
+                ["--repeats", "3"],
+                ["--repeats", "1", "--jobs", "10x3,50x3", "--start-jobs", "10x2"],
+            ),
         ),
         Step(
             "protocols",

@@ -473,6 +473,7 @@ class LocalRun:
         if self.with_clients:
             self._start_clients(on_event, f"{LOOPBACK}:{listen}", kdc_address)
         self._ports["server"], _ = self._wait_ready(server, self.events_path, self._attempt_offset)
+        self._deliver(on_event)  # the server's ready (and what came with it) before start returns
 
     def _start_clients(
         self, on_event: ProgressCallback | None, server_address: str, kdc_address: str | None

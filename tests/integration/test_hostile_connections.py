@@ -91,13 +91,14 @@ def test_idle_streams_of_one_client_do_not_keep_the_others_out(tmp_path: Path) -
     attack: dict[str, Any] = {}
 
     def attack_once_ready(event: dict[str, Any]) -> None:
-        # Runs when the server is ready, before any client process starts.
+        # Runs when the server is ready; the client processes start beside the server, so
+        # client-2's own session may already hold one of its identity's slots.
         if event.get("event") != "ready":
             return
         insider = TlsBundle.load(tmp_path / "work" / "pki" / "client-2")
         idle = IdleStreams(f"127.0.0.1:{event['port']}", insider, 20)
         attack["idle"] = idle
-        attack["refused"] = idle.wait_ended(20 - SHARE)
+        idle.wait_ended(20 - SHARE)
 
     # Execute
     try:
@@ -106,6 +107,7 @@ def test_idle_streams_of_one_client_do_not_keep_the_others_out(tmp_path: Path) -
         first = wait_for_event(run, "connected", timeout=WAIT, client=0)
         second = wait_for_event(run, "connected", timeout=WAIT, client=1)
         held_while_honest_connected = idle.open_count()
+        refused = [call.code() for call in idle.calls if call.done()]
         idle.close()  # the insider stops; its own client process then gets its session
         result = run.wait()
     finally:
@@ -113,9 +115,12 @@ def test_idle_streams_of_one_client_do_not_keep_the_others_out(tmp_path: Path) -
             attack["idle"].close()
         run.stop()
 
-    # Assert
-    assert attack["refused"] == [grpc.StatusCode.RESOURCE_EXHAUSTED] * (20 - SHARE)
-    assert held_while_honest_connected == SHARE
+    # Assert: the insider got at most its identity's share of calls (less the one its own
+    # client process may hold), every other stream was refused at once, and the honest
+    # clients connected while it held them
+    held = held_while_honest_connected
+    assert held in (SHARE - 1, SHARE)
+    assert refused == [grpc.StatusCode.RESOURCE_EXHAUSTED] * (20 - held)
     assert {first["client"], second["client"]} == {0, 1}
     assert result.phase == "Succeeded"
     assert events_of(run, "joined")[0]["clients"] == 3
