@@ -65,8 +65,10 @@ def scratch_elements(arrays: Iterable[np.ndarray]) -> int:
     return max(1, min(_BLOCK, max((array.size for array in arrays), default=1)))
 
 
-def check_like(reference: Weights, upload: Payload, *, what: str) -> None:
-    """Checks that an upload's tensors match the reference's names, shapes, dtypes, finiteness.
+def check_like(reference: Weights, upload: Payload, *, what: str, finite: bool = True) -> None:
+    """Checks that an upload's tensors match the reference's names, shapes, dtypes and (with
+    ``finite``) finiteness; a caller that computes a norm over every value anyway may leave
+    finiteness to ``check_finite``, called when that norm is not finite.
 
     Raises:
         ProtocolError: naming the first mismatch.
@@ -83,6 +85,17 @@ def check_like(reference: Weights, upload: Payload, *, what: str) -> None:
                 f"The {what}'s tensor {name!r} is {got.dtype}{list(got.shape)}; expected "
                 f"{ref.dtype}{list(ref.shape)}."
             )
+    if finite:
+        check_finite(upload, what=what)
+
+
+def check_finite(upload: Payload, *, what: str) -> None:
+    """Refuses an upload with a NaN or infinite value, naming the first tensor that has one.
+
+    Raises:
+        ProtocolError: naming the tensor.
+    """
+    for name, got in upload.tensors.items():
         if not np.isfinite(got).all():
             raise ProtocolError(f"The {what}'s tensor {name!r} holds NaN or infinite values.")
 

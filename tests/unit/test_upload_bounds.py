@@ -101,6 +101,22 @@ def test_a_float32_max_upload_is_refused_and_honest_ones_still_combine() -> None
         np.testing.assert_array_equal(server.global_weights()[name], expected)
 
 
+@pytest.mark.parametrize("bad", [math.nan, math.inf, -math.inf])
+def test_an_upload_with_a_value_that_is_not_finite_is_malformed_naming_its_tensor(
+    bad: float,
+) -> None:
+    # The server finds it through the step norm (finite unless a value is not) and then names
+    # the tensor, as the finiteness check before the norm did.
+    rng = np.random.default_rng(7)
+    initial = float32_model(rng)
+    server = ModelAveragingServer(initial, weighting="Uniform", bounds=UploadBounds(1e30))
+    tensors = near(initial, rng)
+    tensors["b"][2] = bad
+    with pytest.raises(ProtocolError, match=r"tensor 'b' holds NaN or infinite values"):
+        server.check_upload(1, 0, upload(tensors, 10))
+    server.check_upload(1, 1, upload(near(initial, rng), 10))  # an honest one still passes
+
+
 def test_an_upload_just_past_the_bound_is_refused_and_one_at_it_is_accepted() -> None:
     # Prepare
     initial = {"w": np.zeros(4, np.float64)}

@@ -6,6 +6,7 @@ AISTATS 2017, https://arxiv.org/abs/1602.05629. A plain baseline: it protects no
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -24,6 +25,7 @@ from fedcore.protocols._bounds import (
     step_norm,
 )
 from fedcore.protocols._maths import (
+    check_finite,
     check_like,
     copy_weights,
     mean_loss,
@@ -69,9 +71,14 @@ class ModelAveragingServer(BoundedServer, ServerProtocol):
             UploadRefused: it passes one of the run's bounds.
         """
         what = f"upload of client {client} in round {round}"
-        check_like(self._weights, upload, what=what)
+        check_like(self._weights, upload, what=what, finite=False)
         self._bounds.check_examples(client, upload, what=what)
-        self._bounds.check_step(self._step_norm(upload), what=what)
+        norm = self._step_norm(upload)
+        if not math.isfinite(norm):
+            # A norm over every value is finite unless one of them is not (or, in float64,
+            # squares past 1e308): name the tensor, as check_like would have.
+            check_finite(upload, what=what)
+        self._bounds.check_step(norm, what=what)
 
     def _step_norm(self, upload: Payload) -> float:
         """The norm of the change ``upload`` asks of the model (here: upload - model)."""
