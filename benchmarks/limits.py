@@ -19,8 +19,8 @@ server process over loopback, the server acknowledging with a few bytes, on four
   identity checks, mutual TLS), certificates from ``issue_run_bundles``.
 
 The codec alone (encode to chunks, decode from them, in one process) is timed too, to place
-the cost. Target (issue 29): fedcore at least 50% of the raw TLS socket. Sides alternate, ``--repeats``
-times; medians. ``--write`` replaces the limits section of docs/benchmarks.md.
+the cost. Target (issue 29): fedcore at least 50% of the raw TLS socket. Sides alternate,
+``--repeats`` times; medians. ``--write`` replaces the limits section of docs/benchmarks.md.
 
 Run: ``python -m benchmarks.limits [--repeats 3] [--write]``.
 """

@@ -25,6 +25,8 @@ from fedcore.learning.training import Evaluator, LocalLearner
 from fedcore.local.threads import limit_threads
 from fedcore.observe.metrics import RoleMetrics
 from fedcore.protocols import ClientProtocol, KeyChannel, create_protocol
+from fedcore.protocols._compressed import META_KEY as COMPRESSION_KEY
+from fedcore.protocols._compressed import compress_tensors, decompress_tensors
 from fedcore.roles._common import (
     KDC_SERVICE,
     SERVER_SERVICE,
@@ -326,7 +328,15 @@ class Client:
         return None
 
     def _instruction(self, task: Payload) -> Payload:
-        return Payload(meta=dict(task.meta.get("instruction") or {}), tensors=task.tensors)
+        """The task's instruction, its tensors decompressed as the task says.
+
+        Raises:
+            MessageRejected: the task's compression breaks the spec's (a hostile server).
+        """
+        tensors = decompress_tensors(
+            self.spec, "broadcasts", task.tensors, task.meta.get(COMPRESSION_KEY), what="task"
+        )
+        return Payload(meta=dict(task.meta.get("instruction") or {}), tensors=tensors)
 
     async def _keys(self, round_: int, task: Payload) -> Payload | None:
         """This round's keys from the KDC (protocols that need one; a thread waits for the
@@ -354,10 +364,13 @@ class Client:
             upload = self.duties.after(round_, instruction, upload)
         self.metrics.rounds_completed.inc()
         self.metrics.round.set(round_)
-        return Payload(
-            meta={"kind": "upload", "round": round_, "attempt": attempt, "upload": upload.meta},
-            tensors=upload.tensors,
+        tensors, description = compress_tensors(
+            self.spec, "uploads", upload.tensors, round=round_, attempt=attempt, client=self.index
         )
+        meta = {"kind": "upload", "round": round_, "attempt": attempt, "upload": upload.meta}
+        if description is not None:
+            meta[COMPRESSION_KEY] = description
+        return Payload(meta=meta, tensors=tensors)
 
     def _evaluation(self, task_id: tuple[int, int], task: Payload) -> Payload:
         """Scores the models the server sent on this client's held-out examples; answers

@@ -9,13 +9,15 @@ protocol's maths: it calls the protocol's hooks and applies its dropout policy.
 
 from __future__ import annotations
 
+import functools
 import logging
 import threading
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
 from safetensors.numpy import save_file
 
 from fedcore.checkpoint import (
@@ -50,6 +52,8 @@ from fedcore.observe.kube_status import status_listeners
 from fedcore.observe.metrics import RoleMetrics
 from fedcore.privacy import PrivacyLedger
 from fedcore.protocols import ServerProtocol, create_protocol
+from fedcore.protocols._compressed import META_KEY as COMPRESSION_KEY
+from fedcore.protocols._compressed import compress_tensors, decompress_tensors
 from fedcore.roles._common import (
     KDC_SERVICE,
     SERVER_SERVICE,
@@ -84,6 +88,12 @@ FAILURE_GRACE_SECONDS = 1.0
 """How long a round that stops on a failure waits for the failures that follow it."""
 
 
+Compressor = Callable[
+    [Mapping[str, np.ndarray]], tuple[dict[str, np.ndarray], dict[str, Any] | None]
+]
+"""Compresses a broadcast's tensors: (what to send, how, or None if sent exact)."""
+
+
 @dataclass
 class Attempt:
     """One try at a round: who was asked, what came back, who failed and why."""
@@ -95,6 +105,7 @@ class Attempt:
     failed: dict[int, str] = field(default_factory=dict)
     delivered: dict[int, ServerSession] = field(default_factory=dict)
     spec_digest: str | None = None
+    compress: Compressor | None = field(default=None, repr=False)
     _tasks: dict[int, Payload] = field(default_factory=dict, repr=False)
 
     def deliver(self, client: int, session: ServerSession) -> bool:
@@ -123,16 +134,19 @@ class Attempt:
         plan = self.plans[client]
         task = self._tasks.get(id(plan))
         if task is None:
-            task = Payload(
-                meta={
-                    "kind": "task",
-                    "round": self.round,
-                    "attempt": self.attempt,
-                    "instruction": plan.meta,
-                    "specDigest": self.spec_digest,
-                },
-                tensors=plan.tensors,
-            )
+            meta = {
+                "kind": "task",
+                "round": self.round,
+                "attempt": self.attempt,
+                "instruction": plan.meta,
+                "specDigest": self.spec_digest,
+            }
+            tensors = plan.tensors
+            if self.compress is not None:
+                tensors, description = self.compress(plan.tensors)
+                if description is not None:
+                    meta[COMPRESSION_KEY] = description
+            task = Payload(meta=meta, tensors=tensors)
             self._tasks[id(plan)] = task
         return task
 
@@ -401,6 +415,14 @@ class Server:
                 if upload.tensors:
                     raise MessageRejected("An evaluation answer carries tensors.")
             else:
+                tensors = decompress_tensors(
+                    self.spec,
+                    "uploads",
+                    message.tensors,
+                    message.meta.get(COMPRESSION_KEY),
+                    what=f"upload of client {index}",
+                )
+                upload = Payload(meta=upload.meta, tensors=tensors)
                 with self._check_lock:  # protocols need not be thread-safe
                     self.protocol.check_upload(attempt.round, index, upload)
         except (ProtocolError, MessageRejected) as exc:
@@ -610,8 +632,11 @@ class Server:
             if number > 1:
                 self.metrics.redone_rounds.inc()
             # A redo exists to reach the quorum: it waits for dropped clients to reconnect.
+            compress = functools.partial(
+                compress_tensors, self.spec, "broadcasts", round=round_, attempt=number
+            )
             self.board.open_attempt(
-                Attempt(round_, number, plans, spec_digest=self.spec_digest),
+                Attempt(round_, number, plans, spec_digest=self.spec_digest, compress=compress),
                 wait_for_absent=number > 1,
             )
             times["opened"] = time.monotonic()

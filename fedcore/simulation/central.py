@@ -39,6 +39,7 @@ from fedcore.protocols import (
     Weights,
     create_protocol,
 )
+from fedcore.protocols._compressed import round_trip
 from fedcore.rounds import AttemptReport, RoundPolicy, play_round
 from fedcore.spec import FederatedRun, FederatedRunSpec
 from fedcore.transport import Identity, Payload
@@ -208,10 +209,22 @@ def _simulate(
             )
         return learners[index]
 
+    compression = spec.transport.compression
+
     def run_attempt(round_: int, number: int, plans: Mapping[int, Payload]) -> AttemptReport:
         uploads: dict[int, Payload] = {}
         failed: dict[int, str] = {}
-        for index, instruction in plans.items():
+        received: dict[int, Payload] = {}  # each plan as its clients get it, made once
+        for index, plan in plans.items():
+            instruction = plan
+            if compression.broadcasts != "None":
+                instruction = received.get(id(plan)) or Payload(
+                    meta=plan.meta,
+                    tensors=round_trip(
+                        spec, "broadcasts", plan.tensors, round=round_, attempt=number
+                    ),
+                )
+                received[id(plan)] = instruction
             if observer is not None:
                 observer.on_instruction(round_, index, instruction)
             keys = None
@@ -224,6 +237,11 @@ def _simulate(
             upload = clients[index].compute_upload(round_, instruction, learner(index), keys)
             if attack_of(spec, index) == "Overflow":  # as the client role applies it
                 upload = overflow_upload(upload)
+            if compression.uploads != "None":  # what the server receives of it
+                tensors = round_trip(
+                    spec, "uploads", upload.tensors, round=round_, attempt=number, client=index
+                )
+                upload = Payload(meta=upload.meta, tensors=tensors)
             if observer is not None:
                 observer.on_upload(round_, index, upload)
             try:

@@ -35,6 +35,9 @@ class ProtocolFacts:
             (secure aggregation). False for every protocol fedcore has: each server sees the
             individual updates or their encodings (a site's policy may require it:
             ``fedcore.sites.policy``).
+        compressible: which messages (``uploads``, ``broadcasts``) may be compressed
+            (``spec.transport.compression``); the others must travel exactly.
+        exact_because: why the others must be exact (the refusal's reason).
     """
 
     name: str
@@ -46,6 +49,8 @@ class ProtocolFacts:
     server_uses_kdc: bool = False
     clients_hold_model: bool = True
     secure_aggregation: bool = False
+    compressible: tuple[str, ...] = ()
+    exact_because: str = ""
 
 
 PROTOCOL_FACTS: dict[str, ProtocolFacts] = {
@@ -58,6 +63,7 @@ PROTOCOL_FACTS: dict[str, ProtocolFacts] = {
             claims_dp=False,
             dropout_policy="Skip",
             summary="Federated averaging: local epochs, model mean weighted by shard size.",
+            compressible=("uploads", "broadcasts"),
         ),
         ProtocolFacts(
             name="dp-fedavg",
@@ -66,6 +72,7 @@ PROTOCOL_FACTS: dict[str, ProtocolFacts] = {
             claims_dp=True,
             dropout_policy="Skip",
             summary="FedAvg with per-client update clipping and central Gaussian noise.",
+            compressible=("uploads", "broadcasts"),  # the server clips what arrives
         ),
         ProtocolFacts(
             name="perturb",
@@ -76,6 +83,11 @@ PROTOCOL_FACTS: dict[str, ProtocolFacts] = {
             summary="Accuracy-lossless model perturbation: clients train on a secretly "
             "perturbed model; the server recovers the exact FedSGD gradient (seed 001).",
             clients_hold_model=False,
+            compressible=(),
+            exact_because=(
+                "the server's model is perturbed by secrets that only exact arithmetic undoes "
+                "(accuracy-lossless perturbation)"
+            ),
         ),
         ProtocolFacts(
             name="mpdp",
@@ -86,6 +98,8 @@ PROTOCOL_FACTS: dict[str, ProtocolFacts] = {
             summary="MP_Server model perturbation plus DDP_Client noise with pairwise masks "
             "agreed over the KDC (seed 000).",
             clients_hold_model=False,
+            compressible=(),
+            exact_because="the pairwise masks cancel in the sum only when every upload is exact",
         ),
         ProtocolFacts(
             name="lppa",
@@ -96,6 +110,11 @@ PROTOCOL_FACTS: dict[str, ProtocolFacts] = {
             summary="Gradient tracking (DSGT) over a peer graph whose trackers start with "
             "zero-sum noise exchanged between neighbours; the server only paces rounds and "
             "gathers scalar metrics (seed 002).",
+            compressible=(),
+            exact_because=(
+                "its clients exchange states with each other, not with the server, and its "
+                "trackers' noise cancels only exactly"
+            ),
         ),
         ProtocolFacts(
             name="adaptive",
@@ -105,6 +124,8 @@ PROTOCOL_FACTS: dict[str, ProtocolFacts] = {
             dropout_policy="Skip",
             summary="FedSGD where each client adds a distortion learned under a PL or DP "
             "budget, or the static Identical baseline (seed 003).",
+            compressible=("uploads", "broadcasts"),  # rounding a distorted upload after
+            # the fact is post-processing: the measure it claims still holds
         ),
         ProtocolFacts(
             name="ebscfl",
@@ -116,6 +137,8 @@ PROTOCOL_FACTS: dict[str, ProtocolFacts] = {
             "slot with KDC keys; the server filters negatively correlated updates and verifies "
             "encodings under encoding, decoding only weighted per-cluster sums (seed 004).",
             server_uses_kdc=True,
+            compressible=(),
+            exact_because="the encodings are decoded by exact linear algebra on the server",
         ),
         ProtocolFacts(
             name="fedsgd",
@@ -124,6 +147,7 @@ PROTOCOL_FACTS: dict[str, ProtocolFacts] = {
             claims_dp=False,
             dropout_policy="Skip",
             summary="Federated SGD: one full-shard gradient per client, one server step.",
+            compressible=("uploads", "broadcasts"),
         ),
     )
 }

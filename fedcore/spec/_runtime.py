@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Literal
 
 from pydantic import Field
 
@@ -62,8 +62,34 @@ class FailurePolicySpec(SpecModel):
     )
 
 
+CompressionCodec = Literal["None", "Float16", "BFloat16", "Int8"]
+
+
+class CompressionSpec(SpecModel):
+    """Lossy compression of the float tensors in messages (fedcore/transport/_compression.py)."""
+
+    uploads: CompressionCodec = Field(
+        "None",
+        description="uploads compresses every client's upload: Float16 or BFloat16 (half the "
+        "bytes; relative error at most 2^-11 or 2^-8 per value with Nearest rounding) or Int8 "
+        "(a quarter, plus one scale per tensor; error at most the tensor's largest magnitude "
+        "/ 254). None (default): exact. Refused for protocols whose maths needs exact values.",
+    )
+    broadcasts: CompressionCodec = Field(
+        "None",
+        description="broadcasts compresses the model (or instruction) the server sends each "
+        "round, with the same codecs. None (default): exact.",
+    )
+    rounding: Literal["Nearest", "Stochastic"] = Field(
+        "Nearest",
+        description="rounding is Nearest (deterministic, the smallest error) or Stochastic "
+        "(unbiased: a value's expected round trip is the value itself, at up to twice the "
+        "error), drawn from generators seeded by spec.seed, the round and the client.",
+    )
+
+
 class TransportSpec(SpecModel):
-    """Limits of the messages between roles."""
+    """Limits of the messages between roles, and their compression."""
 
     chunk_bytes: int = Field(
         4 * 1024 * 1024,
@@ -81,6 +107,10 @@ class TransportSpec(SpecModel):
         "this many bytes of unfinished messages. Unset (default): derived from the model, "
         "32 float64 copies of its parameters plus 64 MiB (plus ebscfl's SRFC key matrices), "
         "at most 8 GiB.",
+    )
+    compression: CompressionSpec = Field(
+        default_factory=CompressionSpec,
+        description="compression of uploads and broadcasts (off by default).",
     )
 
 

@@ -316,6 +316,7 @@ def semantic_issues(run: FederatedRun) -> list[SpecIssue]:
                 "allowed here: 'RDP'.",
             )
         )
+    issues.extend(_compression_issues(spec))
     issues.extend(_data_issues(spec))
     issues.extend(_client_data_issues(spec))
     issues.extend(_site_issues(spec))
@@ -333,6 +334,23 @@ def semantic_issues(run: FederatedRun) -> list[SpecIssue]:
             }
         )
     )
+    return issues
+
+
+def _compression_issues(spec: FederatedRunSpec) -> list[SpecIssue]:
+    """Compression of the messages a protocol needs exact (``ProtocolFacts.compressible``)."""
+    facts = protocol_facts(spec.protocol.name)
+    compression = spec.transport.compression
+    issues = []
+    for field, codec in (("uploads", compression.uploads), ("broadcasts", compression.broadcasts)):
+        if codec != "None" and field not in facts.compressible:
+            issues.append(
+                SpecIssue(
+                    f"spec.transport.compression.{field}",
+                    f"{codec!r} cannot be used with protocol {facts.name!r}: "
+                    f"{facts.exact_because}; allowed here: 'None'.",
+                )
+            )
     return issues
 
 
