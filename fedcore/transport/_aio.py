@@ -26,7 +26,7 @@ import grpc
 from fedcore.errors import MessageRejected
 from fedcore.transport._codec import PayloadDecoder, encode_chunks
 from fedcore.transport._payload import Payload
-from fedcore.transport._rpc import SERVICE_PREFIX, Limits, RemoteError
+from fedcore.transport._rpc import SERVICE_PREFIX, Limits, RemoteError, session_failed
 from fedcore.transport._tls import Identity, TlsBundle
 
 
@@ -98,13 +98,7 @@ class AsyncClientSession:
         self._on_bytes = on_bytes
 
     def _failed(self, exc: grpc.RpcError) -> RemoteError:
-        code = exc.code() if hasattr(exc, "code") else grpc.StatusCode.UNKNOWN
-        details = exc.details() if hasattr(exc, "details") else str(exc)
-        return RemoteError(
-            f"The session {self._method} with {self._target} failed with {code.name}: {details}",
-            method=self._method,
-            code=code.name,
-        )
+        return session_failed(self._method, self._target, exc)
 
     async def send(self, payload: Payload) -> None:
         """Writes ``payload`` to the peer (waits while grpc's flow control holds it back).
@@ -155,12 +149,7 @@ class AsyncClientSession:
         code = await self._call.code()
         if code != grpc.StatusCode.OK:
             details = await self._call.details()
-            raise RemoteError(
-                f"The session {self._method} with {self._target} failed with {code.name}: "
-                f"{details}",
-                method=self._method,
-                code=code.name,
-            )
+            raise session_failed(self._method, self._target, code=code, details=details)
         return None
 
     async def finish(self, timeout: float) -> None:

@@ -170,6 +170,27 @@ class RemoteError(TransportError):
         super().__init__(message)
 
 
+def session_failed(
+    method: str,
+    target: str,
+    exc: grpc.RpcError | None = None,
+    *,
+    code: grpc.StatusCode | None = None,
+    details: str | None = None,
+) -> RemoteError:
+    """The error of a session that ended with a status other than OK: from ``exc`` (grpc's
+    error), or from ``code`` and ``details``."""
+    if exc is not None:
+        code = exc.code() if hasattr(exc, "code") else grpc.StatusCode.UNKNOWN
+        details = exc.details() if hasattr(exc, "details") else str(exc)
+    name = (code or grpc.StatusCode.UNKNOWN).name
+    return RemoteError(
+        f"The session {method} with {target} failed with {name}: {details}",
+        method=method,
+        code=name,
+    )
+
+
 _END = object()
 
 
@@ -407,14 +428,7 @@ class ClientSession:
                         self._on_bytes(0, received)
                     return decoder.finish()
         except grpc.RpcError as exc:
-            code = exc.code() if hasattr(exc, "code") else grpc.StatusCode.UNKNOWN
-            details = exc.details() if hasattr(exc, "details") else str(exc)
-            raise RemoteError(
-                f"The session {self._method} with {self._target} failed with {code.name}: "
-                f"{details}",
-                method=self._method,
-                code=code.name,
-            ) from exc
+            raise session_failed(self._method, self._target, exc) from exc
         if received:
             decoder.finish()  # raises: the stream ended inside a message
         return None
