@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import argparse
 import copy
-import datetime as dt
 import json
 import statistics
 import subprocess
@@ -104,7 +103,7 @@ def render(data: dict[str, Any]) -> str:
         BEGIN,
         "## Compressed uploads and broadcasts",
         "",
-        f"`python benchmarks/compression.py --write` on {dt.date.today()} ({data['machine']}); "
+        f"`python benchmarks/compression.py --write` ({data['machine']}); "
         f"{data['repeats']} repeats, the settings alternating; medians. Load average (1/5/15 "
         f"min) {data['load_start']} at the start, {data['load_end']} at the end. The job is "
         f"examples/digits-fedavg.yaml ({CLIENTS} clients, {ROUNDS} rounds, a 36 KB model) over "
