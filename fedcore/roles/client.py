@@ -281,8 +281,9 @@ class Client:
                             await session.send(self._evaluation(last, message))
                         elif kind == "task":
                             last = (int(message.meta["round"]), int(message.meta["attempt"]))
-                            keys = await self._keys(last[0], message)
-                            await session.send(self._upload(last, message, keys))
+                            instruction = self._instruction(message)  # decompressed once
+                            keys = await self._keys(last[0], instruction)
+                            await session.send(self._upload(last, instruction, keys))
                             rounds += 1
                             self.protocol.after_upload(last[0])
                 except RemoteError as exc:
@@ -338,22 +339,23 @@ class Client:
         )
         return Payload(meta=dict(task.meta.get("instruction") or {}), tensors=tensors)
 
-    async def _keys(self, round_: int, task: Payload) -> Payload | None:
+    async def _keys(self, round_: int, instruction: Payload) -> Payload | None:
         """This round's keys from the KDC (protocols that need one; a thread waits for the
         call, so other sessions on the loop go on), or None."""
         kdc = self.kdc
         if kdc is None:
             return None
-        reusable = self.protocol.reusable_keys(round_, self._instruction(task))
+        reusable = self.protocol.reusable_keys(round_, instruction)
         if reusable is not None:
             return reusable
         return await asyncio.to_thread(
             kdc.call, "IssueKeys", Payload(meta={"round": round_}), timeout=CALL_SECONDS
         )
 
-    def _upload(self, task_id: tuple[int, int], task: Payload, keys: Payload | None) -> Payload:
+    def _upload(
+        self, task_id: tuple[int, int], instruction: Payload, keys: Payload | None
+    ) -> Payload:
         round_, attempt = task_id
-        instruction = self._instruction(task)
         if self.duties is not None:
             self.duties.before(round_, instruction)
         with self.compute_lock, self.metrics.round_duration.time():
