@@ -72,6 +72,21 @@ class ServerProtocol(ABC):
                 the role refuses it and counts the client as failed for the round.
         """
 
+    def take_upload(self, round: int, client: int, upload: Payload) -> Payload | None:
+        """Optionally consumes a checked, accepted upload as it arrives (e.g. adds it into a
+        running sum, so that its tensors need not be held until the round settles).
+
+        The server role calls it after ``check_upload`` accepted the upload for the current
+        attempt of ``plan_round``'s last plan, one call at a time. A taken upload is part of
+        the attempt for good: ``combine`` then gets the returned stand-in (its meta) for it.
+        The simulation never calls it: ``combine`` must give the same result either way.
+
+        Returns:
+            What the runtime keeps in the upload's place, or None (the default): the runtime
+            keeps the whole upload for ``combine``.
+        """
+        return None
+
     @abstractmethod
     def combine(
         self, round: int, uploads: Mapping[int, Payload], failures: Sequence[int]

@@ -36,7 +36,7 @@ import numpy as np
 
 from fedcore.errors import AggregateRefused, ProtocolError, UploadRefused
 from fedcore.protocols._base import Weights
-from fedcore.protocols._maths import scratch_elements
+from fedcore.protocols._fold import scratch_elements
 from fedcore.spec import FederatedRunSpec
 from fedcore.spec._uploads import DEFAULT_EXAMPLES_OVER_MEDIAN, DEFAULT_UPDATE_RMS
 from fedcore.transport import Payload
@@ -160,6 +160,17 @@ class UploadBounds:
                 f"{self.max_examples}."
             )
         return claim
+
+    def example_weight(self, client: int, upload: Payload) -> float | None:
+        """The ShardSize weight of one upload where it alone decides it (the server knows the
+        shard sizes, or ``max_examples`` caps the claims), else None: the median cap needs
+        the whole round's claims."""
+        claim = float(_claim(upload))
+        if self.shard_sizes is not None:
+            return min(claim, float(self.shard_sizes[client]))
+        if self.max_examples is not None:
+            return min(claim, float(self.max_examples))
+        return None
 
     def example_weights(self, uploads: Mapping[int, Payload]) -> dict[int, float]:
         """ShardSize weights of a round's uploads: the claims, capped at the server's shard

@@ -2,67 +2,28 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import numpy as np
 
 from fedcore.errors import ProtocolError
 from fedcore.protocols._base import Weights, check_state_kind
+from fedcore.protocols._fold import fold_mean
 from fedcore.transport import Payload
 
 
 def weighted_mean(tensors: Sequence[Weights], weights: Sequence[float]) -> Weights:
-    """Returns sum_k w_k x_k / sum_k w_k per tensor, accumulated in float64.
+    """Returns sum_k w_k x_k / sum_k w_k per tensor, accumulated in float64 in the given order
+    (``fedcore.protocols._fold``: the sum a streamed fold of the same uploads equals).
 
     Each result keeps the dtype of the first input's tensor of that name.
 
     Raises:
         ProtocolError: no inputs, or weights that do not sum to a positive number.
+        ValueError: as many weights as inputs were not given.
     """
-    if not tensors:
-        raise ProtocolError("There is nothing to average: no uploads were given.")
-    total = float(sum(weights))
-    if not total > 0:
-        raise ProtocolError(f"The averaging weights sum to {total}; a positive sum is needed.")
-    scales = [weight / total for weight in weights]
-    if len(scales) != len(tensors):
-        raise ValueError(f"{len(tensors)} uploads but {len(scales)} weights were given.")
-    result: Weights = {}
-    block = scratch_elements(tensors[0].values())
-    acc = np.empty(block, dtype=np.float64)
-    term = np.empty(block, dtype=np.float64)
-    for name, first in tensors[0].items():
-        flats = [np.ascontiguousarray(values[name]).reshape(-1) for values in tensors]
-        out = np.empty(first.size, dtype=first.dtype)
-        # Block by block, so that the float64 accumulator and term stay in the CPU cache: the
-        # inputs are read once and the result written once (a whole-tensor float64 temporary
-        # per upload moved several times the input bytes through memory). Same operations per
-        # element, same order, so the result is bit-identical to accumulating whole tensors.
-        for start in range(0, first.size, block):
-            stop = min(start + block, first.size)
-            a, t = acc[: stop - start], term[: stop - start]
-            a.fill(0.0)
-            for flat, scale in zip(flats, scales, strict=True):
-                # Widen, then scale in float64: numpy's multiply with a casting input runs
-                # several times slower than this plain cast followed by a float64 multiply.
-                np.copyto(t, flat[start:stop], casting="unsafe")
-                np.multiply(t, scale, out=t)
-                np.add(a, t, out=a)
-            out[start:stop] = a
-        result[name] = out.reshape(first.shape)
-    return result
-
-
-_BLOCK = 1 << 15
-"""Elements per block of weighted_mean: 2 x 256 KiB of float64 scratch, well inside L2."""
-
-
-def scratch_elements(arrays: Iterable[np.ndarray]) -> int:
-    """Elements of blocked float64 scratch for ``arrays``: ``_BLOCK``, or the largest array's
-    size if smaller (a small model's scratch then stays off the allocator's mmap path, which
-    costs a system call and page faults per call)."""
-    return max(1, min(_BLOCK, max((array.size for array in arrays), default=1)))
+    return fold_mean(tensors, weights)
 
 
 def check_like(reference: Weights, upload: Payload, *, what: str, finite: bool = True) -> None:

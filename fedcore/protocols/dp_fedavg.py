@@ -59,6 +59,7 @@ class DpFedAvgServer(ModelAveragingServer):
     """
 
     kind = "dp-fedavg"
+    streams_uploads = False  # combine clips each update whole
 
     def __init__(
         self,

@@ -104,6 +104,8 @@ class Attempt:
     uploads: dict[int, Payload] = field(default_factory=dict)
     failed: dict[int, str] = field(default_factory=dict)
     delivered: dict[int, ServerSession] = field(default_factory=dict)
+    taken: set[int] = field(default_factory=set)
+    """Clients whose upload the protocol consumed on arrival (``take_upload``)."""
     spec_digest: str | None = None
     compress: Compressor | None = field(default=None, repr=False)
     _tasks: dict[int, Payload] = field(default_factory=dict, repr=False)
@@ -394,7 +396,8 @@ class Server:
         return peer.index
 
     def accept_upload(self, index: int, message: Payload) -> str:
-        """Checks and records one upload; returns accepted, duplicate, stale or rejected."""
+        """Checks and records one upload (the protocol may sum it at once, ``take_upload``);
+        returns accepted, duplicate, stale, rejected or revoked."""
         board = self.board
         upload = Payload(meta=dict(message.meta.get("upload") or {}), tensors=message.tensors)
         key = (message.meta.get("round"), message.meta.get("attempt"))
@@ -433,8 +436,24 @@ class Server:
         with board.cond:
             if board.current is not attempt or not attempt.pending(index):
                 return "stale"
-            if status == "accepted":
+            if status == "accepted" and self.gate and self.gate(Identity("client", index)):
+                status = "revoked"  # its site was revoked meanwhile: not summed
+                attempt.failed[index] = "revoked"
+            elif status == "accepted" and attempt.attempt == EVALUATION_ATTEMPT:
                 attempt.uploads[index] = upload
+            elif status == "accepted":
+                # Under the board's lock, so that no later attempt's plan can take it.
+                try:
+                    with self._check_lock:
+                        kept = self.protocol.take_upload(attempt.round, index, upload)
+                except ProtocolError as exc:
+                    self._count_refused(index, attempt.round, exc)
+                    status = "rejected"
+                    attempt.failed[index] = "rejected"
+                else:
+                    if kept is not None:
+                        attempt.taken.add(index)
+                    attempt.uploads[index] = upload if kept is None else kept
             else:
                 attempt.failed[index] = "rejected"
             if status != "accepted" or attempt.settled():
@@ -476,6 +495,14 @@ class Server:
             return attempt
         for index in list(attempt.uploads):
             if self.gate(Identity("client", index)) is not None:
+                if index in attempt.taken:  # summed on arrival, while its site was admitted
+                    log.warning(
+                        "Client %d's site was revoked after its round %d upload was summed; "
+                        "it stays in this round's aggregate.",
+                        index,
+                        attempt.round,
+                    )
+                    continue
                 del attempt.uploads[index]
                 attempt.failed[index] = "revoked"
         return attempt

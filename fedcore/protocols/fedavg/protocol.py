@@ -24,13 +24,13 @@ from fedcore.protocols._bounds import (
     default_update_norm,
     step_norm,
 )
+from fedcore.protocols._fold import HOLD_BYTES, OrderedFold
 from fedcore.protocols._maths import (
     check_finite,
     check_like,
     copy_weights,
     mean_loss,
     restore_weights,
-    weighted_mean,
 )
 from fedcore.spec import FederatedRunSpec
 from fedcore.transport import Payload
@@ -41,6 +41,12 @@ class ModelAveragingServer(BoundedServer, ServerProtocol):
 
     Every upload is checked against the run's bounds (``fedcore.protocols._bounds``) before it
     is accepted, and the new model against them before it is applied.
+
+    Uploads are summed as they arrive (``take_upload``, ``fedcore.protocols._fold``): in client
+    order, whatever order they come in, so the server never holds a round's uploads at once
+    and the mean is bit-identical to the batch one of the simulation. Where a weight depends
+    on the whole round (shard-size weights capped at the round's median claim, when the
+    server does not know the shard sizes) the uploads are held and summed at ``combine``.
 
     Args:
         initial: the initial global model.
@@ -57,10 +63,45 @@ class ModelAveragingServer(BoundedServer, ServerProtocol):
         self._weights = copy_weights(initial)
         self._weighting = weighting
         self._bounds = bounds or UploadBounds(default_update_norm(initial))
+        self._fold: OrderedFold | None = None
+        self.hold_bytes = HOLD_BYTES
+        """Bytes of early uploads a fold holds in memory before it writes them to disk."""
+        self.spill_dir: str | None = None
+        """Where a fold writes early uploads (None: the system's temporary folder)."""
+
+    streams_uploads = True
+    """Whether ``take_upload`` sums uploads as they arrive (a subclass whose ``combine``
+    needs each upload whole says False)."""
 
     def plan_round(self, round: int, clients: Sequence[int]) -> Mapping[int, Payload]:
         instruction = Payload(meta={"round": round}, tensors=self._weights)
+        self._open_fold(clients)
         return {client: instruction for client in clients}
+
+    def _open_fold(self, clients: Sequence[int]) -> None:
+        """Starts the sum of a new attempt (the previous attempt's, if any, is dropped)."""
+        if self._fold is not None:
+            self._fold.close()
+            self._fold = None
+        if not self.streams_uploads:
+            return
+        self._fold = OrderedFold(
+            self._weights, clients, hold_bytes=self.hold_bytes, spill_dir=self.spill_dir
+        )
+
+    def take_upload(self, round: int, client: int, upload: Payload) -> Payload | None:
+        """Adds a checked upload into the attempt's sum; keeps its meta only."""
+        weight = self._known_weight(client, upload)
+        if not self.streams_uploads or self._fold is None or weight is None:
+            return None
+        self._fold.add(client, upload.tensors, weight)
+        return Payload(meta=upload.meta)
+
+    def _known_weight(self, client: int, upload: Payload) -> float | None:
+        """The client's averaging weight if its upload alone decides it, else None."""
+        if self._weighting != "ShardSize":
+            return 1.0
+        return self._bounds.example_weight(client, upload)
 
     def check_upload(self, round: int, client: int, upload: Payload) -> None:
         """Refuses an upload that does not look like this model (see ``check_like``), claims
@@ -93,16 +134,30 @@ class ModelAveragingServer(BoundedServer, ServerProtocol):
             AggregateRefused: the new model would not be finite or moves past the bound;
                 the previous model is kept.
         """
+        fold, self._fold = self._fold, None
         if not uploads:
+            if fold is not None:
+                fold.close()
             return None
         order = sorted(uploads)
         if self._weighting == "ShardSize":
             weights = self._bounds.example_weights(uploads)
         else:
             weights = dict.fromkeys(order, 1.0)
-        updated = self._apply(
-            weighted_mean([uploads[k].tensors for k in order], [weights[k] for k in order])
-        )
+        if fold is None or not set(fold.added) <= set(uploads):
+            # No plan (a restored server combining directly), or a plan whose taken uploads
+            # are not all here: sum these uploads afresh (they must then be whole).
+            if fold is not None:
+                fold.close()
+            fold = OrderedFold(self._weights, order, hold_bytes=0)
+        with fold:
+            for client in fold.planned:
+                if client in uploads and not fold.taken(client):
+                    fold.add(client, uploads[client].tensors, weights[client])
+                elif client not in uploads:
+                    fold.skip(client)
+            mean = fold.mean()
+        updated = self._apply(mean)
         self._bounds.check_aggregate(round, self._weights, updated)
         self._weights = updated
         return RoundResult(participants=len(order), train_loss=mean_loss(uploads, weights))

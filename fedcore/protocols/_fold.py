@@ -1,0 +1,283 @@
+"""Weighted sums folded as uploads arrive, in a fixed order, in bounded memory.
+
+An averaging server used to hold every upload of a round until the round settled, then sum
+them: K model-sized copies at once. ``OrderedFold`` takes each upload as it arrives and adds
+it into one float64 accumulator, so the uploads' tensors can be let go at once. Floating-point
+addition is not associative, so a sum in arrival order would change with the network's timing
+and a run would not equal its simulation. The fold therefore adds in ascending client order,
+always: an upload that arrives before a lower-indexed client's fate is known waits (in memory
+up to ``hold_bytes``, beyond that in a file of its own, written and read back with numpy's
+format and no pickle) and is added once every client before it has been added or skipped. The
+sum is then bit-identical to adding the same uploads in client order at once, whatever order
+they came in: ``weighted_sum`` is exactly that batch path, and the tests check the two agree.
+
+Each element is widened to float64, multiplied by the client's weight and added (a float32
+value times an integer weight below 2**29 is exact in float64, so only the additions round).
+The work goes block by block so that the scratch stays in the CPU's cache.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+from collections.abc import Iterable, Mapping, Sequence
+from pathlib import Path
+
+import numpy as np
+
+from fedcore.errors import ProtocolError
+
+Tensors = Mapping[str, np.ndarray]
+
+BLOCK_ELEMENTS = 1 << 15
+"""Elements per block: 2 x 256 KiB of float64 scratch, well inside L2."""
+HOLD_BYTES = 256 * 2**20
+"""Default bytes of early uploads held in memory before they go to disk."""
+
+
+def scratch_elements(arrays: Iterable[np.ndarray]) -> int:
+    """Elements of blocked float64 scratch for ``arrays``: ``BLOCK_ELEMENTS``, or the largest
+    array's size if smaller (a small model's scratch then stays off the allocator's mmap path,
+    which costs a system call and page faults per call)."""
+    return max(1, min(BLOCK_ELEMENTS, max((array.size for array in arrays), default=1)))
+
+
+class OrderedFold:
+    """Sums ``weight_k * tensors_k`` over clients in ascending order, as they arrive.
+
+    Args:
+        reference: the names, shapes and dtypes every upload has (e.g. the global model);
+            only its layout is used.
+        clients: the clients whose uploads may come (the attempt's plan).
+        hold_bytes: how many bytes of early uploads to hold in memory; the rest go to disk.
+        spill_dir: where the files of early uploads go (a private folder is made inside it);
+            None: the system's temporary folder.
+
+    Every planned client must be resolved, by ``add`` or ``skip``, before ``sums``. The
+    caller checks an upload (names, shapes, finiteness) before it adds it.
+    """
+
+    def __init__(
+        self,
+        reference: Tensors,
+        clients: Iterable[int],
+        *,
+        hold_bytes: int = HOLD_BYTES,
+        spill_dir: str | os.PathLike[str] | None = None,
+    ) -> None:
+        self._layout = {name: (value.shape, value.dtype) for name, value in reference.items()}
+        self._order = sorted(set(clients))
+        self._position = {client: i for i, client in enumerate(self._order)}
+        self._next = 0  # index into _order of the first client not yet added or skipped
+        self._acc = {
+            name: np.zeros(int(np.prod(shape, dtype=np.int64)), dtype=np.float64)
+            for name, (shape, _) in self._layout.items()
+        }
+        block = scratch_elements(self._acc.values())
+        self._term = np.empty(block, dtype=np.float64)
+        self._held: dict[int, tuple[dict[str, np.ndarray], float]] = {}
+        self._spilled: dict[int, float] = {}
+        self._skipped: set[int] = set()
+        self._added: set[int] = set()
+        self._hold_bytes = hold_bytes
+        self._spill_root = spill_dir
+        self._spill_path: Path | None = None
+        self.held_bytes = 0
+        """Bytes of early uploads held in memory now."""
+        self.peak_held_bytes = 0
+        """The most bytes of early uploads ever held in memory at once."""
+        self.spilled_count = 0
+        """How many early uploads went to disk."""
+        self.weight_total = 0.0
+        """The sum of the weights added so far (in client order)."""
+
+    # ---------------------------------------------------------------------------- taking
+
+    def taken(self, client: int) -> bool:
+        """Whether ``client``'s upload was given to ``add``."""
+        return client in self._added or client in self._held or client in self._spilled
+
+    def add(self, client: int, tensors: Tensors, weight: float) -> None:
+        """Takes ``client``'s upload with its weight; it is summed now or when its turn comes.
+
+        Raises:
+            ProtocolError: the client was not planned, was already resolved, the weight is not
+                a finite number >= 0, or the tensors do not have the reference's layout.
+        """
+        self._check_open(client)
+        if not (isinstance(weight, int | float) and np.isfinite(weight) and weight >= 0):
+            raise ProtocolError(f"Client {client}'s weight {weight!r} is not a finite number >= 0.")
+        flats = self._flats(client, tensors)
+        if self._position[client] == self._next:
+            self._fold(flats, float(weight))
+            self._added.add(client)
+            self._next += 1
+            self._advance()
+            return
+        size = sum(flat.nbytes for flat in flats.values())
+        if self.held_bytes + size <= self._hold_bytes:
+            # Copied: the caller's buffers (a decoder's) may be reused once this returns.
+            self._held[client] = ({n: f.copy() for n, f in flats.items()}, float(weight))
+            self.held_bytes += size
+            self.peak_held_bytes = max(self.peak_held_bytes, self.held_bytes)
+        else:
+            np.savez(self._spill_file(client), *(flats[name] for name in self._layout))
+            self._spilled[client] = float(weight)
+            self.spilled_count += 1
+
+    def skip(self, client: int) -> None:
+        """Resolves ``client`` without an upload (it failed, or is left out of the sum)."""
+        if client in self._held or client in self._spilled:
+            raise ProtocolError(f"Client {client}'s upload is waiting for its turn to be summed.")
+        self._check_open(client)
+        self._skipped.add(client)
+        if self._position[client] == self._next:
+            self._next += 1
+            self._advance()
+
+    # --------------------------------------------------------------------------- results
+
+    @property
+    def planned(self) -> list[int]:
+        """The planned clients, ascending."""
+        return list(self._order)
+
+    @property
+    def added(self) -> list[int]:
+        """The clients summed so far, ascending."""
+        return sorted(self._added)
+
+    def complete(self) -> bool:
+        """Whether every planned client was added or skipped."""
+        return self._next == len(self._order)
+
+    def sums(self) -> dict[str, np.ndarray]:
+        """The float64 sums, shaped as the reference (arrays the fold owns; read-only use).
+
+        Raises:
+            ProtocolError: some planned client was never resolved.
+        """
+        if not self.complete():
+            missing = [k for k in self._order if not self.taken(k) and k not in self._skipped]
+            raise ProtocolError(f"The sum is not complete: clients {missing} were never resolved.")
+        return {name: self._acc[name].reshape(shape) for name, (shape, _) in self._layout.items()}
+
+    def mean(self) -> dict[str, np.ndarray]:
+        """The weighted mean, each tensor in the reference's dtype: sums / total weight.
+
+        Raises:
+            ProtocolError: the sum is not complete, or the weights sum to 0 (nothing to average).
+        """
+        sums = self.sums()
+        if not self.weight_total > 0:
+            raise ProtocolError(
+                f"The averaging weights sum to {self.weight_total}; a positive sum is needed."
+            )
+        return {
+            name: (sums[name] / self.weight_total).astype(dtype, copy=False)
+            for name, (_, dtype) in self._layout.items()
+        }
+
+    def close(self) -> None:
+        """Removes the files of early uploads, if any (idempotent)."""
+        if self._spill_path is not None:
+            shutil.rmtree(self._spill_path, ignore_errors=True)
+            self._spill_path = None
+
+    def __enter__(self) -> OrderedFold:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def __del__(self) -> None:
+        self.close()
+
+    # --------------------------------------------------------------------------- inside
+
+    def _check_open(self, client: int) -> None:
+        if client not in self._position:
+            raise ProtocolError(f"Client {client} was not planned in this attempt.")
+        if self.taken(client) or client in self._skipped:
+            raise ProtocolError(f"Client {client} was already resolved in this attempt.")
+
+    def _flats(self, client: int, tensors: Tensors) -> dict[str, np.ndarray]:
+        if set(tensors) != set(self._layout):
+            raise ProtocolError(
+                f"Client {client}'s upload has tensors {sorted(tensors)}, not "
+                f"{sorted(self._layout)}."
+            )
+        flats = {}
+        for name, (shape, _) in self._layout.items():
+            value = np.asarray(tensors[name])
+            if value.shape != shape:
+                raise ProtocolError(
+                    f"Client {client}'s tensor {name!r} has shape {value.shape}, not {shape}."
+                )
+            flats[name] = np.ascontiguousarray(value).reshape(-1)
+        return flats
+
+    def _fold(self, flats: Mapping[str, np.ndarray], weight: float) -> None:
+        """acc += weight * widen(flat), block by block (the same operations per element as
+        a whole-tensor float64 temporary, so the same result)."""
+        for name, acc in self._acc.items():
+            flat = flats[name]
+            for start in range(0, flat.size, self._term.size):
+                stop = min(start + self._term.size, flat.size)
+                term = self._term[: stop - start]
+                np.copyto(term, flat[start:stop], casting="unsafe")
+                np.multiply(term, weight, out=term)
+                np.add(acc[start:stop], term, out=acc[start:stop])
+        self.weight_total += weight
+
+    def _advance(self) -> None:
+        """Sums the waiting uploads whose turn has come."""
+        while self._next < len(self._order):
+            client = self._order[self._next]
+            if client in self._skipped:
+                pass
+            elif client in self._held:
+                flats, weight = self._held.pop(client)
+                self.held_bytes -= sum(flat.nbytes for flat in flats.values())
+                self._fold(flats, weight)
+                self._added.add(client)
+            elif client in self._spilled:
+                weight = self._spilled.pop(client)
+                path = self._spill_file(client)
+                with np.load(path, allow_pickle=False) as stored:
+                    self._fold(
+                        {name: stored[f"arr_{i}"] for i, name in enumerate(self._layout)}, weight
+                    )
+                path.unlink()
+                self._added.add(client)
+            else:
+                return
+            self._next += 1
+
+    def _spill_file(self, client: int) -> Path:
+        if self._spill_path is None:
+            self._spill_path = Path(tempfile.mkdtemp(prefix="fedcore-fold-", dir=self._spill_root))
+        return self._spill_path / f"client-{client}.npz"
+
+
+def weighted_sum(
+    reference: Tensors, uploads: Mapping[int, Tensors], weights: Mapping[int, float]
+) -> OrderedFold:
+    """The batch path: a fold of every upload at once, in client order (the result a fold
+    of the same uploads arriving in any order equals, bit for bit)."""
+    fold = OrderedFold(reference, uploads, hold_bytes=0)
+    for client in sorted(uploads):
+        fold.add(client, uploads[client], weights[client])
+    return fold
+
+
+def fold_mean(uploads: Sequence[Tensors], weights: Sequence[float]) -> dict[str, np.ndarray]:
+    """The weighted mean of ``uploads`` (in that order, as clients 0, 1, ...)."""
+    if len(uploads) != len(weights):
+        raise ValueError(f"{len(uploads)} uploads but {len(weights)} weights were given.")
+    if not uploads:
+        raise ProtocolError("There is nothing to average: no uploads were given.")
+    indexed = dict(enumerate(uploads))
+    with weighted_sum(uploads[0], indexed, dict(enumerate(weights))) as fold:
+        return fold.mean()

@@ -1,0 +1,269 @@
+"""Uploads summed as they arrive (fedcore.protocols._fold): exact, ordered, bounded."""
+
+from __future__ import annotations
+
+import gc
+import stat
+import tempfile
+import tracemalloc
+from pathlib import Path
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from fedcore.errors import ProtocolError
+from fedcore.protocols._bounds import UploadBounds
+from fedcore.protocols._fold import OrderedFold, weighted_sum
+from fedcore.protocols.dp_fedavg import DpFedAvgServer
+from fedcore.protocols.fedavg.protocol import ModelAveragingServer
+from fedcore.transport import Payload
+
+SHAPES = {"w": (3, 5), "b": (5,), "big": (2, 40_000)}
+"""A tensor larger than one block (2**15 elements), so blocks are exercised too."""
+
+
+def _uploads(
+    rng: np.random.Generator, clients: int, dtype: str
+) -> dict[int, dict[str, np.ndarray]]:
+    return {
+        k: {
+            name: (rng.standard_normal(shape) * 10.0 ** rng.integers(-8, 8, size=shape)).astype(
+                dtype
+            )
+            for name, shape in SHAPES.items()
+        }
+        for k in range(clients)
+    }
+
+
+def _reference(uploads: dict[int, dict[str, np.ndarray]], weights: dict[int, float]) -> dict:
+    """An independent sum: whole-tensor float64 terms added in client order."""
+    total = {name: np.zeros(shape, dtype=np.float64) for name, shape in SHAPES.items()}
+    for k in sorted(uploads):
+        for name in SHAPES:
+            total[name] = total[name] + uploads[k][name].astype(np.float64) * weights[k]
+    return total
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    seed=st.integers(0, 2**32 - 1),
+    clients=st.integers(1, 9),
+    dtype=st.sampled_from(["float32", "float64"]),
+    hold=st.sampled_from([0, 400_000, 1 << 30]),
+)
+def test_any_arrival_order_gives_the_batch_sum_bit_for_bit(
+    seed: int, clients: int, dtype: str, hold: int
+) -> None:
+    with tempfile.TemporaryDirectory() as folder:
+        _check_arrival_order(seed, clients, dtype, hold, Path(folder))
+
+
+def _check_arrival_order(seed: int, clients: int, dtype: str, hold: int, tmp_path: Path) -> None:
+    rng = np.random.default_rng(seed)
+    everyone = _uploads(rng, clients, dtype)
+    weights = {k: float(rng.integers(1, 5000)) for k in everyone}
+    dropped = {k for k in everyone if rng.random() < 0.3}
+    arriving = [k for k in rng.permutation(clients).tolist() if k not in dropped]
+    events = [("add", k) for k in arriving] + [("skip", k) for k in dropped]
+    rng.shuffle(events)  # failures and uploads interleave in any order
+
+    with OrderedFold(everyone[0], everyone, hold_bytes=hold, spill_dir=tmp_path) as fold:
+        for what, k in events:
+            if what == "add":
+                fold.add(k, everyone[k], weights[k])
+            else:
+                fold.skip(k)
+        streamed = {name: value.copy() for name, value in fold.sums().items()}
+        assert fold.added == sorted(arriving)
+        assert fold.weight_total == sum(weights[k] for k in sorted(arriving))
+    survivors = {k: everyone[k] for k in arriving}
+    if not survivors:
+        assert all(not value.any() for value in streamed.values())
+        return
+    with weighted_sum(everyone[0], survivors, weights) as batch:
+        batched = batch.sums()
+        for name in SHAPES:
+            assert np.array_equal(streamed[name], batched[name])
+    expected = _reference(survivors, weights)
+    for name in SHAPES:
+        assert np.array_equal(streamed[name], expected[name])
+    assert not any(tmp_path.iterdir()), "spill files are removed"
+
+
+def test_early_uploads_go_to_disk_beyond_the_hold_and_memory_stays_bounded(tmp_path: Path) -> None:
+    """K uploads of 4 MB arriving last-first: with no hold, the fold keeps its float64
+    accumulator (8 MB) and nothing else in memory; they wait on disk, in a private folder."""
+    clients, size = 24, 1_000_000
+    reference = {"w": np.zeros(size, dtype=np.float32)}
+    model_bytes = size * 4
+
+    def upload(k: int) -> dict[str, np.ndarray]:
+        return {"w": np.full(size, k + 1, dtype=np.float32)}
+
+    gc.collect()
+    tracemalloc.start()
+    try:
+        fold = OrderedFold(reference, range(clients), hold_bytes=0, spill_dir=tmp_path)
+        base, _ = tracemalloc.get_traced_memory()
+        tracemalloc.reset_peak()
+        for k in reversed(range(clients)):
+            fold.add(k, upload(k), 1.0)
+            if k == clients - 1:
+                folders = list(tmp_path.iterdir())
+                assert len(folders) == 1
+                assert stat.S_IMODE(folders[0].stat().st_mode) == 0o700
+        _, peak = tracemalloc.get_traced_memory()
+        assert fold.complete() and fold.spilled_count == clients - 1
+        assert fold.peak_held_bytes == 0
+        total = fold.sums()["w"]
+    finally:
+        tracemalloc.stop()
+    assert np.array_equal(total, np.full(size, clients * (clients + 1) / 2))
+    # The upload being added, one read back from disk and the block scratch: a constant
+    # number of models, not K of them (K x 4 MB = 96 MB).
+    assert peak - base <= 3 * model_bytes + (1 << 20), (peak - base) / model_bytes
+    fold.close()
+    assert not any(tmp_path.iterdir())
+
+
+def test_held_uploads_stay_within_the_hold() -> None:
+    reference = {"w": np.zeros(1000, dtype=np.float32)}
+    fold = OrderedFold(reference, range(6), hold_bytes=2 * 4000, spill_dir=None)
+    for k in (5, 4, 3, 2, 1):  # the first two fit in the hold, the rest go to disk
+        fold.add(k, {"w": np.full(1000, k, dtype=np.float32)}, 2.0)
+    assert fold.peak_held_bytes == 8000 and fold.spilled_count == 3
+    fold.add(0, {"w": np.zeros(1000, dtype=np.float32)}, 2.0)
+    assert fold.complete() and fold.held_bytes == 0
+    assert np.array_equal(fold.mean()["w"], np.full(1000, 15 * 2 / 12, dtype=np.float32))
+    assert fold.mean()["w"].dtype == np.float32
+    fold.close()
+
+
+def test_a_held_upload_is_copied_so_its_buffer_may_be_reused() -> None:
+    reference = {"w": np.zeros(4, dtype=np.float64)}
+    fold = OrderedFold(reference, [0, 1])
+    buffer = np.ones(4)
+    fold.add(1, {"w": buffer}, 1.0)
+    buffer[:] = 100.0  # a decoder reusing its buffer
+    fold.add(0, {"w": np.zeros(4)}, 1.0)
+    assert np.array_equal(fold.sums()["w"], np.ones(4))
+
+
+@pytest.mark.parametrize(
+    ("action", "message"),
+    [
+        (lambda f: f.add(7, {"w": np.zeros(3)}, 1.0), "not planned"),
+        (
+            lambda f: (f.add(1, {"w": np.zeros(3)}, 1.0), f.add(1, {"w": np.zeros(3)}, 1.0)),
+            "already",
+        ),
+        (lambda f: (f.skip(0), f.skip(0)), "already resolved"),
+        (lambda f: (f.add(1, {"w": np.zeros(3)}, 1.0), f.skip(1)), "waiting for its turn"),
+        (lambda f: f.add(0, {"w": np.zeros(4)}, 1.0), "shape"),
+        (lambda f: f.add(0, {"v": np.zeros(3)}, 1.0), "tensors"),
+        (lambda f: f.add(0, {"w": np.zeros(3)}, -1.0), "finite number >= 0"),
+        (lambda f: f.add(0, {"w": np.zeros(3)}, float("nan")), "finite number >= 0"),
+        (lambda f: (f.add(0, {"w": np.zeros(3)}, 1.0), f.sums()), r"clients \[1, 2\]"),
+    ],
+)
+def test_misuse_is_refused_with_a_reason(action, message: str) -> None:
+    fold = OrderedFold({"w": np.zeros(3)}, [0, 1, 2])
+    with pytest.raises(ProtocolError, match=message):
+        action(fold)
+
+
+def test_a_mean_of_nothing_is_refused() -> None:
+    fold = OrderedFold({"w": np.zeros(3)}, [0])
+    fold.skip(0)
+    with pytest.raises(ProtocolError, match="positive sum"):
+        fold.mean()
+
+
+def _server(sizes: tuple[int, ...] | None, weighting: str = "ShardSize") -> ModelAveragingServer:
+    initial = {"w": np.zeros((4, 3), dtype=np.float32), "b": np.zeros(3, dtype=np.float32)}
+    bounds = UploadBounds(1e6, shard_sizes=sizes)
+    return ModelAveragingServer(initial, weighting=weighting, bounds=bounds)
+
+
+def _model_uploads(rng: np.random.Generator, clients: int) -> dict[int, Payload]:
+    return {
+        k: Payload(
+            meta={"num_examples": int(rng.integers(1, 50)), "loss": float(rng.random())},
+            tensors={
+                "w": rng.standard_normal((4, 3)).astype(np.float32),
+                "b": rng.standard_normal(3).astype(np.float32),
+            },
+        )
+        for k in range(clients)
+    }
+
+
+@pytest.mark.parametrize("weighting", ["ShardSize", "Uniform"])
+def test_a_server_that_sums_on_arrival_equals_one_that_sums_at_combine(weighting: str) -> None:
+    rng = np.random.default_rng(3)
+    clients = 7
+    uploads = _model_uploads(rng, clients)
+    sizes = tuple(50 for _ in range(clients))
+    streaming, batch = _server(sizes, weighting), _server(sizes, weighting)
+    for server in (streaming, batch):
+        server.plan_round(1, list(range(clients)))
+    kept = {}
+    for k in [5, 2, 6, 0, 3]:  # 1 and 4 drop out
+        streaming.check_upload(1, k, uploads[k])
+        stand_in = streaming.take_upload(1, k, uploads[k])
+        assert stand_in is not None and not stand_in.tensors and stand_in.meta == uploads[k].meta
+        kept[k] = stand_in
+    result = streaming.combine(1, kept, [1, 4])
+    expected = batch.combine(1, {k: uploads[k] for k in kept}, [1, 4])  # the simulation's path
+    assert result == expected
+    for name, value in batch.global_weights().items():
+        assert np.array_equal(streaming.global_weights()[name], value)
+        assert streaming.global_weights()[name].dtype == np.float32
+
+
+def test_uploads_are_held_where_the_weight_needs_the_whole_round() -> None:
+    """Without shard sizes or a cap, a claim is capped at a multiple of the round's median:
+    the server keeps the uploads whole and sums them at combine."""
+    rng = np.random.default_rng(4)
+    uploads = _model_uploads(rng, 3)
+    server = _server(None)
+    server.plan_round(1, [0, 1, 2])
+    assert server.take_upload(1, 0, uploads[0]) is None
+    server.combine(1, uploads, [])
+    reference = _server(None)
+    reference.combine(1, uploads, [])  # no plan: sums afresh
+    for name, value in reference.global_weights().items():
+        assert np.array_equal(server.global_weights()[name], value)
+
+
+def test_a_redo_starts_a_fresh_sum() -> None:
+    rng = np.random.default_rng(5)
+    uploads = _model_uploads(rng, 3)
+    server = _server((50, 50, 50))
+    server.plan_round(1, [0, 1, 2])
+    server.take_upload(1, 0, uploads[0])  # attempt 1: client 0 uploads, the others fail
+    server.plan_round(1, [1, 2])  # attempt 2 asks the others again
+    kept = {k: server.take_upload(1, k, uploads[k]) for k in (1, 2)}
+    server.combine(1, {k: v for k, v in kept.items() if v is not None}, [])
+    reference = _server((50, 50, 50))
+    reference.combine(1, {k: uploads[k] for k in (1, 2)}, [])
+    for name, value in reference.global_weights().items():
+        assert np.array_equal(server.global_weights()[name], value)
+
+
+def test_dp_fedavg_keeps_its_uploads_whole() -> None:
+    initial = {"w": np.zeros(3, dtype=np.float32)}
+    server = DpFedAvgServer(
+        initial,
+        clipping_norm=1.0,
+        noise_multiplier=1.0,
+        expected_clients=2,
+        secure_noise=True,
+        seed=0,
+    )
+    server.plan_round(1, [0, 1])
+    upload = Payload(meta={"num_examples": 3}, tensors={"w": np.ones(3, dtype=np.float32)})
+    assert server.take_upload(1, 0, upload) is None
