@@ -34,7 +34,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Literal
 
-from fedcore.errors import RunAborted
+from fedcore.errors import ProtocolError, RunAborted
 from fedcore.privacy import PrivacyLedger
 from fedcore.privacy.sampling import sample_clients
 from fedcore.protocols import RoundResult, ServerProtocol
@@ -205,6 +205,40 @@ class RoundPolicy:
             reason="ClientLost",
             message=f"Round {round_} lost {lost}; protocol {name!r} cannot go on without a client.",
         )
+
+
+RunStage = Callable[[int, int, int, Mapping[int, Payload]], AttemptReport]
+"""The runtime's stage of an attempt: ``(round, attempt, stage from 0, each client's
+instruction)`` to the responses that came back and who failed."""
+
+
+def play_stages(
+    server: ServerProtocol,
+    round_: int,
+    attempt: int,
+    plans: Mapping[int, Payload],
+    run_stage: RunStage,
+) -> AttemptReport:
+    """Plays an attempt's stages: stage 0 from ``plans``, then each that the protocol's
+    ``next_stage`` asks (one stage for most protocols). Returns the last stage's responses as
+    the uploads and every stage's failures; a protocol that cannot go on (``ProtocolError``
+    from ``next_stage``) fails the attempt: no uploads, and each client still in it failed
+    with the reason, so the policy redoes or aborts the round."""
+    failed: dict[int, str] = {}
+    stage = 0
+    while True:
+        report = run_stage(round_, attempt, stage, plans)
+        failed.update(report.failed)
+        try:
+            following = server.next_stage(round_, stage, report.uploads, report.failures)
+        except ProtocolError as exc:
+            why = f"stage {stage} failed: {exc}"
+            failed.update(dict.fromkeys(report.uploads, why))
+            return AttemptReport({}, failed)
+        if following is None:
+            return AttemptReport(report.uploads, failed)
+        plans = following
+        stage += 1
 
 
 RunAttempt = Callable[[int, int, Mapping[int, Payload]], AttemptReport]

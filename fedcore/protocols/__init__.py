@@ -20,6 +20,7 @@ from fedcore.protocols.fedsgd import FedSgd
 from fedcore.protocols.lppa.protocol import Lppa
 from fedcore.protocols.mpdp.protocol import Mpdp
 from fedcore.protocols.perturb.protocol import Perturb
+from fedcore.protocols.secagg.protocol import SecAgg
 
 register_protocol(FedAvg.name, FedAvg)
 register_protocol(FedSgd.name, FedSgd)
@@ -29,6 +30,7 @@ register_protocol(DpFedAvg.name, DpFedAvg)
 register_protocol(Ebscfl.name, Ebscfl)
 register_protocol(Lppa.name, Lppa)
 register_protocol(Adaptive.name, Adaptive)
+register_protocol(SecAgg.name, SecAgg)
 
 __all__ = [
     "Adaptive",
@@ -46,6 +48,7 @@ __all__ = [
     "Perturb",
     "Protocol",
     "RoundResult",
+    "SecAgg",
     "ServerProtocol",
     "Weights",
     "create_protocol",

@@ -16,7 +16,7 @@ import numpy as np
 
 from fedcore.errors import ProtocolError
 from fedcore.spec import FederatedRunSpec, ProtocolFacts
-from fedcore.transport import Identity, Payload
+from fedcore.transport import Identity, Payload, TlsBundle
 
 if TYPE_CHECKING:
     from fedcore.learning.training import LocalLearner
@@ -71,6 +71,33 @@ class ServerProtocol(ABC):
             ProtocolError: the upload is malformed (wrong tensors, shapes, counts, values);
                 the role refuses it and counts the client as failed for the round.
         """
+
+    def next_stage(
+        self, round: int, stage: int, responses: Mapping[int, Payload], failures: Sequence[int]
+    ) -> Mapping[int, Payload] | None:
+        """After a stage of an attempt settled, says what the next stage asks (multi-stage
+        protocols such as secure aggregation); None (the default): the attempt is over.
+
+        Stage 0's instructions come from ``plan_round`` and its responses are the clients'
+        uploads; a later stage's responses come from ``ClientProtocol.respond``. Each
+        response is checked with ``check_upload`` as it arrives (the protocol knows which
+        stage it is in). The attempt's report then holds the last stage's responses as its
+        uploads and every stage's failures.
+
+        Args:
+            round: the round number, from 1.
+            stage: the stage that settled, from 0.
+            responses: the accepted responses of that stage, by client index.
+            failures: the clients asked in that stage that did not respond.
+
+        Returns:
+            An instruction per client index for stage ``stage + 1``, or None.
+
+        Raises:
+            ProtocolError: the attempt cannot go on (e.g. fewer survivors than a threshold);
+                nothing of it is combined, and the round policy redoes or aborts the round.
+        """
+        return None
 
     def take_upload(self, round: int, client: int, upload: Payload) -> Payload | None:
         """Optionally consumes a checked, accepted upload as it arrives (e.g. adds it into a
@@ -163,6 +190,13 @@ class ClientProtocol(ABC):
             kdc: the channel to the KDC, or None for protocols without one.
         """
 
+    needs_identity = False
+    """Whether the protocol signs with the client's TLS identity (``set_identity``)."""
+
+    def set_identity(self, tls: TlsBundle) -> None:  # noqa: B027 - an optional hook
+        """Called before the first task (and after a certificate renewal) with this client's
+        TLS bundle, for protocols that sign what they send (``needs_identity``)."""
+
     def reusable_keys(self, round: int, instruction: Payload) -> Payload | None:
         """Key material from an earlier round that still serves this one, or None to fetch.
 
@@ -181,6 +215,18 @@ class ClientProtocol(ABC):
         round's critical path. The default does nothing. Whatever is prepared must equal what
         ``compute_upload`` would compute itself, so a result never depends on this call.
         """
+
+    def respond(self, round: int, stage: int, instruction: Payload) -> Payload:
+        """Answers a later stage (``stage`` >= 1) of a multi-stage protocol's attempt.
+
+        Raises:
+            ProtocolError: the instruction is malformed, or asks what an honest client must
+                refuse (the client then leaves the attempt); the default: this protocol has
+                one stage.
+        """
+        raise ProtocolError(
+            f"This protocol has one stage per round; the server asked for stage {stage}."
+        )
 
     @abstractmethod
     def compute_upload(

@@ -6,6 +6,10 @@ and waits while ``path`` exists (at most ``HOLD_LIMIT_SECONDS``). A test does th
 fall between rounds ``r`` and ``r + 1`` (kill a client or the KDC, and wait until it is gone),
 then removes the file: what follows no longer races the end of the run. Without both variables
 it does nothing. Only whoever starts the server sets its environment.
+
+``FEDCORE_TEST_HOLD_AFTER_ROUND=r.s`` holds instead once stage ``s`` of round ``r``'s attempt
+has settled (multi-stage protocols), before the next stage is asked: a test can then drop a
+client between two stages.
 """
 
 from __future__ import annotations
@@ -46,20 +50,40 @@ class HoldPoint:
         self._events = events
         self.round: int | None = None
         self.path: Path | None = None
+        self.stage: int | None = None
         if round_text and path:
-            if not round_text.isdigit() or int(round_text) < 1:
+            round_part, _, stage_part = round_text.partition(".")
+            if (
+                not round_part.isdigit()
+                or int(round_part) < 1
+                or (stage_part and not stage_part.isdigit())
+            ):
                 raise RunAborted(
-                    f"{ROUND_VARIABLE}={round_text!r} is not a round number (1 or more).",
+                    f"{ROUND_VARIABLE}={round_text!r} is not a round number (1 or more), or a "
+                    f"round and a stage (r.s).",
                     reason="InvalidEnvironment",
                 )
-            self.round, self.path = int(round_text), Path(path)
+            self.round, self.path = int(round_part), Path(path)
+            self.stage = int(stage_part) if stage_part else None
 
     def after_round(self, round_: int) -> None:
         """Waits while the hold file exists, if ``round_`` is the round to hold after."""
-        if self.path is None or round_ != self.round:
+        if self.path is None or round_ != self.round or self.stage is not None:
             return
         self._events.emit("held", round=round_)
         log.info("Held after round %d while %s exists (%s).", round_, self.path, ROUND_VARIABLE)
+        self._wait()
+
+    def after_stage(self, round_: int, stage: int) -> None:
+        """Waits while the hold file exists, if this is the stage of the round to hold after."""
+        if self.path is None or round_ != self.round or stage != self.stage:
+            return
+        self._events.emit("held", round=round_, stage=stage)
+        log.info("Held after round %d stage %d while %s exists.", round_, stage, self.path)
+        self._wait()
+
+    def _wait(self) -> None:
+        assert self.path is not None
         deadline = time.monotonic() + HOLD_LIMIT_SECONDS
         while self.path.exists() and time.monotonic() < deadline:
             time.sleep(POLL_SECONDS)

@@ -11,7 +11,7 @@ from contextlib import AbstractContextManager
 from pathlib import Path
 from typing import Any
 
-from fedcore.errors import FedcoreError
+from fedcore.errors import FedcoreError, MessageRejected, ProtocolError
 from fedcore.learning.data import client_dataset, client_test_dataset
 from fedcore.learning.evaluation import (
     answer_meta,
@@ -208,6 +208,7 @@ class Client:
         if self.kdc is not None:
             self.kdc.close()
         self.tls = fresh
+        self.protocol.set_identity(fresh)
         self.kdc = self._connect(fresh)
         return True
 
@@ -229,6 +230,7 @@ class Client:
         """
         self.metrics.serve(self.config.metrics_port, self.config.metrics_address)
         self.protocol.setup(None if self.kdc is None else RpcKeyChannel(lambda: self.kdc))
+        self.protocol.set_identity(self.tls)
         if self.duties is not None:
             self.duties.start()
         jitter = random.Random()  # seeded from the OS once: a seed costs a read of urandom
@@ -274,6 +276,9 @@ class Client:
                             )
                             await session.finish(GOODBYE_SECONDS)  # the server hears it first
                             raise refused
+                        elif kind == "task" and message.meta.get("stage"):
+                            last = (int(message.meta["round"]), int(message.meta["attempt"]))
+                            await session.send(self._stage_response(last, message))
                         elif kind == "task" and is_evaluation(
                             message.meta.get("instruction") or {}
                         ):
@@ -373,6 +378,29 @@ class Client:
         if description is not None:
             meta[COMPRESSION_KEY] = description
         return Payload(meta=meta, tensors=tensors)
+
+    def _stage_response(self, task_id: tuple[int, int], task: Payload) -> Payload:
+        """Answers a later stage of a multi-stage protocol's attempt. What the protocol
+        refuses to answer (a hostile or broken server's request) is declined, with the
+        reason, and logged; the client stays in the run."""
+        round_, attempt = task_id
+        stage = task.meta.get("stage")
+        if isinstance(stage, bool) or not isinstance(stage, int) or stage < 1:
+            raise MessageRejected(f"A task names stage {stage!r}; a stage is an integer >= 1.")
+        try:
+            with self.compute_lock:
+                response = self.protocol.respond(round_, stage, self._instruction(task))
+        except ProtocolError as exc:
+            log.error("Declined stage %d of round %d: %s", stage, round_, exc)
+            response = Payload(meta={"declined": str(exc)[:1000]})
+        meta = {
+            "kind": "upload",
+            "round": round_,
+            "attempt": attempt,
+            "stage": stage,
+            "upload": response.meta,
+        }
+        return Payload(meta=meta, tensors=response.tensors)
 
     def _evaluation(self, task_id: tuple[int, int], task: Payload) -> Payload:
         """Scores the models the server sent on this client's held-out examples; answers

@@ -68,7 +68,7 @@ from fedcore.roles._common import (
 from fedcore.roles._history import StoreHistory
 from fedcore.roles._hold import HoldPoint
 from fedcore.roles.client import RpcKeyChannel
-from fedcore.rounds import AttemptReport, RoundPolicy, play_round
+from fedcore.rounds import AttemptReport, RoundPolicy, play_round, play_stages
 from fedcore.spec import FederatedRun, protocol_facts, spec_digest
 from fedcore.transport import (
     Identity,
@@ -101,6 +101,8 @@ class Attempt:
     round: int
     attempt: int
     plans: Mapping[int, Payload]
+    stage: int = 0
+    """The stage of the attempt (multi-stage protocols; 0 for the others)."""
     uploads: dict[int, Payload] = field(default_factory=dict)
     failed: dict[int, str] = field(default_factory=dict)
     delivered: dict[int, ServerSession] = field(default_factory=dict)
@@ -143,6 +145,8 @@ class Attempt:
                 "instruction": plan.meta,
                 "specDigest": self.spec_digest,
             }
+            if self.stage:
+                meta["stage"] = self.stage
             tensors = plan.tensors
             if self.compress is not None:
                 tensors, description = self.compress(plan.tensors)
@@ -400,10 +404,10 @@ class Server:
         returns accepted, duplicate, stale, rejected or revoked."""
         board = self.board
         upload = Payload(meta=dict(message.meta.get("upload") or {}), tensors=message.tensors)
-        key = (message.meta.get("round"), message.meta.get("attempt"))
+        key = (message.meta.get("round"), message.meta.get("attempt"), message.meta.get("stage", 0))
         with board.cond:
             attempt = board.current
-            if attempt is None or (attempt.round, attempt.attempt) != key:
+            if attempt is None or (attempt.round, attempt.attempt, attempt.stage) != key:
                 self.metrics.rejected("stale", sender=f"client-{index}")
                 return "stale"
             if index in attempt.uploads:
@@ -655,21 +659,37 @@ class Server:
         timeout = self.spec.failure_policy.round_timeout_seconds
         times = {"opened": 0.0, "settled": 0.0}
 
-        def run_attempt(round_: int, number: int, plans: Mapping[int, Payload]) -> AttemptReport:
-            if number > 1:
+        def run_stage(
+            round_: int, number: int, stage: int, plans: Mapping[int, Payload]
+        ) -> AttemptReport:
+            if number > 1 and stage == 0:
                 self.metrics.redone_rounds.inc()
+            # A later stage carries a protocol's own messages: exact, never compressed.
+            compress = (
+                functools.partial(
+                    compress_tensors, self.spec, "broadcasts", round=round_, attempt=number
+                )
+                if stage == 0
+                else None
+            )
             # A redo exists to reach the quorum: it waits for dropped clients to reconnect.
-            compress = functools.partial(
-                compress_tensors, self.spec, "broadcasts", round=round_, attempt=number
-            )
             self.board.open_attempt(
-                Attempt(round_, number, plans, spec_digest=self.spec_digest, compress=compress),
-                wait_for_absent=number > 1,
+                Attempt(
+                    round_,
+                    number,
+                    plans,
+                    stage=stage,
+                    spec_digest=self.spec_digest,
+                    compress=compress,
+                ),
+                wait_for_absent=number > 1 and stage == 0,
             )
-            times["opened"] = time.monotonic()
+            opened = time.monotonic()
+            if stage == 0:
+                times["opened"] = opened
             attempt = self.without_revoked(
                 self.board.wait_settled(
-                    times["opened"] + timeout, stop_on_failure=self.round_policy.stop_on_failure
+                    opened + timeout, stop_on_failure=self.round_policy.stop_on_failure
                 )
             )
             times["settled"] = time.monotonic()
@@ -677,13 +697,18 @@ class Server:
             if report.failed:
                 self.metrics.dropouts.inc(len(report.failed))
                 log.warning(
-                    "Round %d attempt %d: clients %s failed (%s).",
+                    "Round %d attempt %d%s: clients %s failed (%s).",
                     round_,
                     number,
+                    f" stage {stage}" if stage else "",
                     report.failures,
                     ", ".join(sorted(set(report.failed.values()))),
                 )
+            self.hold.after_stage(round_, stage)
             return report
+
+        def run_attempt(round_: int, number: int, plans: Mapping[int, Payload]) -> AttemptReport:
+            return play_stages(self.protocol, round_, number, plans, run_stage)
 
         outcome = play_round(round_, self.round_policy, self.protocol, run_attempt, self.privacy)
         result = outcome.result

@@ -13,7 +13,7 @@ counts use it.
 from __future__ import annotations
 
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -40,9 +40,9 @@ from fedcore.protocols import (
     create_protocol,
 )
 from fedcore.protocols._compressed import round_trip
-from fedcore.rounds import AttemptReport, RoundPolicy, play_round
+from fedcore.rounds import AttemptReport, RoundPolicy, play_round, play_stages
 from fedcore.spec import FederatedRun, FederatedRunSpec
-from fedcore.transport import Identity, Payload
+from fedcore.transport import Identity, Payload, issue_run_bundles
 
 
 @dataclass
@@ -91,6 +91,12 @@ class Observer:
     def on_upload(self, round: int, client: int, upload: Payload) -> None:
         """``client`` uploaded ``upload`` (what the server receives)."""
 
+    def on_stage(
+        self, round: int, stage: int, client: int, instruction: Payload, response: Payload
+    ) -> None:
+        """A later stage of a multi-stage protocol: the server sent ``client`` ``instruction``
+        and received ``response``."""
+
     def on_round_end(self, round: int, result: RoundResult | None, weights: Weights) -> None:
         """The server combined the round; ``weights`` is its global model after it."""
 
@@ -123,15 +129,19 @@ def simulate(
     rounds: int | None = None,
     observer: Observer | None = None,
     threads: int = ROLE_THREADS,
+    drops: Mapping[tuple[int, int], Collection[int]] | None = None,
 ) -> SimulationResult:
     """Runs ``run`` (or its first ``rounds`` rounds) in this process and returns the result.
 
     ``observer``, if given, is shown every instruction, key issue and upload as it happens.
     The maths runs at ``threads`` torch and BLAS threads (restored afterwards): at the role
     processes' count, the result equals ``fedcore run``'s bit for bit (``fedcore.local.threads``).
+    ``drops`` makes clients drop out: ``{(round, stage): clients}``, each of them fails that
+    stage of the round's first attempt (``disconnected``), as a client killed between two
+    stages does.
     """
     with threads_limited(threads):
-        return _simulate(run, rounds=rounds, observer=observer)
+        return _simulate(run, rounds=rounds, observer=observer, drops=drops or {})
 
 
 def federated_evaluation(spec: FederatedRunSpec, models: list[Weights]) -> EvalCounts:
@@ -155,7 +165,11 @@ def federated_evaluation(spec: FederatedRunSpec, models: list[Weights]) -> EvalC
 
 
 def _simulate(
-    run: FederatedRun, *, rounds: int | None, observer: Observer | None
+    run: FederatedRun,
+    *,
+    rounds: int | None,
+    observer: Observer | None,
+    drops: Mapping[tuple[int, int], Collection[int]],
 ) -> SimulationResult:
     spec = run.spec
     protocol = create_protocol(spec.protocol.name)
@@ -196,6 +210,11 @@ def _simulate(
         clients[index].setup(
             None if kdc is None else LocalKeyChannel(kdc, Identity("client", index), observer)
         )
+    if any(client.needs_identity for client in clients.values()):
+        # Protocols that sign what they send get identities of an in-memory CA, as the roles'.
+        _, bundles = issue_run_bundles("simulation", num_clients=spec.clients.count)
+        for index, client in clients.items():
+            client.set_identity(bundles[Identity("client", index).common_name])
     learners: dict[int, LocalLearner] = {}
 
     def learner(index: int) -> LocalLearner:
@@ -211,11 +230,45 @@ def _simulate(
 
     compression = spec.transport.compression
 
+    def run_stage(
+        round_: int, number: int, stage: int, plans: Mapping[int, Payload]
+    ) -> AttemptReport:
+        dropped = set(drops.get((round_, stage), ())) if number == 1 else set()
+        if stage == 0:
+            return run_first_stage(round_, number, plans, dropped)
+        responses: dict[int, Payload] = {}
+        failed: dict[int, str] = {}
+        for index, instruction in plans.items():
+            if index in dropped:
+                failed[index] = "disconnected"
+                continue
+            try:
+                response = clients[index].respond(round_, stage, instruction)
+            except ProtocolError as exc:  # as the client role declines
+                response = Payload(meta={"declined": str(exc)[:1000]})
+            if observer is not None:
+                observer.on_stage(round_, stage, index, instruction, response)
+            try:
+                server.check_upload(round_, index, response)
+            except ProtocolError:
+                failed[index] = "rejected"
+                continue
+            responses[index] = response
+        return AttemptReport(responses, failed)
+
     def run_attempt(round_: int, number: int, plans: Mapping[int, Payload]) -> AttemptReport:
+        return play_stages(server, round_, number, plans, run_stage)
+
+    def run_first_stage(
+        round_: int, number: int, plans: Mapping[int, Payload], dropped: set[int]
+    ) -> AttemptReport:
         uploads: dict[int, Payload] = {}
         failed: dict[int, str] = {}
         received: dict[int, Payload] = {}  # each plan as its clients get it, made once
         for index, plan in plans.items():
+            if index in dropped:
+                failed[index] = "disconnected"
+                continue
             instruction = plan
             if compression.broadcasts != "None":
                 instruction = received.get(id(plan)) or Payload(

@@ -141,6 +141,19 @@ PROTOCOL_FACTS: dict[str, ProtocolFacts] = {
             exact_because="the encodings are decoded by exact linear algebra on the server",
         ),
         ProtocolFacts(
+            name="secagg",
+            needs_kdc=False,
+            decentralized=False,
+            claims_dp=False,
+            dropout_policy="Skip",
+            summary="SecAgg+ (Bell et al. 2020): clients mask their quantized updates with "
+            "pairwise and self masks whose seeds are Shamir-shared on a sparse graph; the "
+            "server learns only the sum of the survivors' updates, whoever drops out.",
+            secure_aggregation=True,
+            compressible=(),
+            exact_because="the masks cancel in the sum only when every masked input is exact",
+        ),
+        ProtocolFacts(
             name="fedsgd",
             needs_kdc=False,
             decentralized=False,

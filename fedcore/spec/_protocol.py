@@ -16,10 +16,11 @@ from fedcore.spec._options import (
     LppaOptions,
     MpdpOptions,
     PerturbOptions,
+    SecAggOptions,
 )
 
 ProtocolName = Literal[
-    "fedavg", "fedsgd", "dp-fedavg", "perturb", "mpdp", "lppa", "adaptive", "ebscfl"
+    "fedavg", "fedsgd", "dp-fedavg", "perturb", "mpdp", "lppa", "adaptive", "ebscfl", "secagg"
 ]
 
 
@@ -34,7 +35,8 @@ class ProtocolSpec(SpecModel):
         "noise on the clients (seed 000). lppa: gradient tracking over a peer graph with "
         "zero-sum noise; no server sees model data (seed 002). adaptive: each client's learned "
         "distortion under a privacy budget (seed 003). ebscfl: secure clustered FL with a KDC "
-        "and Byzantine filtering (seed 004). Required."
+        "and Byzantine filtering (seed 004). secagg: SecAgg+ secure aggregation, robust to clients "
+        "dropping out; the server learns only the sum of the survivors' updates. Required."
     )
     fedavg: FedAvgOptions = Field(
         default_factory=FedAvgOptions,
@@ -69,6 +71,19 @@ class ProtocolSpec(SpecModel):
         description="ebscfl holds the options of the ebscfl protocol; ignored for others.",
     )
 
+    secagg: SecAggOptions | None = Field(
+        None,
+        description="secagg holds the options of the secagg protocol (defaults when unset); "
+        "ignored for others.",
+    )
+
     def options(self) -> SpecModel:
         """Returns the options block of the chosen protocol."""
+        if self.name == "secagg":
+            return self.secagg_options()
         return getattr(self, self.name.replace("-", "_"))  # type: ignore[no-any-return]
+
+    def secagg_options(self) -> SecAggOptions:
+        """spec.protocol.secagg, or its defaults (unset: it stays out of the spec's digest,
+        which the sites of runs from before it approved)."""
+        return self.secagg or SecAggOptions()

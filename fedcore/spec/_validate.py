@@ -28,6 +28,7 @@ from fedcore.spec._openapi import _model_of, describe_bounds, schema_at
 from fedcore.spec._options.adaptive import adaptive_issues
 from fedcore.spec._options.ebscfl import ebscfl_issues
 from fedcore.spec._options.lppa import lppa_issues
+from fedcore.spec._options.secagg import secagg_issues
 from fedcore.spec._pod_security import pod_template_issues
 from fedcore.spec._robust import attack_issues
 from fedcore.spec._run import MAX_OBJECT_NAME, FederatedRun, FederatedRunSpec, longest_object_name
@@ -571,6 +572,8 @@ def _precondition_issues(run: FederatedRun) -> list[SpecIssue]:
         issues.extend(adaptive_issues(spec.protocol.adaptive, spec.training.optimizer))
     if spec.protocol.name == "ebscfl":
         issues.extend(ebscfl_issues(spec.protocol.ebscfl, spec.clients))
+    if spec.protocol.name == "secagg":
+        issues.extend(secagg_issues(spec.protocol.secagg_options(), spec.clients))
     issues.extend(
         attack_issues(spec.attack, spec.protocol.name, spec.protocol.fedavg, spec.clients)
     )

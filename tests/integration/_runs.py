@@ -85,7 +85,8 @@ class ServerHold:
     ``held`` event, act, then ``release()``.
     """
 
-    def __init__(self, monkeypatch: pytest.MonkeyPatch, folder: Path, round_: int) -> None:
+    def __init__(self, monkeypatch: pytest.MonkeyPatch, folder: Path, round_: int | str) -> None:
+        """``round_``: a round, or ``"r.s"`` to hold after stage s of round r."""
         self.path = folder / f"hold-after-{round_}"
         self.path.touch()
         monkeypatch.setenv(ROUND_VARIABLE, str(round_))

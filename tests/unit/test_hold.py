@@ -55,7 +55,7 @@ def test_it_holds_only_after_its_round_and_until_the_file_is_gone(tmp_path: Path
     assert not flag.exists()
 
 
-@pytest.mark.parametrize("value", ["one", "0", "-1", "1.5"])
+@pytest.mark.parametrize("value", ["one", "0", "-1", "1.x", "0.1", "1.-1"])
 def test_a_round_that_is_not_a_round_number_is_a_named_error(tmp_path: Path, value: str) -> None:
     with pytest.raises(RunAborted, match=f"{ROUND_VARIABLE}='{value}' is not a round number"):
         HoldPoint(EventLog(None), {ROUND_VARIABLE: value, FILE_VARIABLE: str(tmp_path / "h")})

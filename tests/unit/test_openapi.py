@@ -280,7 +280,7 @@ def test_schema_at_follows_properties_items_and_maps() -> None:
         (
             ["spec", "protocol", "name"],
             "one of `fedavg`, `fedsgd`, `dp-fedavg`, `perturb`, `mpdp`, `lppa`, `adaptive`, "
-            "`ebscfl`",
+            "`ebscfl`, `secagg`",
         ),
         (["spec", "model", "channels"], "1 to 8 items; each item 1 to 4096"),
         (["spec", "data", "partition", "alpha"], "more than 0 and at most 1000000"),

@@ -322,8 +322,16 @@ def test_the_floor_allows(floor: dict[str, Any]) -> None:
     floor_check(_floor(**floor), _run(), site="north")
 
 
-def test_no_protocol_provides_secure_aggregation_yet() -> None:
-    assert not any(facts.secure_aggregation for facts in PROTOCOL_FACTS.values())
+def test_secagg_is_the_protocol_that_provides_secure_aggregation() -> None:
+    assert [f.name for f in PROTOCOL_FACTS.values() if f.secure_aggregation] == ["secagg"]
+
+
+def test_a_floor_that_requires_secure_aggregation_admits_secagg() -> None:
+    floor_check(
+        _floor(secureAggregation=True, protocols=["secagg"]),
+        _run({("spec", "protocol"): {"name": "secagg"}, ("spec", "privacy"): DELETE}),
+        site="north",
+    )
 
 
 def test_the_planned_epsilon_is_the_ledger_s() -> None:

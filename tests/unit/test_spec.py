@@ -278,6 +278,44 @@ INVALID = [
         "expected true or false",
     ),
     _case(
+        "secagg-rates-no-graph-serves",
+        {
+            ("spec", "protocol"): {
+                "name": "secagg",
+                "secagg": {"dropoutRate": 0.4, "corruptRate": 0.3},
+            }
+        },
+        "spec.protocol.secagg.dropoutRate",
+        "2 * dropout + corrupt < 1",
+    ),
+    _case(
+        "secagg-too-few-clients-for-the-bounds",
+        {
+            ("spec", "protocol"): {
+                "name": "secagg",
+                "secagg": {"dropoutRate": 0.3, "corruptRate": 0.3},
+            },
+            ("spec", "clients", "count"): 4,
+        },
+        "spec.protocol.secagg.dropoutRate",
+        "too small",
+    ),
+    _case(
+        "secagg-compressed-uploads",
+        {
+            ("spec", "protocol"): {"name": "secagg"},
+            ("spec", "transport"): {"compression": {"uploads": "Int8"}},
+        },
+        "spec.transport.compression.uploads",
+        "masks cancel in the sum only when every masked input is exact",
+    ),
+    _case(
+        "secagg-dropout-rate-out-of-range",
+        {("spec", "protocol"): {"name": "secagg", "secagg": {"dropoutRate": 0.5}}},
+        "spec.protocol.secagg.dropoutRate",
+        "less than 0.5",
+    ),
+    _case(
         "checkpoint-every-negative",
         {("spec", "checkpoint", "everyRounds"): -1},
         "spec.checkpoint.everyRounds",

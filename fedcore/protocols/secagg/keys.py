@@ -19,6 +19,7 @@ from __future__ import annotations
 import datetime
 import hashlib
 import os
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from cryptography import x509
@@ -379,6 +380,73 @@ def verify_round_keys(
     Raises:
         ProtocolError: any check fails; the message names the client.
     """
+    certificate = _checked_certificate(cert_pem, ca_pem, client, now)
+    who = f"client {client}"
+    try:
+        named = _statement_client(statement)
+    except ProtocolError as exc:
+        raise ProtocolError(f"The round-key statement of {who} is malformed.") from exc
+    if named != client:
+        raise ProtocolError(f"The round-key statement checked for {who} names client {named}.")
+    _verify_under(certificate, who, statement, signature)
+
+
+def survivors_statement(run: str, round: int, survivors: Sequence[int]) -> bytes:
+    """The bytes a client signs in the consistency stage: the label, ``survivors``, run,
+    round and the survivor list, framed as ``round_key_statement`` frames its fields."""
+    _check_context(run, round)
+    for client in survivors:
+        _check_index(client, "survivor")
+    return _frame(PROTOCOL_LABEL, "survivors", run, round, *survivors)
+
+
+def verify_signed(
+    cert_pem: bytes,
+    ca_pem: bytes,
+    client: int,
+    statement: bytes,
+    signature: bytes,
+    *,
+    now: datetime.datetime | None = None,
+) -> None:
+    """Checks ``client``'s signature over any statement (e.g. ``survivors_statement``): the
+    certificate checks of ``verify_round_keys``, without its statement's format.
+
+    Raises:
+        ProtocolError: any check fails; the message names the client.
+    """
+    certificate = _checked_certificate(cert_pem, ca_pem, client, now)
+    _verify_under(certificate, f"client {client}", statement, signature)
+
+
+def _verify_under(
+    certificate: x509.Certificate, who: str, statement: bytes, signature: bytes
+) -> None:
+    """Verifies ``signature`` over ``statement`` under the certificate's public key."""
+    if not isinstance(signature, bytes):
+        raise ProtocolError(f"The round-key signature of {who} is not bytes.")
+    public = certificate.public_key()
+    try:
+        if isinstance(public, ec.EllipticCurvePublicKey):
+            public.verify(signature, statement, ec.ECDSA(hashes.SHA256()))
+        elif isinstance(public, ed25519.Ed25519PublicKey):
+            public.verify(signature, statement)
+        else:
+            raise ProtocolError(
+                f"The certificate of {who} holds a {type(public).__name__}, not an EC or "
+                "Ed25519 key."
+            )
+    except InvalidSignature as exc:
+        raise ProtocolError(
+            f"The round-key signature of {who} does not verify under its certificate."
+        ) from exc
+
+
+def _checked_certificate(
+    cert_pem: bytes, ca_pem: bytes, client: int, now: datetime.datetime | None
+) -> x509.Certificate:
+    """The client's certificate, once checked against the CA, its validity, its name and
+    its key usage (``verify_round_keys``'s contract)."""
     _check_index(client, "client")
     who = f"client {client}"
     try:
@@ -416,26 +484,4 @@ def verify_round_keys(
             raise ProtocolError(f"The certificate of {who} does not allow signatures.")
     except x509.ExtensionNotFound:
         pass
-    try:
-        named = _statement_client(statement)
-    except ProtocolError as exc:
-        raise ProtocolError(f"The round-key statement of {who} is malformed.") from exc
-    if named != client:
-        raise ProtocolError(f"The round-key statement checked for {who} names client {named}.")
-    if not isinstance(signature, bytes):
-        raise ProtocolError(f"The round-key signature of {who} is not bytes.")
-    public = certificate.public_key()
-    try:
-        if isinstance(public, ec.EllipticCurvePublicKey):
-            public.verify(signature, statement, ec.ECDSA(hashes.SHA256()))
-        elif isinstance(public, ed25519.Ed25519PublicKey):
-            public.verify(signature, statement)
-        else:
-            raise ProtocolError(
-                f"The certificate of {who} holds a {type(public).__name__}, not an EC or "
-                "Ed25519 key."
-            )
-    except InvalidSignature as exc:
-        raise ProtocolError(
-            f"The round-key signature of {who} does not verify under its certificate."
-        ) from exc
+    return certificate

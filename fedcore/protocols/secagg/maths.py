@@ -22,7 +22,6 @@ import math
 import secrets
 from collections.abc import Collection, Iterator, Mapping, Sequence
 from dataclasses import dataclass
-from fractions import Fraction
 from typing import Any
 
 import numpy as np
@@ -32,6 +31,12 @@ from cryptography.hazmat.primitives.kdf.hkdf import HKDF
 
 from fedcore.errors import ProtocolError
 from fedcore.protocols.mpdp.keys import keystream, keystreams
+from fedcore.spec._options.secagg import (  # re-exported: the protocol's parameter maths
+    choose_parameters as choose_parameters,
+)
+from fedcore.spec._options.secagg import (
+    failure_probabilities as failure_probabilities,
+)
 
 PROTOCOL_LABEL = "fedcore/secagg/v1"
 """Domain separation of every derivation in SecAgg+ (this module and ``keys``)."""
@@ -315,172 +320,6 @@ def needed_edges(
     """
     gone = set(dropped)
     return {(u, d) for u in survivors for d in graph.get(u, ()) if d in gone}
-
-
-# ------------------------------------------------------------------------------ parameters
-
-
-def failure_probabilities(
-    n: int, degree: int, threshold: int, dropped: int, corrupt: int
-) -> tuple[float, float]:
-    """Union bounds on SecAgg+'s correctness and security failures, computed exactly.
-
-    With the sharing graph drawn from a uniformly random permutation (``sharing_graph``), one
-    node's neighbours are a uniformly random ``k``-subset of the other n - 1 nodes
-    (k = min(degree, n - 1)), independent of which nodes drop or are corrupt when those are
-    fixed before the seed is known. So its count X of neighbours among K marked others is
-    hypergeometric: P[X = x] = C(K, x) C(n - 1 - K, k - x) / C(n - 1, k), summed here in exact
-    integers.
-
-    Correctness fails when some node has fewer than t surviving neighbours (its self seed or
-    mask key cannot be rebuilt): X > k - t with K = dropped for the n - dropped survivors and
-    K = dropped - 1 for the dropped nodes; the bound is the sum over all n nodes.
-
-    Security fails for an honest node when its c corrupt neighbours plus the honest ones the
-    server can play off against each other reach the threshold for both its secrets: the
-    server, lying about who dropped, asks disjoint honest sets A and B for the self-seed and
-    the mask-key shares, so it needs |A| + c >= t and |B| + c >= t with |A| + |B| <= k - c,
-    i.e. k + c >= 2t (which c >= t, the corrupt reconstructing alone, implies). With
-    K = corrupt the bound is the sum over the n - corrupt honest nodes.
-
-    Args:
-        n: the number of clients on the graph, at least 2.
-        degree: the graph's degree (even, or at least n - 1 for the complete graph).
-        threshold: the Shamir threshold t, 1 to min(degree, n - 1).
-        dropped: how many clients drop out in the round, 0 to n.
-        corrupt: how many clients the adversary controls, 0 to n.
-
-    Returns:
-        (correctness failure, security failure), each a union bound capped at 1.
-
-    Raises:
-        ProtocolError: an argument is out of range.
-    """
-    k = _check_graph_parameters(n, degree)
-    if isinstance(threshold, bool) or not isinstance(threshold, int) or not 1 <= threshold <= k:
-        raise ProtocolError(f"The threshold lies in 1 to {k}, not {threshold!r}.")
-    for name, value in (("dropped", dropped), ("corrupt", corrupt)):
-        if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= n:
-            raise ProtocolError(f"The {name} count lies in 0 to n = {n}, not {value!r}.")
-    total = math.comb(n - 1, k)
-    correctness = Fraction(_correctness_failures(n, k, threshold, dropped), total)
-    security = Fraction(_security_failures(n, k, threshold, corrupt), total)
-    return float(min(correctness, Fraction(1))), float(min(security, Fraction(1)))
-
-
-def choose_parameters(
-    n: int,
-    dropout_rate: float,
-    corrupt_rate: float,
-    security_bits: int = 40,
-    correctness_bits: int = 20,
-) -> tuple[int, int]:
-    """The least (degree, threshold) meeting the run's bounds for ``n`` clients.
-
-    ``floor(dropout_rate * n)`` clients drop and ``floor(corrupt_rate * n)`` are corrupt (the
-    rates read as the decimals they print as). Degrees 2, 4, ... below n - 1 are tried in turn,
-    then the complete graph; for each, the least threshold whose security failure
-    (``failure_probabilities``) is at most 2^-security_bits, which is also the threshold with
-    the least correctness failure, and it is kept when that is at most 2^-correctness_bits. So
-    the answer is the least degree that works, with its least secure threshold.
-
-    Raises:
-        ProtocolError: a rate is outside [0, 1), 2 dropout_rate + corrupt_rate >= 1 (then no
-            graph works for any n), the bits are negative, or n is too small for these rates
-            and bounds (not even the complete graph meets them).
-    """
-    if isinstance(n, bool) or not isinstance(n, int) or n < 2:
-        raise ProtocolError(f"SecAgg+ needs 2 clients or more, not {n!r}.")
-    rates = {}
-    for name, rate in (("dropout", dropout_rate), ("corrupt", corrupt_rate)):
-        if isinstance(rate, bool) or not isinstance(rate, int | float) or not 0 <= rate < 1:
-            raise ProtocolError(f"The {name} rate lies in [0, 1), not {rate!r}.")
-        rates[name] = Fraction(str(float(rate)))
-    for name, bits in (("security", security_bits), ("correctness", correctness_bits)):
-        if isinstance(bits, bool) or not isinstance(bits, int) or bits < 0:
-            raise ProtocolError(f"The {name} bits are a non-negative integer, not {bits!r}.")
-    if 2 * rates["dropout"] + rates["corrupt"] >= 1:
-        raise ProtocolError(
-            f"A dropout rate of {dropout_rate} with a corrupt rate of {corrupt_rate} makes "
-            "SecAgg+ impossible for any n: it needs 2 * dropout + corrupt < 1 (a threshold both "
-            "above half of a neighbourhood plus its corrupt part and below its survivors)."
-        )
-    dropped = math.floor(rates["dropout"] * n)
-    corrupt = math.floor(rates["corrupt"] * n)
-    for k in [*range(2, n - 1, 2), n - 1]:
-        total = math.comb(n - 1, k)
-        corrupt_tails = _tails(n - 1, corrupt, k)
-        secure = (
-            t
-            for t in range(1, k + 1)
-            if (n - corrupt) * corrupt_tails[_clamp(2 * t - k, k)] << security_bits <= total
-        )
-        threshold = next(secure, None)
-        if threshold is None:
-            continue
-        failures = _correctness_failures(n, k, threshold, dropped)
-        if failures << correctness_bits <= total:
-            return k, threshold
-    raise ProtocolError(
-        f"n = {n} clients is too small for a dropout rate of {dropout_rate} and a corrupt rate "
-        f"of {corrupt_rate} at 2^-{security_bits} security and 2^-{correctness_bits} "
-        "correctness failure: not even the complete graph meets them."
-    )
-
-
-def _check_graph_parameters(n: int, degree: int) -> int:
-    """The effective degree min(degree, n - 1), after checking n and degree."""
-    if isinstance(n, bool) or not isinstance(n, int) or n < 2:
-        raise ProtocolError(f"The graph has 2 clients or more, not {n!r}.")
-    if isinstance(degree, bool) or not isinstance(degree, int) or degree < 1:
-        raise ProtocolError(f"The graph's degree is a positive integer, not {degree!r}.")
-    if degree < n - 1 and degree % 2:
-        raise ProtocolError(f"The graph's degree is even below n - 1 = {n - 1}, not {degree}.")
-    return min(degree, n - 1)
-
-
-def _correctness_failures(n: int, k: int, threshold: int, dropped: int) -> int:
-    """C(n - 1, k) times the union bound on a node short of ``threshold`` surviving neighbours:
-    more than k - t dropped ones, K = dropped for survivors, dropped - 1 for dropped nodes."""
-    at_least = _clamp(k - threshold + 1, k)
-    failures = (n - dropped) * _tails(n - 1, dropped, k)[at_least]
-    if dropped:
-        failures += dropped * _tails(n - 1, dropped - 1, k)[at_least]
-    return failures
-
-
-def _security_failures(n: int, k: int, threshold: int, corrupt: int) -> int:
-    """C(n - 1, k) times the union bound over honest nodes on k + c >= 2t, K = corrupt."""
-    if corrupt >= n:
-        return 0
-    return (n - corrupt) * _tails(n - 1, corrupt, k)[_clamp(2 * threshold - k, k)]
-
-
-def _clamp(at_least: int, draws: int) -> int:
-    """An index into ``_tails(..., draws)``: at_least clamped to 0 .. draws + 1."""
-    return min(max(at_least, 0), draws + 1)
-
-
-def _tails(population: int, marked: int, draws: int) -> list[int]:
-    """C(population, draws) * P[X >= x] for x = 0 .. draws + 1, X hypergeometric (``draws``
-    from ``population`` of which ``marked`` are marked), in exact integers.
-
-    The weights C(marked, x) C(population - marked, draws - x) follow an exact recurrence from
-    the support's low end; the tails are their suffix sums.
-    """
-    weights = [0] * (draws + 1)
-    unmarked = population - marked
-    low, high = max(0, draws - unmarked), min(draws, marked)
-    if low <= high:  # always, as draws <= population
-        value = math.comb(marked, low) * math.comb(unmarked, draws - low)
-        weights[low] = value
-        for x in range(low, high):
-            value = value * (marked - x) * (draws - x) // ((x + 1) * (unmarked - draws + x + 1))
-            weights[x + 1] = value
-    tails = [0] * (draws + 2)
-    for x in range(draws, -1, -1):
-        tails[x] = tails[x + 1] + weights[x]
-    return tails
 
 
 # ------------------------------------------------------------------------------ fixed point

@@ -8,6 +8,7 @@ from fedcore.spec._options.fedsgd import FedSgdOptions
 from fedcore.spec._options.lppa import LppaOptions
 from fedcore.spec._options.mpdp import MpdpOptions
 from fedcore.spec._options.perturb import PerturbOptions
+from fedcore.spec._options.secagg import SecAggOptions
 
 __all__ = [
     "AdaptiveOptions",
@@ -18,4 +19,5 @@ __all__ = [
     "LppaOptions",
     "MpdpOptions",
     "PerturbOptions",
+    "SecAggOptions",
 ]

@@ -1,0 +1,787 @@
+"""secagg: SecAgg+ (Bell et al., CCS 2020) over the server's sessions, in five stages.
+
+Every attempt of a round runs these stages (``ServerProtocol.next_stage``); the server only
+relays, and learns the sum of the survivors' quantized updates and who survived:
+
+0. **Advertise.** The server sends the global model and a fresh session id. Each client trains,
+   clips its update (trained minus received) to [-c, c] per coordinate and quantizes it
+   (stochastic, unbiased rounding), makes two fresh X25519 key pairs (c: sealing shares, s:
+   pair masks) and answers their public keys, signed with its TLS key, with its certificate.
+1. **Share keys.** The server relays every advertised key (U1: the clients that advertised).
+   Each client checks every signature against the run's CA, derives the degree and threshold
+   from |U1| and the spec itself (it never takes them from the server), draws the sharing graph
+   from a seed that hashes the session and every key, Shamir-shares a fresh self-mask seed b and
+   its s private key among its neighbours, and seals each neighbour's two shares with AES-GCM
+   under a key agreed over c.
+2. **Masked input.** The server hands each client the sealed shares addressed to it and the
+   clients that shared (U2). Each client uploads x + PRG(b) + sum over its neighbours in U2 of
+   +-PRG(s_uv) mod 2^bits.
+3. **Consistency.** The server names the clients whose masked input arrived (U3); each client
+   signs that list (once per attempt: it never signs two).
+4. **Unmask.** The server sends the list with at least t signatures of its members. Each client
+   checks them, then reveals, for each neighbour in U3 its self-seed share and for each
+   neighbour in U2 but not U3 its key share: never both for one neighbour, and only for the
+   list it signed. The server rebuilds each survivor's b and each dropped client's s key
+   (checked against its signed public key), removes the masks and dequantizes the sum.
+
+A round completes exactly while at least t neighbours of every client it must unmask survive
+each stage; otherwise ``next_stage`` fails the attempt, nothing of it is revealed, and the round
+policy redoes the round (``QuorumLost`` after ``maxRoundRetries``). What the server learns, and
+what the analysis assumes, is in docs/protocols/secagg.md.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import math
+import secrets
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from fedcore.errors import ProtocolError
+from fedcore.learning.training import LocalLearner
+from fedcore.protocols._base import (
+    ClientProtocol,
+    Protocol,
+    RoundResult,
+    ServerProtocol,
+    Weights,
+)
+from fedcore.protocols._maths import copy_weights, restore_weights
+from fedcore.protocols.secagg import keys as sk
+from fedcore.protocols.secagg import maths as sm
+from fedcore.spec import FederatedRunSpec
+from fedcore.spec._options.secagg import SecAggOptions
+from fedcore.transport import Payload, TlsBundle
+
+log = logging.getLogger(__name__)
+
+MASKED = "masked"
+"""The tensor name of a masked input."""
+MAX_CERT_CHARS = 16_384
+MAX_SIGNATURE_BYTES = 512
+MAX_SEALED_BYTES = 1024
+_ROUNDING_TAG = 0x5EC466
+"""Separates the stochastic rounding's generator from every other use of the run's seed."""
+
+
+# ------------------------------------------------------------------------------ encodings
+
+
+def _hex(value: bytes) -> str:
+    return value.hex()
+
+
+def _unhex(value: object, *, what: str, size: int | None = None, limit: int = 4096) -> bytes:
+    """Bytes from an untrusted hex string (exactly ``size`` bytes, or at most ``limit``)."""
+    if not isinstance(value, str) or len(value) > 2 * limit or len(value) % 2:
+        raise ProtocolError(f"The {what} is not a hex string of at most {limit} bytes.")
+    try:
+        raw = bytes.fromhex(value)
+    except ValueError as exc:
+        raise ProtocolError(f"The {what} is not a hex string.") from exc
+    if size is not None and len(raw) != size:
+        raise ProtocolError(f"The {what} is {len(raw)} bytes, not {size}.")
+    return raw
+
+
+def _clients(value: object, *, what: str) -> list[int]:
+    """A strictly ascending list of client indices from an untrusted message."""
+    if not isinstance(value, list) or not all(
+        isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in value
+    ):
+        raise ProtocolError(f"The {what} is not a list of client indices.")
+    if value != sorted(set(value)):
+        raise ProtocolError(f"The {what} is not strictly ascending.")
+    return list(value)
+
+
+def _by_client(value: object, *, what: str) -> dict[int, Any]:
+    """A map keyed by client index (JSON keys are strings) from an untrusted message."""
+    if not isinstance(value, dict):
+        raise ProtocolError(f"The {what} is not a map by client.")
+    out: dict[int, Any] = {}
+    for key, item in value.items():
+        if not isinstance(key, str) or not key.isdigit() or len(key) > 9:
+            raise ProtocolError(f"The {what} has a key {key!r} that is not a client index.")
+        out[int(key)] = item
+    return out
+
+
+def graph_seed(session: str, round: int, keys: Mapping[int, tuple[bytes, bytes]]) -> bytes:
+    """The sharing graph's public seed: SHA-256 of the session, the round and every member's
+    two public keys. The server picks the session before any key exists, and the keys are the
+    clients' own fresh ones, so it cannot pick a graph other than by leaving clients out."""
+    digest = hashlib.sha256()
+    digest.update(f"{sm.PROTOCOL_LABEL}/graph/{session}/{round}".encode())
+    for client in sorted(keys):
+        c_public, s_public = keys[client]
+        digest.update(client.to_bytes(8, "big") + c_public + s_public)
+    return digest.digest()
+
+
+def float_names(weights: Weights) -> list[str]:
+    """The tensors that are summed: the floating-point ones (others keep the global value)."""
+    return [name for name, value in weights.items() if np.issubdtype(value.dtype, np.floating)]
+
+
+def parameters_of(options: SecAggOptions, members: int) -> tuple[int, int, sm.Quantization]:
+    """(degree, threshold, quantization) for ``members`` clients: what every party derives
+    from the spec and the member count alone."""
+    degree, threshold = sm.choose_parameters(
+        members,
+        options.dropout_rate,
+        options.corrupt_rate,
+        options.security_bits,
+        options.correctness_bits,
+    )
+    levels = 2**options.quantization_bits
+    bits = sm.choose_bits(members, levels)
+    return degree, threshold, sm.Quantization(options.clip_range, levels, bits)
+
+
+# ------------------------------------------------------------------------------ server
+
+
+@dataclass
+class _Advert:
+    c_public: bytes
+    s_public: bytes
+    signature: bytes
+    cert: bytes
+    loss: float | None
+
+
+@dataclass
+class _ServerAttempt:
+    round: int
+    session: str
+    stage: int = 0
+    adverts: dict[int, _Advert] = field(default_factory=dict)
+    members: list[int] = field(default_factory=list)  # U1
+    degree: int = 0
+    threshold: int = 0
+    quantization: sm.Quantization | None = None
+    graph: dict[int, tuple[int, ...]] = field(default_factory=dict)
+    sealed: dict[int, dict[int, str]] = field(default_factory=dict)  # sender -> receiver
+    shared: list[int] = field(default_factory=list)  # U2
+    masked: dict[int, np.ndarray] = field(default_factory=dict)
+    survivors: list[int] = field(default_factory=list)  # U3
+    signatures: dict[int, str] = field(default_factory=dict)
+    total: np.ndarray | None = None  # the dequantized sum of the survivors' updates
+
+
+class SecAggServer(ServerProtocol):
+    """Relays the five stages and applies the mean of the survivors' updates.
+
+    Args:
+        initial: the initial global model.
+        options: ``spec.protocol.secagg`` (or its defaults).
+    """
+
+    kind = "secagg"
+
+    def __init__(self, initial: Weights, options: SecAggOptions) -> None:
+        self._weights = copy_weights(initial)
+        self._options = options
+        self._names = float_names(initial)
+        self._size = sum(int(np.size(initial[name])) for name in self._names)
+        self._attempt: _ServerAttempt | None = None
+
+    # ----------------------------------------------------------------- stage 0: plan
+
+    def plan_round(self, round: int, clients: Sequence[int]) -> Mapping[int, Payload]:
+        session = secrets.token_hex(16)
+        self._attempt = _ServerAttempt(round, session)
+        instruction = Payload(meta={"session": session}, tensors=self._weights)
+        return {client: instruction for client in clients}
+
+    def _current(self, round: int) -> _ServerAttempt:
+        attempt = self._attempt
+        if attempt is None or attempt.round != round:
+            raise ProtocolError(f"No secagg attempt of round {round} is open.")
+        return attempt
+
+    # ---------------------------------------------------------------- check responses
+
+    def check_upload(self, round: int, client: int, upload: Payload) -> None:
+        attempt = self._current(round)
+        what = f"client {client}'s stage-{attempt.stage} response in round {round}"
+        meta = upload.meta
+        if "declined" in meta:
+            raise ProtocolError(
+                f"Client {client} declined stage {attempt.stage}: {str(meta['declined'])[:300]}"
+            )
+        if attempt.stage != 2 and upload.tensors:
+            raise ProtocolError(f"The {what} carries tensors.")
+        if attempt.stage == 0:
+            attempt.adverts[client] = self._advert(client, meta, what)
+        elif attempt.stage == 1:
+            sealed = _by_client(meta.get("shares"), what=f"shares of {what}")
+            if set(sealed) != set(attempt.graph.get(client, ())):
+                raise ProtocolError(
+                    f"The {what} seals shares for {sorted(sealed)}, not for its "
+                    f"neighbours {list(attempt.graph.get(client, ()))}."
+                )
+            for receiver, text in sealed.items():
+                _unhex(text, what=f"sealed shares for {receiver} in {what}", limit=MAX_SEALED_BYTES)
+            attempt.sealed[client] = sealed
+        elif attempt.stage == 2:
+            assert attempt.quantization is not None
+            masked = upload.tensors.get(MASKED)
+            if set(upload.tensors) != {MASKED} or masked is None:
+                raise ProtocolError(f"The {what} must carry exactly the tensor {MASKED!r}.")
+            if masked.dtype != np.uint64 or masked.shape != (self._size,):
+                raise ProtocolError(f"The {what}'s masked input is not {self._size} uint64 words.")
+            if self._size and int(masked.max()) >> attempt.quantization.bits:
+                raise ProtocolError(
+                    f"The {what}'s masked input has words of 2^{attempt.quantization.bits} or more."
+                )
+            attempt.masked[client] = masked
+        elif attempt.stage == 3:
+            _unhex(meta.get("signature"), what=f"signature in {what}", limit=MAX_SIGNATURE_BYTES)
+            attempt.signatures[client] = meta["signature"]
+        else:
+            self._check_reveal(attempt, client, meta, what)
+
+    def _advert(self, client: int, meta: Mapping[str, Any], what: str) -> _Advert:
+        c_public = _unhex(meta.get("c"), what=f"c key in {what}", size=sk.KEY_BYTES)
+        s_public = _unhex(meta.get("s"), what=f"s key in {what}", size=sk.KEY_BYTES)
+        sk.check_public_key(c_public, client=client)
+        sk.check_public_key(s_public, client=client)
+        signature = _unhex(
+            meta.get("signature"), what=f"signature in {what}", limit=MAX_SIGNATURE_BYTES
+        )
+        cert = meta.get("cert")
+        if not isinstance(cert, str) or not 0 < len(cert) <= MAX_CERT_CHARS or not cert.isascii():
+            raise ProtocolError(f"The {what} does not carry a PEM certificate.")
+        loss = meta.get("loss")
+        if isinstance(loss, bool) or not isinstance(loss, int | float) or not math.isfinite(loss):
+            loss = None
+        return _Advert(
+            c_public, s_public, signature, cert.encode(), None if loss is None else float(loss)
+        )
+
+    def _check_reveal(
+        self, attempt: _ServerAttempt, client: int, meta: Mapping[str, Any], what: str
+    ) -> None:
+        neighbours = set(attempt.graph.get(client, ()))
+        survivors, shared = set(attempt.survivors), set(attempt.shared)
+        selfs = _by_client(meta.get("self"), what=f"self-seed shares of {what}")
+        masks = _by_client(meta.get("mask"), what=f"key shares of {what}")
+        if not set(selfs) <= neighbours & survivors or not set(masks) <= neighbours & (
+            shared - survivors
+        ):
+            raise ProtocolError(f"The {what} reveals shares of clients it may not.")
+        for owner, text in [*selfs.items(), *masks.items()]:
+            _unhex(text, what=f"share of client {owner} in {what}", size=sm.SHARE_BYTES)
+
+    # ------------------------------------------------------------------- next stage
+
+    def next_stage(
+        self, round: int, stage: int, responses: Mapping[int, Payload], failures: Sequence[int]
+    ) -> Mapping[int, Payload] | None:
+        attempt = self._current(round)
+        if stage != attempt.stage:
+            raise ProtocolError(
+                f"Stage {stage} settled, but the attempt is in stage {attempt.stage}."
+            )
+        step = (
+            self._to_sharing,
+            self._to_masking,
+            self._to_consistency,
+            self._to_unmasking,
+            self._unmask,
+        )[stage]
+        following = step(attempt, sorted(responses), responses)
+        attempt.stage += 1
+        return following
+
+    def _need(self, attempt: _ServerAttempt, count: int, what: str) -> None:
+        if count < max(attempt.threshold, 2):
+            raise ProtocolError(
+                f"Only {count} clients {what}; secagg needs at least "
+                f"{max(attempt.threshold, 2)} (its threshold), so nothing of this attempt is "
+                "revealed."
+            )
+
+    def _to_sharing(
+        self, attempt: _ServerAttempt, responders: list[int], _: Any
+    ) -> Mapping[int, Payload]:
+        members = [k for k in responders if k in attempt.adverts]
+        self._need(attempt, len(members), "advertised their keys")
+        attempt.members = members
+        attempt.degree, attempt.threshold, attempt.quantization = parameters_of(
+            self._options, len(members)
+        )
+        keys = {k: (attempt.adverts[k].c_public, attempt.adverts[k].s_public) for k in members}
+        attempt.graph = sm.sharing_graph(
+            members, attempt.degree, graph_seed(attempt.session, attempt.round, keys)
+        )
+        instruction = Payload(
+            meta={
+                "session": attempt.session,
+                "members": members,
+                "keys": {
+                    str(k): {
+                        "c": _hex(a.c_public),
+                        "s": _hex(a.s_public),
+                        "signature": _hex(a.signature),
+                        "cert": a.cert.decode(),
+                    }
+                    for k, a in ((k, attempt.adverts[k]) for k in members)
+                },
+            }
+        )
+        return {k: instruction for k in members}
+
+    def _to_masking(
+        self, attempt: _ServerAttempt, responders: list[int], _: Any
+    ) -> Mapping[int, Payload]:
+        shared = [k for k in responders if k in attempt.sealed]
+        self._need(attempt, len(shared), "shared their keys")
+        attempt.shared = shared
+        plans = {}
+        for k in shared:
+            incoming = {
+                str(v): attempt.sealed[v][k] for v in attempt.graph[k] if v in attempt.sealed
+            }
+            plans[k] = Payload(
+                meta={"session": attempt.session, "shared": shared, "sealed": incoming}
+            )
+        return plans
+
+    def _to_consistency(
+        self, attempt: _ServerAttempt, responders: list[int], _: Any
+    ) -> Mapping[int, Payload]:
+        survivors = [k for k in responders if k in attempt.masked]
+        self._need(attempt, len(survivors), "sent their masked inputs")
+        attempt.survivors = survivors
+        attempt.masked = {k: attempt.masked[k] for k in survivors}
+        instruction = Payload(meta={"session": attempt.session, "survivors": survivors})
+        return {k: instruction for k in survivors}
+
+    def _to_unmasking(
+        self, attempt: _ServerAttempt, responders: list[int], _: Any
+    ) -> Mapping[int, Payload]:
+        signed = [k for k in responders if k in attempt.signatures]
+        self._need(attempt, len(signed), "signed the survivor list")
+        instruction = Payload(
+            meta={
+                "session": attempt.session,
+                "survivors": attempt.survivors,
+                "signatures": {str(k): attempt.signatures[k] for k in signed},
+            }
+        )
+        return {k: instruction for k in signed}
+
+    def _unmask(
+        self, attempt: _ServerAttempt, responders: list[int], responses: Mapping[int, Payload]
+    ) -> None:
+        assert attempt.quantization is not None
+        t = attempt.threshold
+        survivors, shared = set(attempt.survivors), set(attempt.shared)
+        dropped = shared - survivors
+        self_shares: dict[int, dict[int, bytes]] = {k: {} for k in survivors}
+        key_shares: dict[int, dict[int, bytes]] = {d: {} for d in dropped}
+        for holder in responders:
+            meta = responses[holder].meta
+            for owner, text in _by_client(meta.get("self"), what="self-seed shares").items():
+                self_shares[owner][holder] = bytes.fromhex(text)
+            for owner, text in _by_client(meta.get("mask"), what="key shares").items():
+                key_shares[owner][holder] = bytes.fromhex(text)
+        graph = {u: tuple(v for v in attempt.graph[u] if v in shared) for u in sorted(shared)}
+        seeds = {}
+        for u in sorted(survivors):
+            if len(self_shares[u]) < t:
+                raise ProtocolError(
+                    f"Only {len(self_shares[u])} shares of client {u}'s self-mask seed came back "
+                    f"(threshold {t}); its input cannot be unmasked."
+                )
+            seeds[u] = sm.combine_shares(self_shares[u], t)
+        pair_seeds = {}
+        rebuilt = {}
+        for u, d in sorted(sm.needed_edges(graph, survivors, dropped)):
+            if d not in rebuilt:
+                if len(key_shares[d]) < t:
+                    raise ProtocolError(
+                        f"Only {len(key_shares[d])} shares of dropped client {d}'s mask key came "
+                        f"back (threshold {t}); its neighbours' masks cannot be removed."
+                    )
+                raw = sm.combine_shares(key_shares[d], t)
+                rebuilt[d] = sk.private_from_bytes(raw, attempt.adverts[d].s_public, client=d)
+            pair = (min(u, d), max(u, d))
+            pair_seeds[(u, d)] = sk.pair_seed(
+                rebuilt[d],
+                attempt.adverts[u].s_public,
+                run=attempt.session,
+                round=attempt.round,
+                pair=pair,
+            )
+        total = sm.unmask_sum(
+            attempt.masked,
+            graph=graph,
+            self_seeds=seeds,
+            dropped_pair_seeds=pair_seeds,
+            bits=attempt.quantization.bits,
+        )
+        attempt.total = sm.dequantize_sum(total, len(survivors), attempt.quantization)
+        return None
+
+    # ---------------------------------------------------------------------- combine
+
+    def combine(
+        self, round: int, uploads: Mapping[int, Payload], failures: Sequence[int]
+    ) -> RoundResult | None:
+        attempt = self._attempt
+        if attempt is None or attempt.round != round or attempt.total is None:
+            return None
+        self._attempt = None
+        survivors = attempt.survivors
+        mean = attempt.total / len(survivors)
+        updated = dict(self._weights)
+        at = 0
+        for name in self._names:
+            value = self._weights[name]
+            size = int(np.size(value))
+            step = mean[at : at + size].reshape(value.shape)
+            updated[name] = (value.astype(np.float64) + step).astype(value.dtype)
+            at += size
+        if not all(np.all(np.isfinite(updated[name])) for name in self._names):
+            raise ProtocolError(f"Round {round}'s aggregate is not finite; the model is kept.")
+        self._weights = updated
+        losses = [attempt.adverts[k].loss for k in survivors]
+        known = [loss for loss in losses if loss is not None]
+        return RoundResult(
+            participants=len(survivors),
+            train_loss=sum(known) / len(known) if len(known) == len(losses) and known else None,
+            metrics={
+                "degree": float(attempt.degree),
+                "threshold": float(attempt.threshold),
+                "dropped_after_sharing": float(len(attempt.shared) - len(survivors)),
+            },
+        )
+
+    def global_weights(self) -> Weights:
+        return self._weights
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"kind": self.kind, "version": 1, "weights": copy_weights(self._weights)}
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        self._weights = restore_weights(state, self.kind, self._weights)
+
+
+# ------------------------------------------------------------------------------ client
+
+
+@dataclass
+class _ClientAttempt:
+    round: int
+    session: str
+    keys: sk.RoundKeys
+    quantized: np.ndarray
+    members: list[int] = field(default_factory=list)
+    publics: dict[int, tuple[bytes, bytes]] = field(default_factory=dict)
+    certs: dict[int, bytes] = field(default_factory=dict)
+    neighbours: tuple[int, ...] = ()
+    threshold: int = 0
+    quantization: sm.Quantization | None = None
+    self_seed: bytes = b""
+    sealed: dict[int, bytes] = field(default_factory=dict)
+    shared: list[int] = field(default_factory=list)
+    committed: list[int] | None = None  # the survivor list this client signed
+    revealed: bool = False
+    stage: int = 0
+
+
+class SecAggClient(ClientProtocol):
+    """Trains, then answers the five stages; refuses what an honest client must refuse.
+
+    Args:
+        index: this client's index.
+        options: ``spec.protocol.secagg`` (or its defaults).
+        seed: ``spec.seed`` (the stochastic rounding's generator).
+    """
+
+    def __init__(self, index: int, options: SecAggOptions, seed: int) -> None:
+        self._index = index
+        self._options = options
+        self._seed = seed
+        self._tls: TlsBundle | None = None
+        self._attempt: _ClientAttempt | None = None
+
+    needs_identity = True
+
+    def set_identity(self, tls: TlsBundle) -> None:
+        self._tls = tls
+
+    def compute_upload(
+        self, round: int, instruction: Payload, learner: LocalLearner, keys: Payload | None
+    ) -> Payload:
+        if self._tls is None:
+            raise ProtocolError(
+                "secagg signs its round keys with the client's TLS key; none is set."
+            )
+        session = instruction.meta.get("session")
+        if not isinstance(session, str) or not 16 <= len(session) <= 128 or not session.isalnum():
+            raise ProtocolError("The task carries no valid secagg session id.")
+        weights, stats = learner.train(instruction.tensors, round=round)
+        names = float_names(instruction.tensors)
+        update = (
+            np.concatenate(
+                [
+                    (
+                        np.asarray(weights[n], dtype=np.float64)
+                        - np.asarray(instruction.tensors[n], dtype=np.float64)
+                    ).reshape(-1)
+                    for n in names
+                ]
+            )
+            if names
+            else np.zeros(0)
+        )
+        clip = self._options.clip_range
+        np.clip(update, -clip, clip, out=update)
+        # The levels and modulus depend on the member count, known at stage 1; the rounding
+        # to levels does not: 2^quantizationBits levels over [-c, c].
+        levels = 2**self._options.quantization_bits
+        quantization = sm.Quantization(clip, levels, sm.choose_bits(1, levels))
+        rng = np.random.default_rng([self._seed, round, self._index, _ROUNDING_TAG])
+        quantized = sm.quantize(update, quantization, stochastic=True, rng=rng)
+        round_keys = sk.RoundKeys.new()
+        c_public, s_public = round_keys.public()
+        statement = sk.round_key_statement(session, round, self._index, c_public, s_public)
+        signature = sk.sign_round_keys(self._tls.key_pem, statement)
+        self._attempt = _ClientAttempt(round, session, round_keys, quantized)
+        return Payload(
+            meta={
+                "c": _hex(c_public),
+                "s": _hex(s_public),
+                "signature": _hex(signature),
+                "cert": self._tls.cert_pem.decode(),
+                "num_examples": stats.num_examples,
+                "loss": stats.loss,
+            }
+        )
+
+    def respond(self, round: int, stage: int, instruction: Payload) -> Payload:
+        attempt = self._attempt
+        if (
+            attempt is None
+            or attempt.round != round
+            or instruction.meta.get("session") != attempt.session
+        ):
+            raise ProtocolError(
+                f"Stage {stage} of round {round} names no attempt this client is in."
+            )
+        if stage != attempt.stage + 1:
+            raise ProtocolError(f"Asked for stage {stage} after stage {attempt.stage}.")
+        if instruction.tensors:
+            raise ProtocolError(f"The stage-{stage} request carries tensors.")
+        step = {1: self._share, 2: self._mask, 3: self._sign, 4: self._reveal}.get(stage)
+        if step is None:
+            raise ProtocolError(f"secagg has no stage {stage}.")
+        response = step(attempt, instruction.meta)
+        attempt.stage = stage
+        return response
+
+    def _share(self, attempt: _ClientAttempt, meta: Mapping[str, Any]) -> Payload:
+        assert self._tls is not None
+        members = _clients(meta.get("members"), what="member list")
+        if self._index not in members:
+            raise ProtocolError("The member list leaves this client out.")
+        adverts = _by_client(meta.get("keys"), what="advertised keys")
+        if set(adverts) != set(members):
+            raise ProtocolError("The advertised keys are not exactly the members'.")
+        for v in members:
+            advert = adverts[v]
+            if not isinstance(advert, dict):
+                raise ProtocolError(f"Client {v}'s advertised keys are malformed.")
+            c_public = _unhex(advert.get("c"), what=f"c key of client {v}", size=sk.KEY_BYTES)
+            s_public = _unhex(advert.get("s"), what=f"s key of client {v}", size=sk.KEY_BYTES)
+            signature = _unhex(
+                advert.get("signature"), what=f"signature of client {v}", limit=MAX_SIGNATURE_BYTES
+            )
+            cert = advert.get("cert")
+            if not isinstance(cert, str) or len(cert) > MAX_CERT_CHARS or not cert.isascii():
+                raise ProtocolError(f"Client {v}'s certificate is malformed.")
+            statement = sk.round_key_statement(
+                attempt.session, attempt.round, v, c_public, s_public
+            )
+            sk.verify_round_keys(cert.encode(), self._tls.ca_pem, v, statement, signature)
+            attempt.publics[v] = (c_public, s_public)
+            attempt.certs[v] = cert.encode()
+        if attempt.publics[self._index] != attempt.keys.public():
+            raise ProtocolError("The member list carries other keys for this client than its own.")
+        degree, attempt.threshold, attempt.quantization = parameters_of(self._options, len(members))
+        graph = sm.sharing_graph(
+            members, degree, graph_seed(attempt.session, attempt.round, attempt.publics)
+        )
+        attempt.members = members
+        attempt.neighbours = graph[self._index]
+        attempt.self_seed = sk.new_self_seed()
+        self_shares = sm.split_secret(attempt.self_seed, attempt.threshold, attempt.neighbours)
+        key_shares = sm.split_secret(
+            attempt.keys.mask_private_bytes(), attempt.threshold, attempt.neighbours
+        )
+        sealed = {}
+        for v in attempt.neighbours:
+            key = sk.share_key(
+                attempt.keys.c_private,
+                attempt.publics[v][0],
+                run=attempt.session,
+                round=attempt.round,
+                pair=(min(self._index, v), max(self._index, v)),
+            )
+            sealed[str(v)] = _hex(
+                sk.seal_shares(
+                    key,
+                    run=attempt.session,
+                    round=attempt.round,
+                    sender=self._index,
+                    receiver=v,
+                    self_share=self_shares[v],
+                    mask_share=key_shares[v],
+                )
+            )
+        return Payload(meta={"shares": sealed})
+
+    def _mask(self, attempt: _ClientAttempt, meta: Mapping[str, Any]) -> Payload:
+        assert attempt.quantization is not None
+        shared = _clients(meta.get("shared"), what="list of clients that shared")
+        if self._index not in shared or not set(shared) <= set(attempt.members):
+            raise ProtocolError(
+                "The list of clients that shared is not a set of members with this client."
+            )
+        sealed = _by_client(meta.get("sealed"), what="sealed shares")
+        partners = [v for v in attempt.neighbours if v in set(shared)]
+        if not set(sealed) <= set(partners):
+            raise ProtocolError(
+                "Sealed shares came from clients that are not neighbours that shared."
+            )
+        if len(partners) < attempt.threshold:
+            raise ProtocolError(
+                f"Only {len(partners)} of this client's neighbours shared (threshold "
+                f"{attempt.threshold}): its self-mask seed could not be rebuilt."
+            )
+        attempt.sealed = {
+            v: _unhex(text, what=f"sealed shares of client {v}", limit=MAX_SEALED_BYTES)
+            for v, text in sealed.items()
+        }
+        attempt.shared = shared
+        pair_seeds = {
+            v: sk.pair_seed(
+                attempt.keys.s_private,
+                attempt.publics[v][1],
+                run=attempt.session,
+                round=attempt.round,
+                pair=(min(self._index, v), max(self._index, v)),
+            )
+            for v in partners
+        }
+        masked = sm.mask_input(
+            attempt.quantized,
+            client=self._index,
+            self_seed=attempt.self_seed,
+            pair_seeds=pair_seeds,
+            bits=attempt.quantization.bits,
+        )
+        return Payload(tensors={MASKED: masked})
+
+    def _sign(self, attempt: _ClientAttempt, meta: Mapping[str, Any]) -> Payload:
+        assert self._tls is not None
+        survivors = self._survivors(attempt, meta)
+        if attempt.committed is not None and attempt.committed != survivors:
+            raise ProtocolError("The server asked this client to sign a second survivor list.")
+        attempt.committed = survivors
+        statement = sk.survivors_statement(attempt.session, attempt.round, survivors)
+        return Payload(meta={"signature": _hex(sk.sign_round_keys(self._tls.key_pem, statement))})
+
+    def _survivors(self, attempt: _ClientAttempt, meta: Mapping[str, Any]) -> list[int]:
+        survivors = _clients(meta.get("survivors"), what="survivor list")
+        if self._index not in survivors or not set(survivors) <= set(attempt.shared):
+            raise ProtocolError(
+                "The survivor list is not a set of clients that shared, with this client."
+            )
+        if len(survivors) < attempt.threshold:
+            raise ProtocolError(
+                f"The survivor list has {len(survivors)} clients, fewer than the threshold "
+                f"{attempt.threshold}."
+            )
+        return survivors
+
+    def _reveal(self, attempt: _ClientAttempt, meta: Mapping[str, Any]) -> Payload:
+        assert self._tls is not None
+        survivors = self._survivors(attempt, meta)
+        if attempt.revealed:
+            raise ProtocolError("This client already revealed its shares in this attempt.")
+        if survivors != attempt.committed:
+            raise ProtocolError(
+                "The server asks to unmask another survivor list than the one this client "
+                "signed; revealing for it could give away both secrets of a neighbour."
+            )
+        signatures = _by_client(meta.get("signatures"), what="survivor-list signatures")
+        statement = sk.survivors_statement(attempt.session, attempt.round, survivors)
+        valid = 0
+        for v, text in signatures.items():
+            if v not in survivors:
+                continue
+            signature = _unhex(text, what=f"signature of client {v}", limit=MAX_SIGNATURE_BYTES)
+            try:
+                sk.verify_signed(attempt.certs[v], self._tls.ca_pem, v, statement, signature)
+            except ProtocolError as exc:
+                log.warning("A survivor-list signature does not verify: %s", exc)
+                continue
+            valid += 1
+        if valid < attempt.threshold:
+            raise ProtocolError(
+                f"Only {valid} survivors signed this survivor list (threshold "
+                f"{attempt.threshold}); the server may be showing clients different lists."
+            )
+        attempt.revealed = True
+        selfs, masks = {}, {}
+        survivor_set, shared_set = set(survivors), set(attempt.shared)
+        for v in attempt.neighbours:
+            if v not in attempt.sealed or v not in shared_set:
+                continue
+            key = sk.share_key(
+                attempt.keys.c_private,
+                attempt.publics[v][0],
+                run=attempt.session,
+                round=attempt.round,
+                pair=(min(self._index, v), max(self._index, v)),
+            )
+            try:
+                self_share, mask_share = sk.open_shares(
+                    key,
+                    run=attempt.session,
+                    round=attempt.round,
+                    sender=v,
+                    receiver=self._index,
+                    ciphertext=attempt.sealed[v],
+                )
+            except ProtocolError as exc:
+                log.warning("Shares sealed by client %d do not open: %s", v, exc)
+                continue
+            if v in survivor_set:
+                selfs[str(v)] = _hex(self_share)
+            else:
+                masks[str(v)] = _hex(mask_share)
+        return Payload(meta={"self": selfs, "mask": masks})
+
+
+class SecAgg(Protocol):
+    """SecAgg+ secure aggregation (see the module docstring)."""
+
+    name = "secagg"
+
+    def create_server(self, spec: FederatedRunSpec, initial: Weights) -> ServerProtocol:
+        return SecAggServer(initial, spec.protocol.secagg_options())
+
+    def create_client(self, spec: FederatedRunSpec, index: int) -> ClientProtocol:
+        return SecAggClient(index, spec.protocol.secagg_options(), spec.seed)

@@ -1,0 +1,295 @@
+"""secagg's five stages, driven in memory: exact sums whoever drops out, and the refusals an
+honest client owes a lying server."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+import numpy as np
+import pytest
+
+from fedcore.errors import ProtocolError
+from fedcore.learning.training import LocalStats
+from fedcore.protocols.secagg import maths as sm
+from fedcore.protocols.secagg.protocol import MASKED, SecAggClient, SecAggServer
+from fedcore.rounds import AttemptReport, play_stages
+from fedcore.spec._options.secagg import SecAggOptions
+from fedcore.transport import Payload, issue_run_bundles
+
+CLIENTS = 10
+ROUND = 1
+
+
+class FixedLearner:
+    """Stands in for local training (pure protocol logic): returns a fixed model."""
+
+    def __init__(self, trained: dict[str, np.ndarray]) -> None:
+        self.trained = trained
+
+    def train(self, weights: dict[str, np.ndarray], *, round: int) -> tuple[dict, LocalStats]:
+        return self.trained, LocalStats(10, 0.5, 1)
+
+
+@pytest.fixture(scope="module")
+def bundles():
+    return issue_run_bundles("secagg-test", num_clients=CLIENTS)[1]
+
+
+def _setup(bundles, options: SecAggOptions | None = None, seed: int = 0):
+    options = options or SecAggOptions(dropout_rate=0.2, corrupt_rate=0.1)
+    rng = np.random.default_rng(seed)
+    initial = {
+        "w": rng.standard_normal((6, 5)).astype(np.float32),
+        "b": rng.standard_normal(5).astype(np.float32),
+        "steps": np.array([3], dtype=np.int64),  # not summed: keeps the global value
+    }
+    server = SecAggServer(initial, options)
+    clients = {}
+    learners = {}
+    for k in range(CLIENTS):
+        clients[k] = SecAggClient(k, options, seed=0)
+        clients[k].set_identity(bundles[f"client-{k}"])
+        trained = {
+            "w": (initial["w"] + rng.normal(0, 0.3, (6, 5))).astype(np.float32),
+            "b": (initial["b"] + rng.normal(0, 0.3, 5)).astype(np.float32),
+            "steps": np.array([99], dtype=np.int64),
+        }
+        learners[k] = FixedLearner(trained)
+    return initial, server, clients, learners
+
+
+def _run(server, clients, learners, drops: Mapping[int, set[int]]) -> AttemptReport:
+    """One attempt over every client, ``drops[stage]`` failing to answer that stage."""
+    gone: set[int] = set()
+
+    def run_stage(round_: int, attempt: int, stage: int, plans: Mapping[int, Payload]):
+        gone.update(drops.get(stage, set()))
+        responses, failed = {}, {}
+        for k, instruction in plans.items():
+            if k in gone:
+                failed[k] = "disconnected"
+                continue
+            if stage == 0:
+                response = clients[k].compute_upload(round_, instruction, learners[k], None)
+            else:
+                response = clients[k].respond(round_, stage, instruction)
+            server.check_upload(round_, k, response)
+            responses[k] = response
+        return AttemptReport(responses, failed)
+
+    plans = server.plan_round(ROUND, list(range(CLIENTS)))
+    return play_stages(server, ROUND, 1, plans, run_stage)
+
+
+def _expected_mean(clients, survivors: list[int], options: SecAggOptions) -> np.ndarray:
+    """The mean of the survivors' quantized updates, summed in plain integers."""
+    total = sum(0 + clients[k]._attempt.quantized.astype(object) for k in survivors)
+    levels = 2**options.quantization_bits
+    q = sm.Quantization(options.clip_range, levels, sm.choose_bits(len(survivors), levels))
+    exact = sm.dequantize_sum(np.array(total, dtype=np.uint64), len(survivors), q)
+    return exact / len(survivors)
+
+
+@pytest.mark.parametrize(
+    ("stage", "dropped"),
+    [
+        (None, set()),
+        (0, {2}),  # never advertises
+        (1, {2, 7}),  # advertised, never shares
+        (2, {2, 7}),  # shared, never sends its masked input: its mask key is rebuilt
+        (3, {4}),  # its masked input is summed, it does not sign the survivor list
+        (4, {4, 5}),  # summed and signed, does not reveal: the others' shares suffice
+    ],
+)
+def test_the_sum_is_exact_whatever_stage_clients_drop_out_at(bundles, stage, dropped) -> None:
+    options = SecAggOptions(dropout_rate=0.2, corrupt_rate=0.1)
+    initial, server, clients, learners = _setup(bundles, options)
+    report = _run(server, clients, learners, {} if stage is None else {stage: dropped})
+    summed = [k for k in range(CLIENTS) if stage is None or stage >= 3 or k not in dropped]
+    attempt = server._attempt
+    assert attempt.survivors == summed
+    mean = _expected_mean(clients, summed, options)
+    assert np.array_equal(attempt.total / len(summed), mean)
+    result = server.combine(ROUND, report.uploads, report.failures)
+    assert result.participants == len(summed)
+    flat = np.concatenate([initial["w"].astype(np.float64).ravel(), initial["b"].ravel()])
+    got = server.global_weights()
+    expected = (flat + mean).astype(np.float32)
+    assert np.array_equal(got["w"].ravel(), expected[:30])
+    assert np.array_equal(got["b"], expected[30:])
+    assert np.array_equal(got["steps"], initial["steps"])
+    # Quantization's error is bounded by one level per coordinate of the clipped update.
+    updates = np.stack(
+        [
+            np.concatenate(
+                [
+                    (learners[k].trained[n].astype(np.float64) - initial[n]).ravel()
+                    for n in ("w", "b")
+                ]
+            )
+            for k in summed
+        ]
+    )
+    step = 2 * options.clip_range / (2**options.quantization_bits - 1)
+    assert np.max(np.abs(updates.mean(axis=0) - mean)) <= step
+
+
+def test_too_few_survivors_fail_the_attempt_and_reveal_nothing(bundles) -> None:
+    options = SecAggOptions(dropout_rate=0.2, corrupt_rate=0.1)
+    _, server, clients, learners = _setup(bundles, options)
+    report = _run(server, clients, learners, {2: set(range(1, CLIENTS))})
+    assert report.uploads == {}
+    assert "stage 2 failed" in report.failed[0] and "threshold" in report.failed[0]
+    assert server._attempt.total is None
+    assert all(not c._attempt.revealed for c in clients.values())
+
+
+def test_the_masked_inputs_look_nothing_like_the_inputs(bundles) -> None:
+    """What the server receives of a client: words spread over the whole modulus, whatever
+    the update (here every client's update is zero, so its inputs are one of two levels)."""
+    options = SecAggOptions(dropout_rate=0.2, corrupt_rate=0.1)
+    initial, server, clients, learners = _setup(bundles, options)
+    for learner in learners.values():
+        learner.trained = {name: value.copy() for name, value in initial.items()}
+    captured: dict[int, np.ndarray] = {}
+    original = server.check_upload
+
+    def capture(round_: int, client: int, upload: Payload) -> None:
+        original(round_, client, upload)
+        if MASKED in upload.tensors:
+            captured[client] = upload.tensors[MASKED]
+
+    server.check_upload = capture  # type: ignore[method-assign]
+    _run(server, clients, learners, {})
+    bits = server._attempt.quantization.bits
+    for k, masked in captured.items():
+        plain = clients[k]._attempt.quantized
+        assert int(plain.max()) - int(plain.min()) <= 1  # zero lies between two levels
+        assert np.mean(masked == plain) < 0.1
+        # Uniform over 2^bits: the top bit is set about half the time.
+        assert 0.2 < np.mean(masked >> np.uint64(bits - 1)) < 0.8
+    assert len(captured) == CLIENTS
+
+
+def _advance_to(stage: int, bundles):
+    """Runs an attempt up to (and including) the responses of ``stage``; returns what the
+    server would send next."""
+    options = SecAggOptions(dropout_rate=0.2, corrupt_rate=0.1)
+    _, server, clients, learners = _setup(bundles, options)
+    plans = server.plan_round(ROUND, list(range(CLIENTS)))
+    for current in range(stage + 1):
+        responses = {}
+        for k, instruction in plans.items():
+            if current == 0:
+                responses[k] = clients[k].compute_upload(ROUND, instruction, learners[k], None)
+            else:
+                responses[k] = clients[k].respond(ROUND, current, instruction)
+            server.check_upload(ROUND, k, responses[k])
+        plans = server.next_stage(ROUND, current, responses, [])
+    return server, clients, plans
+
+
+def test_a_client_refuses_to_unmask_another_list_than_it_signed(bundles) -> None:
+    _server, clients, plans = _advance_to(3, bundles)
+    instruction = plans[0]
+    lie = dict(instruction.meta)
+    lie["survivors"] = [k for k in instruction.meta["survivors"] if k != 1]
+    with pytest.raises(ProtocolError, match="another survivor list than the one this client"):
+        clients[0].respond(ROUND, 4, Payload(meta=lie))
+
+
+def test_a_client_reveals_once(bundles) -> None:
+    _server, clients, plans = _advance_to(3, bundles)
+    clients[0].respond(ROUND, 4, plans[0])
+    with pytest.raises(ProtocolError):
+        clients[0].respond(ROUND, 4, plans[0])
+
+
+def test_a_client_signs_one_survivor_list_only(bundles) -> None:
+    _server, clients, plans = _advance_to(2, bundles)
+    clients[0].respond(ROUND, 3, plans[0])
+    other = dict(plans[0].meta)
+    other["survivors"] = [k for k in plans[0].meta["survivors"] if k != 1]
+    clients[0]._attempt.stage = 2  # a server replaying stage 3 with another list
+    with pytest.raises(ProtocolError, match="second survivor list"):
+        clients[0].respond(ROUND, 3, Payload(meta=other))
+
+
+def test_unmasking_needs_threshold_signatures_of_the_list(bundles) -> None:
+    _server, clients, plans = _advance_to(3, bundles)
+    meta = dict(plans[0].meta)
+    threshold = clients[0]._attempt.threshold
+    signatures = dict(meta["signatures"])
+    meta["signatures"] = dict(list(signatures.items())[: threshold - 1])
+    with pytest.raises(ProtocolError, match="survivors signed this survivor list"):
+        clients[0].respond(ROUND, 4, Payload(meta=meta))
+    forged = dict(signatures)
+    first = next(iter(forged))
+    forged = {key: forged[first] for key in forged}  # one client's signature under every name
+    meta["signatures"] = forged
+    with pytest.raises(ProtocolError, match="survivors signed"):
+        clients[0].respond(ROUND, 4, Payload(meta=meta))
+
+
+def test_a_key_the_client_did_not_sign_is_refused(bundles) -> None:
+    _server, clients, plans = _advance_to(0, bundles)
+    meta = dict(plans[0].meta)
+    keys = {k: dict(v) for k, v in meta["keys"].items()}
+    keys["3"]["s"] = keys["4"]["s"]  # the server swaps in another key for client 3
+    meta["keys"] = keys
+    with pytest.raises(ProtocolError, match="client 3"):
+        clients[0].respond(ROUND, 1, Payload(meta=meta))
+
+
+def test_a_certificate_of_another_client_is_refused(bundles) -> None:
+    _server, clients, plans = _advance_to(0, bundles)
+    meta = dict(plans[0].meta)
+    keys = {k: dict(v) for k, v in meta["keys"].items()}
+    keys["3"]["cert"] = keys["4"]["cert"]
+    meta["keys"] = keys
+    with pytest.raises(ProtocolError, match="client 3"):
+        clients[0].respond(ROUND, 1, Payload(meta=meta))
+
+
+def test_the_server_cannot_leave_a_client_out_of_its_own_round(bundles) -> None:
+    _server, clients, plans = _advance_to(0, bundles)
+    meta = dict(plans[0].meta)
+    meta["members"] = [k for k in meta["members"] if k != 0]
+    meta["keys"] = {k: v for k, v in meta["keys"].items() if k != "0"}
+    with pytest.raises(ProtocolError, match="leaves this client out"):
+        clients[0].respond(ROUND, 1, Payload(meta=meta))
+
+
+def test_a_server_cannot_ask_for_stages_out_of_order(bundles) -> None:
+    _server, clients, plans = _advance_to(0, bundles)
+    with pytest.raises(ProtocolError, match="stage 3 after stage 0"):
+        clients[0].respond(ROUND, 3, Payload(meta={"session": plans[0].meta["session"]}))
+
+
+@pytest.mark.parametrize(
+    ("stage", "meta", "message"),
+    [
+        (0, {"c": "00" * 32, "s": "11" * 32}, "client 0"),
+        (0, {"c": "zz"}, "hex"),
+        (1, {"shares": {"99": "00"}}, "neighbours"),
+        (3, {"signature": 5}, "signature"),
+        (4, {"self": {"0": "00" * sm.SHARE_BYTES}, "mask": {}}, "may not"),
+        (2, {"declined": "no"}, "declined"),
+    ],
+)
+def test_malformed_responses_are_refused_naming_the_client(bundles, stage, meta, message) -> None:
+    server, _clients, _plans = _advance_to(stage - 1, bundles) if stage else _advance_to(0, bundles)
+    if stage == 0:
+        server.plan_round(ROUND, list(range(CLIENTS)))
+    with pytest.raises(ProtocolError, match=message):
+        server.check_upload(ROUND, 0, Payload(meta=meta))
+
+
+def test_a_masked_input_past_the_modulus_is_refused(bundles) -> None:
+    server, _clients, _plans = _advance_to(1, bundles)
+    bits = server._attempt.quantization.bits
+    words = np.full(35, 2**bits, dtype=np.uint64)
+    with pytest.raises(ProtocolError, match="words of"):
+        server.check_upload(ROUND, 0, Payload(tensors={MASKED: words}))
+    with pytest.raises(ProtocolError, match="uint64 words"):
+        server.check_upload(ROUND, 0, Payload(tensors={MASKED: np.zeros(34, dtype=np.uint64)}))
