@@ -34,7 +34,6 @@ from __future__ import annotations
 
 import hashlib
 import logging
-import math
 import secrets
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -153,7 +152,6 @@ class _Advert:
     s_public: bytes
     signature: bytes
     cert: bytes
-    loss: float | None
 
 
 @dataclass
@@ -259,12 +257,7 @@ class SecAggServer(ServerProtocol):
         cert = meta.get("cert")
         if not isinstance(cert, str) or not 0 < len(cert) <= MAX_CERT_CHARS or not cert.isascii():
             raise ProtocolError(f"The {what} does not carry a PEM certificate.")
-        loss = meta.get("loss")
-        if isinstance(loss, bool) or not isinstance(loss, int | float) or not math.isfinite(loss):
-            loss = None
-        return _Advert(
-            c_public, s_public, signature, cert.encode(), None if loss is None else float(loss)
-        )
+        return _Advert(c_public, s_public, signature, cert.encode())
 
     def _check_reveal(
         self, attempt: _ServerAttempt, client: int, meta: Mapping[str, Any], what: str
@@ -454,11 +447,9 @@ class SecAggServer(ServerProtocol):
         if not all(np.all(np.isfinite(updated[name])) for name in self._names):
             raise ProtocolError(f"Round {round}'s aggregate is not finite; the model is kept.")
         self._weights = updated
-        losses = [attempt.adverts[k].loss for k in survivors]
-        known = [loss for loss in losses if loss is not None]
         return RoundResult(
             participants=len(survivors),
-            train_loss=sum(known) / len(known) if len(known) == len(losses) and known else None,
+            train_loss=None,  # a client's loss is its own: only the sum is revealed
             metrics={
                 "degree": float(attempt.degree),
                 "threshold": float(attempt.threshold),
@@ -530,7 +521,7 @@ class SecAggClient(ClientProtocol):
         session = instruction.meta.get("session")
         if not isinstance(session, str) or not 16 <= len(session) <= 128 or not session.isalnum():
             raise ProtocolError("The task carries no valid secagg session id.")
-        weights, stats = learner.train(instruction.tensors, round=round)
+        weights, _ = learner.train(instruction.tensors, round=round)  # its loss stays here
         names = float_names(instruction.tensors)
         update = (
             np.concatenate(
@@ -564,8 +555,6 @@ class SecAggClient(ClientProtocol):
                 "s": _hex(s_public),
                 "signature": _hex(signature),
                 "cert": self._tls.cert_pem.decode(),
-                "num_examples": stats.num_examples,
-                "loss": stats.loss,
             }
         )
 
