@@ -17,6 +17,7 @@ own for an honest client's.
 from __future__ import annotations
 
 import datetime
+import functools
 import hashlib
 import os
 from collections.abc import Sequence
@@ -446,7 +447,28 @@ def _checked_certificate(
     cert_pem: bytes, ca_pem: bytes, client: int, now: datetime.datetime | None
 ) -> x509.Certificate:
     """The client's certificate, once checked against the CA, its validity, its name and
-    its key usage (``verify_round_keys``'s contract)."""
+    its key usage (``verify_round_keys``'s contract). What does not change with time is
+    checked once per (certificate, CA, client) and remembered: a round verifies every
+    member's certificate, the same ones round after round."""
+    certificate, authority = _issued_certificate(cert_pem, ca_pem, client)
+    who = f"client {client}"
+    moment = now if now is not None else datetime.datetime.now(datetime.UTC)
+    for name, cert in (("certificate", certificate), ("CA certificate", authority)):
+        if not cert.not_valid_before_utc <= moment <= cert.not_valid_after_utc:
+            raise ProtocolError(
+                f"The {name} checked for {who} is not valid at {moment.isoformat()} (valid "
+                f"{cert.not_valid_before_utc.isoformat()} to "
+                f"{cert.not_valid_after_utc.isoformat()})."
+            )
+    return certificate
+
+
+@functools.lru_cache(maxsize=4096)
+def _issued_certificate(
+    cert_pem: bytes, ca_pem: bytes, client: int
+) -> tuple[x509.Certificate, x509.Certificate]:
+    """(certificate, CA) once the certificate is found issued by the CA to ``client-<client>``
+    for signatures; ProtocolError otherwise (failures are not remembered)."""
     _check_index(client, "client")
     who = f"client {client}"
     try:
@@ -461,14 +483,6 @@ def _checked_certificate(
         certificate.verify_directly_issued_by(authority)
     except (ValueError, TypeError, InvalidSignature, UnsupportedAlgorithm) as exc:
         raise ProtocolError(f"The certificate of {who} was not issued by the run's CA.") from exc
-    moment = now if now is not None else datetime.datetime.now(datetime.UTC)
-    for name, cert in (("certificate", certificate), ("CA certificate", authority)):
-        if not cert.not_valid_before_utc <= moment <= cert.not_valid_after_utc:
-            raise ProtocolError(
-                f"The {name} checked for {who} is not valid at {moment.isoformat()} (valid "
-                f"{cert.not_valid_before_utc.isoformat()} to "
-                f"{cert.not_valid_after_utc.isoformat()})."
-            )
     try:
         identity = Identity.from_certificate(cert_pem)
     except TransportError as exc:
@@ -484,4 +498,4 @@ def _checked_certificate(
             raise ProtocolError(f"The certificate of {who} does not allow signatures.")
     except x509.ExtensionNotFound:
         pass
-    return certificate
+    return certificate, authority

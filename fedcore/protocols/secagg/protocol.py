@@ -717,9 +717,9 @@ class SecAggClient(ClientProtocol):
         signatures = _by_client(meta.get("signatures"), what="survivor-list signatures")
         statement = sk.survivors_statement(attempt.session, attempt.round, survivors)
         valid = 0
-        for v, text in signatures.items():
-            if v not in survivors:
-                continue
+        for v, text in sorted(signatures.items()):
+            if v not in survivors or valid >= attempt.threshold:
+                continue  # t valid signatures of members are the check: no need for more
             signature = _unhex(text, what=f"signature of client {v}", limit=MAX_SIGNATURE_BYTES)
             try:
                 sk.verify_signed(attempt.certs[v], self._tls.ca_pem, v, statement, signature)
