@@ -62,7 +62,12 @@ class Recording(Observer):
     Attributes:
         participants: the sampled clients of every round.
         instructions: per kept round, what each client received.
-        uploads: per kept round, what each client uploaded.
+        uploads: per kept round, what each client uploaded (a multi-stage protocol: its
+            stage-0 answer).
+        stages: multi-stage protocols (secagg), per kept round: for each (stage, client) of
+            the later stages (1, 2, ...), the (instruction, response) the server sent that
+            client and received from it; a round that is redone keeps its last attempt's (a
+            client's entries go when it is handed a new attempt's stage-0 instruction).
         keys: per kept round, what the KDC issued to each party.
         exchanges: per round (0: set-up), each (party, request, answer) a party had with the
             KDC through its key channel (e.g. a server that fetches keys per upload).
@@ -79,6 +84,7 @@ class Recording(Observer):
         self.participants: dict[int, list[int]] = {}
         self.instructions: dict[int, dict[int, Payload]] = {}
         self.uploads: dict[int, dict[int, Payload]] = {}
+        self.stages: dict[int, dict[tuple[int, int], tuple[Payload, Payload]]] = {}
         self.keys: dict[int, dict[str, Payload]] = {}
         self.exchanges: dict[int, list[tuple[str, Payload, Payload]]] = {}
         self.peers: dict[int, list[tuple[int, int, str, Payload]]] = {}
@@ -95,6 +101,9 @@ class Recording(Observer):
     def on_instruction(self, round: int, client: int, instruction: Payload) -> None:
         if round in self.keep:
             self.instructions.setdefault(round, {})[client] = instruction
+            stages = self.stages.get(round, {})
+            for key in [key for key in stages if key[1] == client]:
+                del stages[key]  # an earlier attempt's
 
     def on_keys(self, round: int, party: Identity, keys: Payload) -> None:
         if round in self.keep:
@@ -103,6 +112,12 @@ class Recording(Observer):
     def on_upload(self, round: int, client: int, upload: Payload) -> None:
         if round in self.keep:
             self.uploads.setdefault(round, {})[client] = upload
+
+    def on_stage(
+        self, round: int, stage: int, client: int, instruction: Payload, response: Payload
+    ) -> None:
+        if round in self.keep:
+            self.stages.setdefault(round, {})[(stage, client)] = (instruction, response)
 
     def on_round_end(self, round: int, result: RoundResult | None, weights: Weights) -> None:
         if round in self.keep:

@@ -1,7 +1,8 @@
 """Reconstruction attacks: gradient inversion by the server, model differencing by a client.
 
 * ``dlg`` and ``inverting-gradients`` (server): invert each attacked upload at the model the
-  server broadcast.
+  server broadcast (a multi-stage protocol's upload: the response its view names, secagg's
+  masked input).
 * ``differencing-inversion`` (client): from two consecutive broadcast models, remove its own
   known contribution and invert what is left: the other participants' update (plaintext
   protocols only; the broadcasts must be the true models).
@@ -25,6 +26,7 @@ from scipy.optimize import linprog
 from fedcore.audit import _figures
 from fedcore.audit._attack import Attack, AttackResult, AuditContext
 from fedcore.audit._reconstruct import Bounds, Scores, invert, scale_direction
+from fedcore.transport import Payload
 
 
 def _finish(
@@ -58,15 +60,29 @@ def _finish(
     )
 
 
+def received(ctx: AuditContext, round_: int) -> dict[int, Payload]:
+    """What the server received of each client's update in ``round_``: the upload, or for a
+    multi-stage protocol the response of its view's ``received_stage`` (secagg: the masked
+    input), for the clients that sent one."""
+    rec, stage = ctx.recording, ctx.view.received_stage
+    if stage is None:
+        return dict(rec.uploads.get(round_, {}))
+    return {
+        client: response
+        for (number, client), (_, response) in sorted(rec.stages.get(round_, {}).items())
+        if number == stage and client in rec.instructions.get(round_, {})
+    }
+
+
 def _victims(ctx: AuditContext) -> list[tuple[int, int]]:
     """(round, client) uploads the server attacks: the first and last kept rounds, the first
-    ``budget.victims`` uploads of each."""
+    ``budget.victims`` uploads of each (by client index)."""
     rounds = sorted(ctx.recording.uploads)
     chosen = sorted({rounds[0], rounds[-1]}) if rounds else []
     return [
         (round_, client)
         for round_ in chosen
-        for client in sorted(ctx.recording.uploads[round_])[: ctx.budget.victims]
+        for client in sorted(received(ctx, round_))[: ctx.budget.victims]
     ]
 
 
@@ -103,7 +119,7 @@ class GradientInversion(Attack):
         why = "no upload was recorded"
         rng = ctx.rng(11 if self.method == "dlg" else 12)
         for round_, client in _victims(ctx):
-            upload = rec.uploads[round_][client]
+            upload = received(ctx, round_)[client]
             instruction = rec.instructions[round_][client]
             observed = ctx.view.server_gradient(instruction, upload)
             if observed is None:

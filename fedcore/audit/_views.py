@@ -78,6 +78,10 @@ class ProtocolView(ABC):
     """Whether clients receive a perturbed model whose outputs carry a shift alpha * r."""
     skips: ClassVar[Mapping[str, str]] = MappingProxyType({})
     """Attacks that cannot apply to the protocol's messages, by name, with the reason."""
+    received_stage: ClassVar[int | None] = None
+    """Multi-stage protocols: the later stage whose response carries a client's update as the
+    server receives it (``Recording.stages``); the server's attacks read that response as the
+    upload, beside the stage-0 instruction (the broadcast). None: the stage-0 upload."""
 
     def __init__(self, spec: FederatedRunSpec) -> None:
         self.spec = spec
@@ -396,6 +400,67 @@ class MpdpView(ProtocolView):
         return np.concatenate([phi, psi.reshape(-1, psi.shape[-1])])
 
 
+# ------------------------------------------------------------------- secure aggregation
+
+
+class SecAggView(PlainView):
+    """secagg: the stage-0 instruction is the global model (read as PlainView reads it); the
+    server sees a client's update only as its stage-2 masked input (``masked``, uint64 words
+    mod 2^bits: the clipped, quantized update plus a self mask and pairwise masks).
+
+    ``server_gradient`` reads those words as a server that ignores the masks would: as if they
+    were the client's levels, each coordinate ``word * 2c / (levels - 1) - c`` (c the clip
+    range, levels 2^quantizationBits), in the broadcast's floating-point tensors in order
+    (``float_names``), then as fedavg's upload (the broadcast minus the trained model, that is
+    minus the update). The masks make the words uniform over [0, 2^bits), and 2^bits exceeds
+    the levels, so the reading lies anywhere in [-c, (2^bits - 1) 2c / (levels - 1) - c]: what
+    the inversions get is noise, unless the masks fail.
+    """
+
+    received_stage = 2
+    skips: ClassVar[Mapping[str, str]] = MappingProxyType(
+        {
+            "differencing-inversion": "no secagg message carries the attacker's own update in "
+            "the clear, so the recording cannot give its part of the released mean to subtract "
+            "(a real client knows it: the released mean leaks to differencing as fedavg's "
+            "does; not audited here)",
+        }
+    )
+
+    def server_gradient(
+        self, instruction: Payload, upload: Payload
+    ) -> tuple[dict[str, np.ndarray], UpdateKind] | None:
+        from fedcore.protocols.secagg.protocol import MASKED, float_names
+
+        words = upload.tensors.get(MASKED)
+        if words is None:
+            return None  # not a masked input (the stage-0 advert carries no tensor)
+        options = self.spec.protocol.secagg_options()
+        clip, levels = options.clip_range, 2**options.quantization_bits
+        values = np.asarray(words, np.uint64).astype(np.float64) * (2 * clip / (levels - 1)) - clip
+        names = float_names(instruction.tensors)
+        sizes = [int(np.size(instruction.tensors[n])) for n in names]
+        if values.size != sum(sizes):
+            return None
+        out, at = {}, 0
+        for name, size in zip(names, sizes, strict=True):
+            update = values[at : at + size].reshape(np.shape(instruction.tensors[name]))
+            at += size
+            if name in self._names:
+                out[name] = -update  # the broadcast minus the "trained" model, as fedavg's
+        return out, "update"
+
+    def others_update(
+        self,
+        before: Payload,
+        after: Payload,
+        own: Payload,
+        sizes: Mapping[int, int],
+        attacker: int,
+    ) -> dict[str, np.ndarray] | None:
+        return None  # skipped (``skips``): the attacker's own update is not in its messages
+
+
 # ----------------------------------------------------------------------------- registry
 
 _VIEWS: dict[str, Callable[[FederatedRunSpec], ProtocolView]] = {
@@ -405,6 +470,7 @@ _VIEWS: dict[str, Callable[[FederatedRunSpec], ProtocolView]] = {
     "perturb": PerturbView,
     "mpdp": MpdpView,
     "adaptive": AdaptiveView,
+    "secagg": SecAggView,
 }
 
 
