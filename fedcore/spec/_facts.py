@@ -144,7 +144,7 @@ PROTOCOL_FACTS: dict[str, ProtocolFacts] = {
             name="secagg",
             needs_kdc=False,
             decentralized=False,
-            claims_dp=False,
+            claims_dp=True,  # with spec.protocol.secagg.distributedDp; none without
             dropout_policy="Skip",
             summary="SecAgg+ (Bell et al. 2020): clients mask their quantized updates with "
             "pairwise and self masks whose seeds are Shamir-shared on a sparse graph; the "

@@ -573,7 +573,10 @@ def _precondition_issues(run: FederatedRun) -> list[SpecIssue]:
     if spec.protocol.name == "ebscfl":
         issues.extend(ebscfl_issues(spec.protocol.ebscfl, spec.clients))
     if spec.protocol.name == "secagg":
-        issues.extend(secagg_issues(spec.protocol.secagg_options(), spec.clients))
+        options = spec.protocol.secagg_options()
+        issues.extend(secagg_issues(options, spec.clients))
+        if options.distributed_dp is not None:
+            issues.extend(_distributed_dp_issues(spec))
     issues.extend(
         attack_issues(spec.attack, spec.protocol.name, spec.protocol.fedavg, spec.clients)
     )
@@ -595,6 +598,32 @@ def _precondition_issues(run: FederatedRun) -> list[SpecIssue]:
                     f"weightDecay must be 0.",
                 )
             )
+    return issues
+
+
+def _distributed_dp_issues(spec: FederatedRunSpec) -> list[SpecIssue]:
+    """secagg's distributed DP is proven as zCDP (fedcore.spec._options.secagg_dp): an RDP
+    accountant composes it exactly; PLD and amplification by a secret sample would claim
+    what the discrete noise does not prove."""
+    issues = []
+    if spec.privacy is not None and spec.privacy.accountant == "PLD":
+        issues.append(
+            SpecIssue(
+                "spec.privacy.accountant",
+                "'PLD' cannot account secagg's distributed discrete Gaussian (its guarantee is "
+                "zCDP, which the PLD of a continuous Gaussian would overstate); allowed: 'RDP'.",
+            )
+        )
+    sampled = min(spec.clients.sampled_per_round(), spec.clients.count)
+    if spec.clients.sampling == "Secret" and sampled < spec.clients.count:
+        issues.append(
+            SpecIssue(
+                "spec.clients.sampling",
+                "'Secret' sampling's amplification is proven for the Gaussian, not for secagg's "
+                "distributed discrete Gaussian; allowed here: 'Seeded' (no amplification is "
+                "claimed).",
+            )
+        )
     return issues
 
 

@@ -30,9 +30,20 @@ def _events(work: Path) -> list[dict[str, Any]]:
     return [json.loads(line) for line in (work / "events.jsonl").read_text().splitlines()]
 
 
-def test_a_run_over_processes_equals_its_simulation_bit_for_bit(tmp_path: Path) -> None:
+DDP = {"clippingNorm": 1.0, "noiseMultiplier": 0.5, "secureNoise": False}
+
+
+@pytest.mark.parametrize("distributed_dp", [None, DDP], ids=["plain", "distributed-dp"])
+def test_a_run_over_processes_equals_its_simulation_bit_for_bit(
+    tmp_path: Path, distributed_dp: dict[str, Any] | None
+) -> None:
+    """With distributed DP the clients' noise is drawn from seeded generators here
+    (secureNoise false), so that the run can be compared with its simulation."""
     # Prepare
-    manifest = write_manifest(tmp_path / "run.yaml", **{**SECAGG_SPEC, "rounds": 3})
+    spec = json.loads(json.dumps(SECAGG_SPEC))
+    if distributed_dp is not None:
+        spec["protocol"]["secagg"]["distributedDp"] = distributed_dp
+    manifest = write_manifest(tmp_path / "run.yaml", **{**spec, "rounds": 3})
     # Execute
     done = fedcore(
         "run", str(manifest), "--json", "--workdir", str(tmp_path / "work"), cwd=tmp_path
@@ -49,6 +60,11 @@ def test_a_run_over_processes_equals_its_simulation_bit_for_bit(tmp_path: Path) 
     rounds = [e for e in _events(tmp_path / "work") if e["event"] == "round"]
     assert [e["participants"] for e in rounds] == [5, 5, 5]
     assert summary["accuracy"] == pytest.approx(simulated.accuracy, abs=0)
+    if distributed_dp is None:
+        assert summary.get("epsilon") is None
+    else:
+        assert summary["epsilon"] == pytest.approx(simulated.epsilon, rel=1e-12)
+        assert summary["epsilon"] > 0
 
 
 def test_a_client_lost_after_sharing_is_unmasked_from_its_neighbours_shares(

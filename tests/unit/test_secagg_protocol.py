@@ -83,7 +83,7 @@ def _run(server, clients, learners, drops: Mapping[int, set[int]]) -> AttemptRep
 
 def _expected_mean(clients, survivors: list[int], options: SecAggOptions) -> np.ndarray:
     """The mean of the survivors' quantized updates, summed in plain integers."""
-    total = sum(0 + clients[k]._attempt.quantized.astype(object) for k in survivors)
+    total = sum(0 + clients[k]._attempt.words.astype(object) for k in survivors)
     levels = 2**options.quantization_bits
     q = sm.Quantization(options.clip_range, levels, sm.choose_bits(len(survivors), levels))
     exact = sm.dequantize_sum(np.array(total, dtype=np.uint64), len(survivors), q)
@@ -161,9 +161,9 @@ def test_the_masked_inputs_look_nothing_like_the_inputs(bundles) -> None:
 
     server.check_upload = capture  # type: ignore[method-assign]
     _run(server, clients, learners, {})
-    bits = server._attempt.quantization.bits
+    bits = server._attempt.encoding.bits
     for k, masked in captured.items():
-        plain = clients[k]._attempt.quantized
+        plain = clients[k]._attempt.words
         assert int(plain.max()) - int(plain.min()) <= 1  # zero lies between two levels
         assert np.mean(masked == plain) < 0.1
         # Uniform over 2^bits: the top bit is set about half the time.
@@ -287,7 +287,7 @@ def test_malformed_responses_are_refused_naming_the_client(bundles, stage, meta,
 
 def test_a_masked_input_past_the_modulus_is_refused(bundles) -> None:
     server, _clients, _plans = _advance_to(1, bundles)
-    bits = server._attempt.quantization.bits
+    bits = server._attempt.encoding.bits
     words = np.full(35, 2**bits, dtype=np.uint64)
     with pytest.raises(ProtocolError, match="words of"):
         server.check_upload(ROUND, 0, Payload(tensors={MASKED: words}))

@@ -35,6 +35,7 @@ from __future__ import annotations
 import hashlib
 import logging
 import secrets
+import warnings
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -43,6 +44,7 @@ import numpy as np
 
 from fedcore.errors import ProtocolError
 from fedcore.learning.training import LocalLearner
+from fedcore.privacy._noise import noise_generator
 from fedcore.protocols._base import (
     ClientProtocol,
     Protocol,
@@ -53,8 +55,10 @@ from fedcore.protocols._base import (
 from fedcore.protocols._maths import copy_weights, restore_weights
 from fedcore.protocols.secagg import keys as sk
 from fedcore.protocols.secagg import maths as sm
+from fedcore.protocols.secagg import noise
 from fedcore.spec import FederatedRunSpec
 from fedcore.spec._options.secagg import SecAggOptions
+from fedcore.spec._options.secagg_dp import DdpPlan, ddp_plan
 from fedcore.transport import Payload, TlsBundle
 
 log = logging.getLogger(__name__)
@@ -65,6 +69,9 @@ MAX_CERT_CHARS = 16_384
 MAX_SIGNATURE_BYTES = 512
 MAX_SEALED_BYTES = 1024
 _ROUNDING_TAG = 0x5EC466
+"""Separates the stochastic rounding's generator from every other use of the run's seed."""
+_NOISE_TAG = 0x5EC000_0000
+"""Plus the client index: the stream of a client's reproducible noise (secureNoise false)."""
 """Separates the stochastic rounding's generator from every other use of the run's seed."""
 
 
@@ -128,9 +135,36 @@ def float_names(weights: Weights) -> list[str]:
     return [name for name, value in weights.items() if np.issubdtype(value.dtype, np.floating)]
 
 
-def parameters_of(options: SecAggOptions, members: int) -> tuple[int, int, sm.Quantization]:
-    """(degree, threshold, quantization) for ``members`` clients: what every party derives
-    from the spec and the member count alone."""
+@dataclass(frozen=True)
+class Encoding:
+    """How a round's updates become masked-input words, and the unmasked sum floats again.
+
+    Attributes:
+        bits: the masks' modulus is 2^bits.
+        quantization: plain SecAgg+: the levels over [-clipRange, clipRange] (else None).
+        plan: distributed DP: granularity, noise and modulus (else None).
+        fewest: the fewest clients whose sum may be unmasked (clients refuse fewer).
+    """
+
+    bits: int
+    quantization: sm.Quantization | None
+    plan: DdpPlan | None
+    fewest: int
+
+    def decode(self, total: np.ndarray, count: int) -> np.ndarray:
+        """The float sum of ``count`` inputs from their unmasked sum mod 2^bits."""
+        if self.plan is not None:
+            return noise.decode_sum(total, self.plan)
+        assert self.quantization is not None
+        return sm.dequantize_sum(total, count, self.quantization)
+
+
+def parameters_of(
+    options: SecAggOptions, members: int, *, fewest: int, dims: int
+) -> tuple[int, int, Encoding]:
+    """(degree, threshold, encoding) for ``members`` clients summing ``dims`` coordinates:
+    what every party derives from the spec and the member count alone. ``fewest``: the spec's
+    least sum (``SecAggOptions.fewest_summed``)."""
     degree, threshold = sm.choose_parameters(
         members,
         options.dropout_rate,
@@ -138,9 +172,26 @@ def parameters_of(options: SecAggOptions, members: int) -> tuple[int, int, sm.Qu
         options.security_bits,
         options.correctness_bits,
     )
+    least = max(threshold, 2)
+    dp = options.distributed_dp
+    if dp is not None:
+        least = max(least, fewest)
+        plan = ddp_plan(
+            clipping_norm=dp.clipping_norm,
+            noise_multiplier=dp.noise_multiplier,
+            granularity_bits=options.quantization_bits,
+            fewest=min(fewest, members),
+            most=members,
+            dims=max(dims, 1),
+        )
+        return degree, threshold, Encoding(plan.bits, None, plan, least)
     levels = 2**options.quantization_bits
     bits = sm.choose_bits(members, levels)
-    return degree, threshold, sm.Quantization(options.clip_range, levels, bits)
+    return (
+        degree,
+        threshold,
+        Encoding(bits, sm.Quantization(options.clip_range, levels, bits), None, least),
+    )
 
 
 # ------------------------------------------------------------------------------ server
@@ -163,7 +214,7 @@ class _ServerAttempt:
     members: list[int] = field(default_factory=list)  # U1
     degree: int = 0
     threshold: int = 0
-    quantization: sm.Quantization | None = None
+    encoding: Encoding | None = None
     graph: dict[int, tuple[int, ...]] = field(default_factory=dict)
     sealed: dict[int, dict[int, str]] = field(default_factory=dict)  # sender -> receiver
     shared: list[int] = field(default_factory=list)  # U2
@@ -183,9 +234,10 @@ class SecAggServer(ServerProtocol):
 
     kind = "secagg"
 
-    def __init__(self, initial: Weights, options: SecAggOptions) -> None:
+    def __init__(self, initial: Weights, options: SecAggOptions, *, fewest: int = 2) -> None:
         self._weights = copy_weights(initial)
         self._options = options
+        self._fewest = fewest
         self._names = float_names(initial)
         self._size = sum(int(np.size(initial[name])) for name in self._names)
         self._attempt: _ServerAttempt | None = None
@@ -229,15 +281,15 @@ class SecAggServer(ServerProtocol):
                 _unhex(text, what=f"sealed shares for {receiver} in {what}", limit=MAX_SEALED_BYTES)
             attempt.sealed[client] = sealed
         elif attempt.stage == 2:
-            assert attempt.quantization is not None
+            assert attempt.encoding is not None
             masked = upload.tensors.get(MASKED)
             if set(upload.tensors) != {MASKED} or masked is None:
                 raise ProtocolError(f"The {what} must carry exactly the tensor {MASKED!r}.")
             if masked.dtype != np.uint64 or masked.shape != (self._size,):
                 raise ProtocolError(f"The {what}'s masked input is not {self._size} uint64 words.")
-            if self._size and int(masked.max()) >> attempt.quantization.bits:
+            if self._size and int(masked.max()) >> attempt.encoding.bits:
                 raise ProtocolError(
-                    f"The {what}'s masked input has words of 2^{attempt.quantization.bits} or more."
+                    f"The {what}'s masked input has words of 2^{attempt.encoding.bits} or more."
                 )
             attempt.masked[client] = masked
         elif attempt.stage == 3:
@@ -295,10 +347,11 @@ class SecAggServer(ServerProtocol):
         return following
 
     def _need(self, attempt: _ServerAttempt, count: int, what: str) -> None:
-        if count < max(attempt.threshold, 2):
+        least = attempt.encoding.fewest if attempt.encoding is not None else 2
+        if count < least:
             raise ProtocolError(
-                f"Only {count} clients {what}; secagg needs at least "
-                f"{max(attempt.threshold, 2)} (its threshold), so nothing of this attempt is "
+                f"Only {count} clients {what}; secagg needs at least {least} (its threshold, "
+                "or the quorum its noise is calibrated for), so nothing of this attempt is "
                 "revealed."
             )
 
@@ -308,8 +361,8 @@ class SecAggServer(ServerProtocol):
         members = [k for k in responders if k in attempt.adverts]
         self._need(attempt, len(members), "advertised their keys")
         attempt.members = members
-        attempt.degree, attempt.threshold, attempt.quantization = parameters_of(
-            self._options, len(members)
+        attempt.degree, attempt.threshold, attempt.encoding = parameters_of(
+            self._options, len(members), fewest=self._fewest, dims=self._size
         )
         keys = {k: (attempt.adverts[k].c_public, attempt.adverts[k].s_public) for k in members}
         attempt.graph = sm.sharing_graph(
@@ -375,7 +428,7 @@ class SecAggServer(ServerProtocol):
     def _unmask(
         self, attempt: _ServerAttempt, responders: list[int], responses: Mapping[int, Payload]
     ) -> None:
-        assert attempt.quantization is not None
+        assert attempt.encoding is not None
         t = attempt.threshold
         survivors, shared = set(attempt.survivors), set(attempt.shared)
         dropped = shared - survivors
@@ -420,9 +473,9 @@ class SecAggServer(ServerProtocol):
             graph=graph,
             self_seeds=seeds,
             dropped_pair_seeds=pair_seeds,
-            bits=attempt.quantization.bits,
+            bits=attempt.encoding.bits,
         )
-        attempt.total = sm.dequantize_sum(total, len(survivors), attempt.quantization)
+        attempt.total = attempt.encoding.decode(total, len(survivors))
         return None
 
     # ---------------------------------------------------------------------- combine
@@ -475,13 +528,14 @@ class _ClientAttempt:
     round: int
     session: str
     keys: sk.RoundKeys
-    quantized: np.ndarray
+    update: np.ndarray  # clipped, in float64; encoded at stage 2
+    words: np.ndarray | None = None  # the encoded input, before its masks
     members: list[int] = field(default_factory=list)
     publics: dict[int, tuple[bytes, bytes]] = field(default_factory=dict)
     certs: dict[int, bytes] = field(default_factory=dict)
     neighbours: tuple[int, ...] = ()
     threshold: int = 0
-    quantization: sm.Quantization | None = None
+    encoding: Encoding | None = None
     self_seed: bytes = b""
     sealed: dict[int, bytes] = field(default_factory=dict)
     shared: list[int] = field(default_factory=list)
@@ -499,10 +553,11 @@ class SecAggClient(ClientProtocol):
         seed: ``spec.seed`` (the stochastic rounding's generator).
     """
 
-    def __init__(self, index: int, options: SecAggOptions, seed: int) -> None:
+    def __init__(self, index: int, options: SecAggOptions, seed: int, *, fewest: int = 2) -> None:
         self._index = index
         self._options = options
         self._seed = seed
+        self._fewest = fewest
         self._tls: TlsBundle | None = None
         self._attempt: _ClientAttempt | None = None
 
@@ -536,19 +591,16 @@ class SecAggClient(ClientProtocol):
             if names
             else np.zeros(0)
         )
-        clip = self._options.clip_range
-        np.clip(update, -clip, clip, out=update)
-        # The levels and modulus depend on the member count, known at stage 1; the rounding
-        # to levels does not: 2^quantizationBits levels over [-c, c].
-        levels = 2**self._options.quantization_bits
-        quantization = sm.Quantization(clip, levels, sm.choose_bits(1, levels))
-        rng = np.random.default_rng([self._seed, round, self._index, _ROUNDING_TAG])
-        quantized = sm.quantize(update, quantization, stochastic=True, rng=rng)
+        dp = self._options.distributed_dp
+        if dp is not None:
+            update = noise.clip_l2(update, dp.clipping_norm)
+        else:
+            np.clip(update, -self._options.clip_range, self._options.clip_range, out=update)
         round_keys = sk.RoundKeys.new()
         c_public, s_public = round_keys.public()
         statement = sk.round_key_statement(session, round, self._index, c_public, s_public)
         signature = sk.sign_round_keys(self._tls.key_pem, statement)
-        self._attempt = _ClientAttempt(round, session, round_keys, quantized)
+        self._attempt = _ClientAttempt(round, session, round_keys, update)
         return Payload(
             meta={
                 "c": _hex(c_public),
@@ -607,7 +659,9 @@ class SecAggClient(ClientProtocol):
             attempt.certs[v] = cert.encode()
         if attempt.publics[self._index] != attempt.keys.public():
             raise ProtocolError("The member list carries other keys for this client than its own.")
-        degree, attempt.threshold, attempt.quantization = parameters_of(self._options, len(members))
+        degree, attempt.threshold, attempt.encoding = parameters_of(
+            self._options, len(members), fewest=self._fewest, dims=attempt.update.size
+        )
         graph = sm.sharing_graph(
             members, degree, graph_seed(attempt.session, attempt.round, attempt.publics)
         )
@@ -641,7 +695,7 @@ class SecAggClient(ClientProtocol):
         return Payload(meta={"shares": sealed})
 
     def _mask(self, attempt: _ClientAttempt, meta: Mapping[str, Any]) -> Payload:
-        assert attempt.quantization is not None
+        assert attempt.encoding is not None
         shared = _clients(meta.get("shared"), what="list of clients that shared")
         if self._index not in shared or not set(shared) <= set(attempt.members):
             raise ProtocolError(
@@ -673,14 +727,30 @@ class SecAggClient(ClientProtocol):
             )
             for v in partners
         }
+        attempt.words = self._encode(attempt, attempt.encoding)
         masked = sm.mask_input(
-            attempt.quantized,
+            attempt.words,
             client=self._index,
             self_seed=attempt.self_seed,
             pair_seeds=pair_seeds,
-            bits=attempt.quantization.bits,
+            bits=attempt.encoding.bits,
         )
         return Payload(tensors={MASKED: masked})
+
+    def _encode(self, attempt: _ClientAttempt, encoding: Encoding) -> np.ndarray:
+        """This client's words: its levels (plain), or its integers plus its noise share."""
+        rounding = np.random.default_rng([self._seed, attempt.round, self._index, _ROUNDING_TAG])
+        dp = self._options.distributed_dp
+        if encoding.plan is not None and dp is not None:
+            draws = noise_generator(
+                secure=dp.secure_noise,
+                seed=self._seed,
+                round=attempt.round,
+                stream=_NOISE_TAG + self._index,
+            )
+            return noise.encode(attempt.update, encoding.plan, rounding=rounding, noise=draws)
+        assert encoding.quantization is not None
+        return sm.quantize(attempt.update, encoding.quantization, stochastic=True, rng=rounding)
 
     def _sign(self, attempt: _ClientAttempt, meta: Mapping[str, Any]) -> Payload:
         assert self._tls is not None
@@ -697,10 +767,12 @@ class SecAggClient(ClientProtocol):
             raise ProtocolError(
                 "The survivor list is not a set of clients that shared, with this client."
             )
-        if len(survivors) < attempt.threshold:
+        assert attempt.encoding is not None
+        if len(survivors) < attempt.encoding.fewest:
             raise ProtocolError(
-                f"The survivor list has {len(survivors)} clients, fewer than the threshold "
-                f"{attempt.threshold}."
+                f"The survivor list has {len(survivors)} clients, fewer than the "
+                f"{attempt.encoding.fewest} this client's input may be summed with (the "
+                "threshold, or the quorum its noise share is calibrated for)."
             )
         return survivors
 
@@ -770,7 +842,45 @@ class SecAgg(Protocol):
     name = "secagg"
 
     def create_server(self, spec: FederatedRunSpec, initial: Weights) -> ServerProtocol:
-        return SecAggServer(initial, spec.protocol.secagg_options())
+        options = spec.protocol.secagg_options()
+        dp = options.distributed_dp
+        if dp is not None and not dp.secure_noise:
+            warnings.warn(
+                "secagg's clients draw their noise from generators seeded by spec.seed "
+                "(spec.protocol.secagg.distributedDp.secureNoise is false): anyone who knows "
+                "the seed can subtract it, so this run has no differential privacy. Use it for "
+                "tests only.",
+                UserWarning,
+                stacklevel=2,
+            )
+        return SecAggServer(initial, options, fewest=options.fewest_summed(spec.clients))
 
     def create_client(self, spec: FederatedRunSpec, index: int) -> ClientProtocol:
-        return SecAggClient(index, spec.protocol.secagg_options(), spec.seed)
+        options = spec.protocol.secagg_options()
+        return SecAggClient(index, options, spec.seed, fewest=options.fewest_summed(spec.clients))
+
+    def noise_multiplier(self, spec: FederatedRunSpec) -> float | None:
+        """With distributed DP: the Gaussian multiplier whose RDP curve is a round's zCDP
+        bound (``fedcore.spec._options.secagg_dp``), for sums of the quorum to the sample;
+        None without."""
+        options = spec.protocol.secagg_options()
+        dp = options.distributed_dp
+        if dp is None:
+            return None
+        from fedcore.learning.data import dataset_info
+        from fedcore.learning.models import build_model, get_weights
+
+        shape, classes = dataset_info(spec)
+        weights = get_weights(build_model(spec.model, shape, classes, seed=spec.seed))
+        dims = sum(int(np.size(weights[name])) for name in float_names(weights))
+        sampled = min(spec.clients.sampled_per_round(), spec.clients.count)
+        fewest = options.fewest_summed(spec.clients)
+        plan = ddp_plan(
+            clipping_norm=dp.clipping_norm,
+            noise_multiplier=dp.noise_multiplier,
+            granularity_bits=options.quantization_bits,
+            fewest=min(fewest, sampled),
+            most=sampled,
+            dims=max(dims, 1),
+        )
+        return plan.noise_multiplier

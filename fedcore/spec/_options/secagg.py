@@ -15,6 +15,32 @@ from pydantic import Field
 from fedcore.errors import ProtocolError, SpecIssue
 from fedcore.spec._base import SpecModel
 from fedcore.spec._clients import ClientsSpec
+from fedcore.spec._options.secagg_dp import ddp_plan
+
+
+class DistributedDpOptions(SpecModel):
+    """secagg's distributed DP (the distributed discrete Gaussian, docs/protocols/secagg.md)."""
+
+    clipping_norm: float = Field(
+        1.0,
+        gt=0,
+        le=1e6,
+        description="clippingNorm C: each client clips its whole update (all tensors together) "
+        "to this L2 norm. Default 1.0.",
+    )
+    noise_multiplier: float = Field(
+        description="noiseMultiplier z: the sum of the fewest clients the server can unmask "
+        "(the quorum) carries discrete Gaussian noise of standard deviation z*C, each client "
+        "adding its share. Required.",
+        gt=0,
+        le=1e4,
+    )
+    secure_noise: bool = Field(
+        True,
+        description="secureNoise: each client draws its noise from a generator seeded by the "
+        "OS CSPRNG (true, default). false: seeded by (seed, round, client), reproducible, for "
+        "tests only: anyone who knows the seed can subtract the noise, so no DP.",
+    )
 
 
 class SecAggOptions(SpecModel):
@@ -60,6 +86,20 @@ class SecAggOptions(SpecModel):
     correctness_bits: int = Field(
         20, ge=0, le=64, description="correctnessBits eta (Bell et al.). Default 20."
     )
+    distributed_dp: DistributedDpOptions | None = Field(
+        None,
+        description="distributedDp adds distributed DP: each client clips its update to L2 norm "
+        "clippingNorm, scales it to integers at granularity clippingNorm / "
+        "2^(quantizationBits - 1) and adds its share of discrete Gaussian noise before masking, "
+        "so the server never sees a sum without the full noise; clipRange is then unused. Unset "
+        "(default): no DP is claimed.",
+    )
+
+    def fewest_summed(self, clients: ClientsSpec) -> int:
+        """The fewest clients whose sum the clients let the server unmask: the quorum of a
+        round's sample (at least 2); distributed DP's noise is calibrated for it."""
+        sampled = min(clients.sampled_per_round(), clients.count)
+        return max(clients.quorum_of(sampled), 2)
 
 
 def secagg_issues(options: SecAggOptions, clients: ClientsSpec) -> list[SpecIssue]:
@@ -79,6 +119,19 @@ def secagg_issues(options: SecAggOptions, clients: ClientsSpec) -> list[SpecIssu
         except ProtocolError as exc:
             issues.append(SpecIssue("spec.protocol.secagg.dropoutRate", str(exc)))
             break
+    dp = options.distributed_dp
+    if dp is not None:
+        try:
+            ddp_plan(
+                clipping_norm=dp.clipping_norm,
+                noise_multiplier=dp.noise_multiplier,
+                granularity_bits=options.quantization_bits,
+                fewest=min(options.fewest_summed(clients), max(sampled, 1)),
+                most=max(sampled, 1),
+                dims=1,
+            )
+        except ProtocolError as exc:
+            issues.append(SpecIssue("spec.protocol.secagg.distributedDp", str(exc)))
     if sampled < 2:
         issues.append(
             SpecIssue(
