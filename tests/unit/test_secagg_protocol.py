@@ -293,3 +293,50 @@ def test_a_masked_input_past_the_modulus_is_refused(bundles) -> None:
         server.check_upload(ROUND, 0, Payload(tensors={MASKED: words}))
     with pytest.raises(ProtocolError, match="uint64 words"):
         server.check_upload(ROUND, 0, Payload(tensors={MASKED: np.zeros(34, dtype=np.uint64)}))
+
+
+def test_no_private_key_pair_seed_or_plain_input_reaches_the_server(bundles) -> None:
+    """Every byte the server receives in a whole attempt (as the transport encodes it) holds
+    none of a client's private keys, none of the pair seeds between survivors, and no 16-byte
+    run of any client's plain input words."""
+    from fedcore.protocols.secagg import keys as sk
+    from fedcore.transport._codec import encode_chunks
+
+    options = SecAggOptions(dropout_rate=0.2, corrupt_rate=0.1)
+    _, server, clients, learners = _setup(bundles, options)
+    received: list[Payload] = []
+    original = server.check_upload
+
+    def capture(round_: int, client: int, upload: Payload) -> None:
+        received.append(upload)
+        original(round_, client, upload)
+
+    server.check_upload = capture  # type: ignore[method-assign]
+    _run(server, clients, learners, {2: {7}})  # one client lost after sharing
+    wire = b"".join(
+        chunk for upload in received for chunk in encode_chunks(upload, chunk_bytes=1 << 20)
+    )
+    survivors = server._attempt.survivors
+    secrets_: list[bytes] = []
+    for k, client in clients.items():
+        attempt = client._attempt
+        secrets_.append(attempt.keys.c_private.private_bytes_raw())
+        if k in survivors:
+            secrets_.append(attempt.keys.mask_private_bytes())
+            for v in attempt.neighbours:
+                if v in survivors:
+                    secrets_.append(
+                        sk.pair_seed(
+                            attempt.keys.s_private,
+                            attempt.publics[v][1],
+                            run=attempt.session,
+                            round=ROUND,
+                            pair=(min(k, v), max(k, v)),
+                        )
+                    )
+            plain = attempt.words.tobytes()
+            secrets_ += [plain[i : i + 16] for i in range(0, len(plain) - 16, 16)]
+    assert len(wire) > 10_000 and len(secrets_) > 100
+    for secret in secrets_:
+        assert secret[:16] not in wire
+        assert secret[-16:] not in wire
