@@ -55,6 +55,7 @@ class AttackSpec(SpecModel):
         "Overflow",
         "InflateExamples",
         "MisreportEvaluation",
+        "DropAfterSharing",
     ] = Field(
         description="kind of attack. LabelFlip: the attackers train on labels y -> classes-1-y. "
         "SignFlip: they upload -scale times their honest update. Scale: scale times it. "
@@ -65,7 +66,9 @@ class AttackSpec(SpecModel):
         "example count. The server's checks (spec.uploads) must refuse these two. "
         "MisreportEvaluation (spec.evaluation.where Clients or Both): they answer the server's "
         "evaluation requests with more examples right than they scored, which the server must "
-        "refuse. Required."
+        "refuse. DropAfterSharing (secagg only): they advertise and share their keys every "
+        "round, then decline to send their masked input, the costliest moment for SecAgg+ to "
+        "lose a client (its neighbours must reveal its mask key's shares). Required."
     )
     fraction: float = Field(
         0.2,
@@ -121,6 +124,14 @@ def attack_issues(
                     f"'InflateExamples' is applied by fedavg's clients; protocol {name!r}'s do "
                     f"not apply it. Allowed here: 'LabelFlip', 'Overflow'"
                     + (", 'SignFlip', 'Scale'." if name in UPDATE_ATTACK_PROTOCOLS else "."),
+                )
+            )
+        if attack.kind == "DropAfterSharing" and name != "secagg":
+            issues.append(
+                SpecIssue(
+                    "spec.attack.kind",
+                    f"'DropAfterSharing' drops a client between secagg's stages; protocol "
+                    f"{name!r} has none. Allowed here: 'LabelFlip'.",
                 )
             )
         if attack.kind == "Overflow" and name == "lppa":

@@ -97,3 +97,33 @@ def test_a_client_lost_after_sharing_is_unmasked_from_its_neighbours_shares(
     assert round_event["metrics"]["dropped_after_sharing"] == 1.0
     log = (tmp_path / "work" / "logs" / "server.log").read_text()
     assert "stage 2: clients [3] failed" in log
+
+
+def test_thirty_percent_dropping_after_sharing_every_round_equals_its_simulation(
+    tmp_path: Path,
+) -> None:
+    """3 of 10 clients share their keys, then never send their masked input (spec.attack
+    DropAfterSharing): every round rebuilds their mask keys from the survivors' shares, and the
+    model over processes equals the simulation's, bit for bit."""
+    # Prepare
+    spec = {
+        **SECAGG_SPEC,
+        "protocol": {"name": "secagg", "secagg": {"dropoutRate": 0.3, "corruptRate": 0.1}},
+        "clients": {"count": 10, "quorum": "60%"},
+        "attack": {"kind": "DropAfterSharing", "fraction": 0.3, "seed": 2},
+        "rounds": 2,
+    }
+    manifest = write_manifest(tmp_path / "run.yaml", **spec)
+    # Execute
+    done = fedcore(
+        "run", str(manifest), "--json", "--workdir", str(tmp_path / "work"), cwd=tmp_path
+    )
+    simulated = simulate(load_manifest(manifest))
+    # Assert
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-4000:]
+    released = load_file(str(tmp_path / "work" / "model.safetensors"))
+    for name, value in simulated.weights.items():
+        assert np.array_equal(released[name], value), name
+    rounds = [e for e in _events(tmp_path / "work") if e["event"] == "round"]
+    assert [e["participants"] for e in rounds] == [7, 7]
+    assert [e["metrics"]["dropped_after_sharing"] for e in rounds] == [3.0, 3.0]

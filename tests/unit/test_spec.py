@@ -310,6 +310,12 @@ INVALID = [
         "masks cancel in the sum only when every masked input is exact",
     ),
     _case(
+        "drop-after-sharing-without-secagg",
+        {("spec", "attack"): {"kind": "DropAfterSharing"}},
+        "spec.attack.kind",
+        "drops a client between secagg's stages",
+    ),
+    _case(
         "secagg-dropout-rate-out-of-range",
         {("spec", "protocol"): {"name": "secagg", "secagg": {"dropoutRate": 0.5}}},
         "spec.protocol.secagg.dropoutRate",

@@ -43,6 +43,7 @@ from typing import Any
 import numpy as np
 
 from fedcore.errors import ProtocolError
+from fedcore.learning.poisoning import attack_of
 from fedcore.learning.training import LocalLearner
 from fedcore.privacy._noise import noise_generator
 from fedcore.protocols._base import (
@@ -551,9 +552,21 @@ class SecAggClient(ClientProtocol):
         index: this client's index.
         options: ``spec.protocol.secagg`` (or its defaults).
         seed: ``spec.seed`` (the stochastic rounding's generator).
+        fewest: the spec's least sum (``SecAggOptions.fewest_summed``).
+        drops_after_sharing: an experiment's dropout (``spec.attack`` DropAfterSharing): the
+            client declines every stage 2.
     """
 
-    def __init__(self, index: int, options: SecAggOptions, seed: int, *, fewest: int = 2) -> None:
+    def __init__(
+        self,
+        index: int,
+        options: SecAggOptions,
+        seed: int,
+        *,
+        fewest: int = 2,
+        drops_after_sharing: bool = False,
+    ) -> None:
+        self._drops_after_sharing = drops_after_sharing
         self._index = index
         self._options = options
         self._seed = seed
@@ -696,6 +709,8 @@ class SecAggClient(ClientProtocol):
 
     def _mask(self, attempt: _ClientAttempt, meta: Mapping[str, Any]) -> Payload:
         assert attempt.encoding is not None
+        if self._drops_after_sharing:  # an experiment's dropout (spec.attack DropAfterSharing)
+            raise ProtocolError("This client drops out after sharing (spec.attack).")
         shared = _clients(meta.get("shared"), what="list of clients that shared")
         if self._index not in shared or not set(shared) <= set(attempt.members):
             raise ProtocolError(
@@ -857,7 +872,13 @@ class SecAgg(Protocol):
 
     def create_client(self, spec: FederatedRunSpec, index: int) -> ClientProtocol:
         options = spec.protocol.secagg_options()
-        return SecAggClient(index, options, spec.seed, fewest=options.fewest_summed(spec.clients))
+        return SecAggClient(
+            index,
+            options,
+            spec.seed,
+            fewest=options.fewest_summed(spec.clients),
+            drops_after_sharing=attack_of(spec, index) == "DropAfterSharing",
+        )
 
     def noise_multiplier(self, spec: FederatedRunSpec) -> float | None:
         """With distributed DP: the Gaussian multiplier whose RDP curve is a round's zCDP
