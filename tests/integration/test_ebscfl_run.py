@@ -114,7 +114,7 @@ def events_of(path: Path) -> list[dict[str, Any]]:
 
 
 def test_a_malformed_encoding_is_rejected_counted_logged_and_the_rounds_complete(
-    tmp_path: Path,
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     # Prepare: one client of four tampers with its encoded upload every round
     manifest = write_manifest(
@@ -124,12 +124,14 @@ def test_a_malformed_encoding_is_rejected_counted_logged_and_the_rounds_complete
     )
     run_spec = load_manifest(manifest)
     (bad,) = attackers(run_spec.spec)
+    hold = ServerHold(monkeypatch, tmp_path, 2)  # the server waits while its metrics are read
     run = LocalRun(run_spec, manifest, workdir=tmp_path / "work")
     run.start()
     try:
-        wait_for_event(run, "round", round=2)
+        wait_for_event(run, "held", round=2)
         # Execute
         metrics = scrape(run.metrics_ports["server"])
+        hold.release()
         result = run.wait()
     finally:
         run.stop()

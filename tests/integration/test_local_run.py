@@ -233,11 +233,15 @@ def raw_session_call(target: str, bundle: TlsBundle, chunks: list[bytes]) -> grp
     return grpc.StatusCode.OK
 
 
-def test_hostile_peers_are_refused_and_the_run_goes_on(tmp_path: Path) -> None:
-    # Prepare
+def test_hostile_peers_are_refused_and_the_run_goes_on(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Prepare: the server is held after round 1 while the hostile peers call (and its metrics
+    # are read), so that nothing races the end of the run
+    hold = ServerHold(monkeypatch, tmp_path, 1)
     manifest = write_manifest(
         tmp_path / "run.yaml",
-        rounds=150,
+        rounds=3,
         clients={"count": 2},
         transport={"chunkBytes": 65536, "maxMessageBytes": 1048576},
         checkpoint={"everyRounds": 0},
@@ -246,7 +250,7 @@ def test_hostile_peers_are_refused_and_the_run_goes_on(tmp_path: Path) -> None:
     run.start()
     try:
         ready = wait_for_event(run, "ready")
-        wait_for_event(run, "round", round=1)
+        wait_for_event(run, "held", round=1)
         target = f"127.0.0.1:{ready['port']}"
         pki = tmp_path / "work" / "pki"
         client_1 = TlsBundle.load(pki / "client-1")
@@ -274,6 +278,7 @@ def test_hostile_peers_are_refused_and_the_run_goes_on(tmp_path: Path) -> None:
         huge_chunk = raw_session_call(target, client_1, [b"FCM1" + bytes(200_000)])
         runner_identity = raw_session_call(target, TlsBundle.load(pki / "runner"), valid)
         metrics = scrape(run.metrics_ports["server"])
+        hold.release()
         result = run.wait()
     finally:
         run.stop()
