@@ -372,9 +372,9 @@ def render_intro(all_steps: list[Step], started: str, total: float, images: list
         "Each benchmark also runs alone (`python -m benchmarks.flower --write`, `limits`, "
         "`scale`; `python benchmarks/spine.py --write`, `protocols.py`, `checkpoint.py`, "
         "`python -m benchmarks.operator_scale --write`). Outside run_all: `python "
-        "benchmarks/data_sources.py --write`, `sites.py`, `compression.py`. Flower is installed "
-        "by the benchmark into its own virtual environment under ~/.cache/fedcore-bench, never "
-        "into fedcore's.",
+        "benchmarks/data_sources.py --write`, `sites.py`, `compression.py`, `secagg.py`. Flower "
+        "is installed by the benchmark into its own virtual environment under "
+        "~/.cache/fedcore-bench, never into fedcore's.",
         "",
         f"Last invocation: started {started}, {total / 60:.0f} min for the steps it ran (a "
         f"step it did not run keeps its section, and its row below, from the invocation that "
