@@ -59,7 +59,7 @@ from fedcore.protocols.secagg import maths as sm
 from fedcore.protocols.secagg import noise
 from fedcore.spec import FederatedRunSpec
 from fedcore.spec._options.secagg import SecAggOptions
-from fedcore.spec._options.secagg_dp import DdpPlan, ddp_plan
+from fedcore.spec._options.secagg_dp import DdpPlan
 from fedcore.transport import Payload, TlsBundle
 
 log = logging.getLogger(__name__)
@@ -174,18 +174,9 @@ def parameters_of(
         options.correctness_bits,
     )
     least = max(threshold, 2)
-    dp = options.distributed_dp
-    if dp is not None:
-        least = max(least, fewest)
-        plan = ddp_plan(
-            clipping_norm=dp.clipping_norm,
-            noise_multiplier=dp.noise_multiplier,
-            granularity_bits=options.quantization_bits,
-            fewest=min(fewest, members),
-            most=members,
-            dims=max(dims, 1),
-        )
-        return degree, threshold, Encoding(plan.bits, None, plan, least)
+    plan = options.dp_plan(fewest=fewest, members=members, dims=dims)
+    if plan is not None:
+        return degree, threshold, Encoding(plan.bits, None, plan, max(least, fewest))
     levels = 2**options.quantization_bits
     bits = sm.choose_bits(members, levels)
     return (
@@ -895,13 +886,8 @@ class SecAgg(Protocol):
         weights = get_weights(build_model(spec.model, shape, classes, seed=spec.seed))
         dims = sum(int(np.size(weights[name])) for name in float_names(weights))
         sampled = min(spec.clients.sampled_per_round(), spec.clients.count)
-        fewest = options.fewest_summed(spec.clients)
-        plan = ddp_plan(
-            clipping_norm=dp.clipping_norm,
-            noise_multiplier=dp.noise_multiplier,
-            granularity_bits=options.quantization_bits,
-            fewest=min(fewest, sampled),
-            most=sampled,
-            dims=max(dims, 1),
+        plan = options.dp_plan(
+            fewest=options.fewest_summed(spec.clients), members=sampled, dims=dims
         )
+        assert plan is not None
         return plan.noise_multiplier

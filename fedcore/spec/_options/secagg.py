@@ -15,7 +15,7 @@ from pydantic import Field
 from fedcore.errors import ProtocolError, SpecIssue
 from fedcore.spec._base import SpecModel
 from fedcore.spec._clients import ClientsSpec
-from fedcore.spec._options.secagg_dp import ddp_plan
+from fedcore.spec._options.secagg_dp import DdpPlan, ddp_plan
 
 
 class DistributedDpOptions(SpecModel):
@@ -95,6 +95,25 @@ class SecAggOptions(SpecModel):
         "(default): no DP is claimed.",
     )
 
+    def dp_plan(self, *, fewest: int, members: int, dims: int) -> DdpPlan | None:
+        """The distributed-DP plan for sums of ``fewest`` (capped at ``members``) to ``members``
+        clients of ``dims`` coordinates; None without distributed DP.
+
+        Raises:
+            ProtocolError: the plan is impossible (``ddp_plan``).
+        """
+        dp = self.distributed_dp
+        if dp is None:
+            return None
+        return ddp_plan(
+            clipping_norm=dp.clipping_norm,
+            noise_multiplier=dp.noise_multiplier,
+            granularity_bits=self.quantization_bits,
+            fewest=min(fewest, members),
+            most=members,
+            dims=max(dims, 1),
+        )
+
     def fewest_summed(self, clients: ClientsSpec) -> int:
         """The fewest clients whose sum the clients let the server unmask: the quorum of a
         round's sample (at least 2); distributed DP's noise is calibrated for it."""
@@ -119,19 +138,10 @@ def secagg_issues(options: SecAggOptions, clients: ClientsSpec) -> list[SpecIssu
         except ProtocolError as exc:
             issues.append(SpecIssue("spec.protocol.secagg.dropoutRate", str(exc)))
             break
-    dp = options.distributed_dp
-    if dp is not None:
-        try:
-            ddp_plan(
-                clipping_norm=dp.clipping_norm,
-                noise_multiplier=dp.noise_multiplier,
-                granularity_bits=options.quantization_bits,
-                fewest=min(options.fewest_summed(clients), max(sampled, 1)),
-                most=max(sampled, 1),
-                dims=1,
-            )
-        except ProtocolError as exc:
-            issues.append(SpecIssue("spec.protocol.secagg.distributedDp", str(exc)))
+    try:
+        options.dp_plan(fewest=options.fewest_summed(clients), members=max(sampled, 1), dims=1)
+    except ProtocolError as exc:
+        issues.append(SpecIssue("spec.protocol.secagg.distributedDp", str(exc)))
     if sampled < 2:
         issues.append(
             SpecIssue(
