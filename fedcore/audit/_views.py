@@ -26,6 +26,7 @@ from fedcore.learning.data import dataset_info
 from fedcore.learning.models import build_model
 from fedcore.privacy import clip_by_global_norm
 from fedcore.protocols.dp_fedavg import expected_clients
+from fedcore.protocols.secagg.protocol import MASKED_STAGE
 from fedcore.spec import FederatedRunSpec
 from fedcore.transport import Payload
 
@@ -417,7 +418,7 @@ class SecAggView(PlainView):
     the inversions get is noise, unless the masks fail.
     """
 
-    received_stage = 2
+    received_stage = MASKED_STAGE
     skips: ClassVar[Mapping[str, str]] = MappingProxyType(
         {
             "differencing-inversion": "no secagg message carries the attacker's own update in "

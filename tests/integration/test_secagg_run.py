@@ -75,18 +75,18 @@ def test_a_client_lost_after_sharing_is_unmasked_from_its_neighbours_shares(
     the other four, exactly as the simulation with the same drop computes it."""
     # Prepare
     manifest = write_manifest(tmp_path / "run.yaml", **{**SECAGG_SPEC, "rounds": 1})
-    hold = ServerHold(monkeypatch, tmp_path, "1.1")
+    hold = ServerHold(monkeypatch, tmp_path, "1.2")
     run = LocalRun(load_manifest(manifest), manifest, workdir=tmp_path / "work")
     run.start()
     try:
-        wait_for_event(run, "held", round=1, stage=1)
+        wait_for_event(run, "held", round=1, stage=2)
         # Execute
         kill_and_wait(run.children["client-3"])
         hold.release()
         result = run.wait()
     finally:
         run.stop()
-    expected = simulate(load_manifest(manifest), drops={(1, 2): {3}})
+    expected = simulate(load_manifest(manifest), drops={(1, 3): {3}})
     # Assert
     assert result.phase == "Succeeded", result
     released = load_file(str(tmp_path / "work" / "model.safetensors"))
@@ -96,7 +96,7 @@ def test_a_client_lost_after_sharing_is_unmasked_from_its_neighbours_shares(
     assert round_event["participants"] == 4
     assert round_event["metrics"]["dropped_after_sharing"] == 1.0
     log = (tmp_path / "work" / "logs" / "server.log").read_text()
-    assert "stage 2: clients [3] failed" in log
+    assert "stage 3: clients [3] failed" in log
 
 
 def test_thirty_percent_dropping_after_sharing_every_round_equals_its_simulation(

@@ -14,7 +14,7 @@ from fedcore.audit._views import SecAggView
 from fedcore.learning.data import dataset_info
 from fedcore.learning.models import build_model, get_weights
 from fedcore.protocols.secagg import maths as sm
-from fedcore.protocols.secagg.protocol import MASKED, float_names
+from fedcore.protocols.secagg.protocol import MASKED, MASKED_STAGE, float_names
 from fedcore.simulation import simulate
 from fedcore.spec import FederatedRun
 from fedcore.transport import Payload
@@ -46,13 +46,13 @@ def test_recording_keeps_every_later_stage_of_the_kept_rounds(tmp_path: Path) ->
     recording = Recording({2})
     # Execute
     simulate(run, observer=recording)
-    # Assert: round 2 only; stages 1 to 4 of each of the 4 clients; stage 2 is the masked input,
+    # Assert: round 2 only; stages 1 to 5 of each of the 4 clients; stage 3 is the masked input,
     # one uint64 word per float parameter; the stage-0 upload carries no tensor.
     assert sorted(recording.stages) == [2]
-    assert sorted(recording.stages[2]) == [(s, k) for s in range(1, 5) for k in range(4)]
+    assert sorted(recording.stages[2]) == [(s, k) for s in range(1, 6) for k in range(4)]
     size = sum(w.size for w in recording.before[2].values())
     for k in range(4):
-        _, masked = recording.stages[2][(2, k)]
+        _, masked = recording.stages[2][(MASKED_STAGE, k)]
         assert masked.tensors[MASKED].dtype == np.uint64 and masked.tensors[MASKED].size == size
         assert not recording.uploads[2][k].tensors
 

@@ -139,10 +139,10 @@ def _round(options: SecAggOptions, dropped_at_2: set[int], clients_count: int = 
         clients[k].set_identity(bundles[f"client-{k}"])
         learners[k] = FixedLearner({"w": rng.normal(0, 0.02, (40, 25)).astype(np.float32)})
     plans = server.plan_round(1, list(range(clients_count)))
-    for stage in range(5):
+    for stage in range(6):
         responses = {}
         for k, instruction in plans.items():
-            if stage == 2 and k in dropped_at_2:
+            if stage == 3 and k in dropped_at_2:
                 continue
             if stage == 0:
                 response = clients[k].compute_upload(1, instruction, learners[k], None)

@@ -95,17 +95,18 @@ def _expected_mean(clients, survivors: list[int], options: SecAggOptions) -> np.
     [
         (None, set()),
         (0, {2}),  # never advertises
-        (1, {2, 7}),  # advertised, never shares
-        (2, {2, 7}),  # shared, never sends its masked input: its mask key is rebuilt
-        (3, {4}),  # its masked input is summed, it does not sign the survivor list
-        (4, {4, 5}),  # summed and signed, does not reveal: the others' shares suffice
+        (1, {2, 7}),  # advertised, never opens its commitment
+        (2, {2, 7}),  # revealed its nonce, never shares
+        (3, {2, 7}),  # shared, never sends its masked input: its mask key is rebuilt
+        (4, {4}),  # its masked input is summed, it does not sign the survivor list
+        (5, {4, 5}),  # summed and signed, does not reveal: the others' shares suffice
     ],
 )
 def test_the_sum_is_exact_whatever_stage_clients_drop_out_at(bundles, stage, dropped) -> None:
     options = SecAggOptions(dropout_rate=0.2, corrupt_rate=0.1)
     initial, server, clients, learners = _setup(bundles, options)
     report = _run(server, clients, learners, {} if stage is None else {stage: dropped})
-    summed = [k for k in range(CLIENTS) if stage is None or stage >= 3 or k not in dropped]
+    summed = [k for k in range(CLIENTS) if stage is None or stage >= 4 or k not in dropped]
     attempt = server._attempt
     assert attempt.survivors == summed
     mean = _expected_mean(clients, summed, options)
@@ -137,9 +138,9 @@ def test_the_sum_is_exact_whatever_stage_clients_drop_out_at(bundles, stage, dro
 def test_too_few_survivors_fail_the_attempt_and_reveal_nothing(bundles) -> None:
     options = SecAggOptions(dropout_rate=0.2, corrupt_rate=0.1)
     _, server, clients, learners = _setup(bundles, options)
-    report = _run(server, clients, learners, {2: set(range(1, CLIENTS))})
+    report = _run(server, clients, learners, {3: set(range(1, CLIENTS))})
     assert report.uploads == {}
-    assert "stage 2 failed" in report.failed[0] and "threshold" in report.failed[0]
+    assert "stage 3 failed" in report.failed[0] and "threshold" in report.failed[0]
     assert server._attempt.total is None
     assert all(not c._attempt.revealed for c in clients.values())
 
@@ -190,45 +191,45 @@ def _advance_to(stage: int, bundles):
 
 
 def test_a_client_refuses_to_unmask_another_list_than_it_signed(bundles) -> None:
-    _server, clients, plans = _advance_to(3, bundles)
+    _server, clients, plans = _advance_to(4, bundles)
     instruction = plans[0]
     lie = dict(instruction.meta)
     lie["survivors"] = [k for k in instruction.meta["survivors"] if k != 1]
     with pytest.raises(ProtocolError, match="another survivor list than the one this client"):
-        clients[0].respond(ROUND, 4, Payload(meta=lie))
+        clients[0].respond(ROUND, 5, Payload(meta=lie))
 
 
 def test_a_client_reveals_once(bundles) -> None:
-    _server, clients, plans = _advance_to(3, bundles)
-    clients[0].respond(ROUND, 4, plans[0])
+    _server, clients, plans = _advance_to(4, bundles)
+    clients[0].respond(ROUND, 5, plans[0])
     with pytest.raises(ProtocolError):
-        clients[0].respond(ROUND, 4, plans[0])
+        clients[0].respond(ROUND, 5, plans[0])
 
 
 def test_a_client_signs_one_survivor_list_only(bundles) -> None:
-    _server, clients, plans = _advance_to(2, bundles)
-    clients[0].respond(ROUND, 3, plans[0])
+    _server, clients, plans = _advance_to(3, bundles)
+    clients[0].respond(ROUND, 4, plans[0])
     other = dict(plans[0].meta)
     other["survivors"] = [k for k in plans[0].meta["survivors"] if k != 1]
-    clients[0]._attempt.stage = 2  # a server replaying stage 3 with another list
+    clients[0]._attempt.stage = 3  # a server replaying stage 4 with another list
     with pytest.raises(ProtocolError, match="second survivor list"):
-        clients[0].respond(ROUND, 3, Payload(meta=other))
+        clients[0].respond(ROUND, 4, Payload(meta=other))
 
 
 def test_unmasking_needs_threshold_signatures_of_the_list(bundles) -> None:
-    _server, clients, plans = _advance_to(3, bundles)
+    _server, clients, plans = _advance_to(4, bundles)
     meta = dict(plans[0].meta)
     threshold = clients[0]._attempt.threshold
     signatures = dict(meta["signatures"])
     meta["signatures"] = dict(list(signatures.items())[: threshold - 1])
     with pytest.raises(ProtocolError, match="survivors signed this survivor list"):
-        clients[0].respond(ROUND, 4, Payload(meta=meta))
+        clients[0].respond(ROUND, 5, Payload(meta=meta))
     forged = dict(signatures)
     first = next(iter(forged))
     forged = {key: forged[first] for key in forged}  # one client's signature under every name
     meta["signatures"] = forged
     with pytest.raises(ProtocolError, match="survivors signed"):
-        clients[0].respond(ROUND, 4, Payload(meta=meta))
+        clients[0].respond(ROUND, 5, Payload(meta=meta))
 
 
 def test_a_key_the_client_did_not_sign_is_refused(bundles) -> None:
@@ -254,7 +255,7 @@ def test_a_certificate_of_another_client_is_refused(bundles) -> None:
 def test_the_server_cannot_leave_a_client_out_of_its_own_round(bundles) -> None:
     _server, clients, plans = _advance_to(0, bundles)
     meta = dict(plans[0].meta)
-    meta["members"] = [k for k in meta["members"] if k != 0]
+    meta["advertised"] = [k for k in meta["advertised"] if k != 0]
     meta["keys"] = {k: v for k, v in meta["keys"].items() if k != "0"}
     with pytest.raises(ProtocolError, match="leaves this client out"):
         clients[0].respond(ROUND, 1, Payload(meta=meta))
@@ -271,9 +272,10 @@ def test_a_server_cannot_ask_for_stages_out_of_order(bundles) -> None:
     [
         (0, {"c": "00" * 32, "s": "11" * 32}, "client 0"),
         (0, {"c": "zz"}, "hex"),
-        (1, {"shares": {"99": "00"}}, "neighbours"),
-        (3, {"signature": 5}, "signature"),
-        (4, {"self": {"0": "00" * sm.SHARE_BYTES}, "mask": {}}, "may not"),
+        (1, {"nonce": "00" * 32}, "does not open its commitment"),
+        (2, {"shares": {"99": "00"}}, "neighbours"),
+        (4, {"signature": 5}, "signature"),
+        (5, {"self": {"0": "00" * sm.SHARE_BYTES}, "mask": {}}, "may not"),
         (2, {"declined": "no"}, "declined"),
     ],
 )
@@ -286,7 +288,7 @@ def test_malformed_responses_are_refused_naming_the_client(bundles, stage, meta,
 
 
 def test_a_masked_input_past_the_modulus_is_refused(bundles) -> None:
-    server, _clients, _plans = _advance_to(1, bundles)
+    server, _clients, _plans = _advance_to(2, bundles)
     bits = server._attempt.encoding.bits
     words = np.full(35, 2**bits, dtype=np.uint64)
     with pytest.raises(ProtocolError, match="words of"):
@@ -312,7 +314,7 @@ def test_no_private_key_pair_seed_or_plain_input_reaches_the_server(bundles) -> 
         original(round_, client, upload)
 
     server.check_upload = capture  # type: ignore[method-assign]
-    _run(server, clients, learners, {2: {7}})  # one client lost after sharing
+    _run(server, clients, learners, {3: {7}})  # one client lost after sharing
     wire = b"".join(
         chunk for upload in received for chunk in encode_chunks(upload, chunk_bytes=1 << 20)
     )
@@ -340,3 +342,17 @@ def test_no_private_key_pair_seed_or_plain_input_reaches_the_server(bundles) -> 
     for secret in secrets_:
         assert secret[:16] not in wire
         assert secret[-16:] not in wire
+
+
+def test_a_nonce_that_does_not_open_its_commitment_is_refused(bundles) -> None:
+    """The graph comes from nonces each client committed to (and signed) before any was
+    revealed: a server (or a client it controls) cannot swap in another one afterwards."""
+    _server, clients, plans = _advance_to(1, bundles)
+    meta = dict(plans[0].meta)
+    nonces = dict(meta["nonces"])
+    nonces["3"] = "11" * 32
+    meta["nonces"] = nonces
+    with pytest.raises(ProtocolError, match="Client 3's nonce does not open its commitment"):
+        clients[0].respond(ROUND, 2, Payload(meta=meta))
+    honest = clients[1].respond(ROUND, 2, plans[1])
+    assert set(honest.meta["shares"])  # the same request, unaltered, is answered

@@ -1,28 +1,32 @@
-"""secagg: SecAgg+ (Bell et al., CCS 2020) over the server's sessions, in five stages.
+"""secagg: SecAgg+ (Bell et al., CCS 2020) over the server's sessions, in six stages.
 
 Every attempt of a round runs these stages (``ServerProtocol.next_stage``); the server only
-relays, and learns the sum of the survivors' quantized updates and who survived:
+relays, and learns the sum of the survivors' encoded updates and who survived:
 
-0. **Advertise.** The server sends the global model and a fresh session id. Each client trains,
-   clips its update (trained minus received) to [-c, c] per coordinate and quantizes it
-   (stochastic, unbiased rounding), makes two fresh X25519 key pairs (c: sealing shares, s:
-   pair masks) and answers their public keys, signed with its TLS key, with its certificate.
-1. **Share keys.** The server relays every advertised key (U1: the clients that advertised).
-   Each client checks every signature against the run's CA, derives the degree and threshold
-   from |U1| and the spec itself (it never takes them from the server), draws the sharing graph
-   from a seed that hashes the session and every key, Shamir-shares a fresh self-mask seed b and
-   its s private key among its neighbours, and seals each neighbour's two shares with AES-GCM
-   under a key agreed over c.
-2. **Masked input.** The server hands each client the sealed shares addressed to it and the
-   clients that shared (U2). Each client uploads x + PRG(b) + sum over its neighbours in U2 of
-   +-PRG(s_uv) mod 2^bits.
-3. **Consistency.** The server names the clients whose masked input arrived (U3); each client
+0. **Advertise.** The server sends the global model and a fresh session id. Each client trains
+   and clips its update (trained minus received: per coordinate to [-c, c], or to L2 norm C
+   with distributed DP), makes two fresh X25519 key pairs (c: sealing shares, s: pair masks)
+   and a fresh 32-byte nonce, and answers the public keys and a commitment to the nonce,
+   signed with its TLS key, with its certificate.
+1. **Reveal.** The server relays every advert (those that advertised). Each client checks every
+   signature against the run's CA, then opens its commitment.
+2. **Share keys.** The server relays the nonces (U1: the clients that revealed). Each client
+   checks each against its commitment, derives the degree and threshold from |U1| and the spec
+   itself (never from the server), draws the sharing graph from a seed that hashes the session
+   and every nonce (committed before any was revealed: nobody chooses the graph),
+   Shamir-shares a fresh self-mask seed b and its s private key among its neighbours, and
+   seals each neighbour's two shares with AES-GCM under a key agreed over c.
+3. **Masked input.** The server hands each client the sealed shares addressed to it and the
+   clients that shared (U2). Each client encodes its update (levels, or integers plus its
+   noise share) and uploads it + PRG(b) + sum over its neighbours in U2 of +-PRG(s_uv) mod
+   2^bits.
+4. **Consistency.** The server names the clients whose masked input arrived (U3); each client
    signs that list (once per attempt: it never signs two).
-4. **Unmask.** The server sends the list with at least t signatures of its members. Each client
+5. **Unmask.** The server sends the list with at least t signatures of its members. Each client
    checks them, then reveals, for each neighbour in U3 its self-seed share and for each
    neighbour in U2 but not U3 its key share: never both for one neighbour, and only for the
    list it signed. The server rebuilds each survivor's b and each dropped client's s key
-   (checked against its signed public key), removes the masks and dequantizes the sum.
+   (checked against its signed public key), removes the masks and decodes the sum.
 
 A round completes exactly while at least t neighbours of every client it must unmask survive
 each stage; otherwise ``next_stage`` fails the attempt, nothing of it is revealed, and the round
@@ -66,6 +70,8 @@ log = logging.getLogger(__name__)
 
 MASKED = "masked"
 """The tensor name of a masked input."""
+MASKED_STAGE = 3
+"""The stage whose responses are the masked inputs (what the server sees of an update)."""
 MAX_CERT_CHARS = 16_384
 MAX_SIGNATURE_BYTES = 512
 MAX_SEALED_BYTES = 1024
@@ -119,16 +125,29 @@ def _by_client(value: object, *, what: str) -> dict[int, Any]:
     return out
 
 
-def graph_seed(session: str, round: int, keys: Mapping[int, tuple[bytes, bytes]]) -> bytes:
+def graph_seed(session: str, round: int, nonces: Mapping[int, bytes]) -> bytes:
     """The sharing graph's public seed: SHA-256 of the session, the round and every member's
-    two public keys. The server picks the session before any key exists, and the keys are the
-    clients' own fresh ones, so it cannot pick a graph other than by leaving clients out."""
+    revealed nonce. Each nonce was committed to (``commitment``) and signed before any was
+    revealed, so neither the server nor a client it controls can choose the graph; a coalition
+    can only choose which of its own clients reveal (at most 2^c graphs for c clients)."""
     digest = hashlib.sha256()
     digest.update(f"{sm.PROTOCOL_LABEL}/graph/{session}/{round}".encode())
-    for client in sorted(keys):
-        c_public, s_public = keys[client]
-        digest.update(client.to_bytes(8, "big") + c_public + s_public)
+    for client in sorted(nonces):
+        digest.update(client.to_bytes(8, "big") + nonces[client])
     return digest.digest()
+
+
+def commitment(nonce: bytes) -> bytes:
+    """A client's commitment to its graph nonce: SHA-256 of the label and the nonce."""
+    return hashlib.sha256(f"{sm.PROTOCOL_LABEL}/nonce/".encode() + nonce).digest()
+
+
+def advert_statement(
+    session: str, round: int, client: int, c_public: bytes, s_public: bytes, committed: bytes
+) -> bytes:
+    """What a client signs at stage 0: its round keys' statement and its nonce commitment."""
+    keys = sk.round_key_statement(session, round, client, c_public, s_public)
+    return keys + b"/commitment/" + committed
 
 
 def float_names(weights: Weights) -> list[str]:
@@ -195,6 +214,7 @@ class _Advert:
     s_public: bytes
     signature: bytes
     cert: bytes
+    commitment: bytes
 
 
 @dataclass
@@ -203,7 +223,8 @@ class _ServerAttempt:
     session: str
     stage: int = 0
     adverts: dict[int, _Advert] = field(default_factory=dict)
-    members: list[int] = field(default_factory=list)  # U1
+    nonces: dict[int, bytes] = field(default_factory=dict)
+    members: list[int] = field(default_factory=list)  # U1: advertised and revealed
     degree: int = 0
     threshold: int = 0
     encoding: Encoding | None = None
@@ -217,7 +238,7 @@ class _ServerAttempt:
 
 
 class SecAggServer(ServerProtocol):
-    """Relays the five stages and applies the mean of the survivors' updates.
+    """Relays the six stages and applies the mean of the survivors' updates.
 
     Args:
         initial: the initial global model.
@@ -258,11 +279,16 @@ class SecAggServer(ServerProtocol):
             raise ProtocolError(
                 f"Client {client} declined stage {attempt.stage}: {str(meta['declined'])[:300]}"
             )
-        if attempt.stage != 2 and upload.tensors:
+        if attempt.stage != 3 and upload.tensors:
             raise ProtocolError(f"The {what} carries tensors.")
         if attempt.stage == 0:
             attempt.adverts[client] = self._advert(client, meta, what)
         elif attempt.stage == 1:
+            nonce = _unhex(meta.get("nonce"), what=f"nonce in {what}", size=sm.SEED_BYTES)
+            if commitment(nonce) != attempt.adverts[client].commitment:
+                raise ProtocolError(f"The {what}'s nonce does not open its commitment.")
+            attempt.nonces[client] = nonce
+        elif attempt.stage == 2:
             sealed = _by_client(meta.get("shares"), what=f"shares of {what}")
             if set(sealed) != set(attempt.graph.get(client, ())):
                 raise ProtocolError(
@@ -272,7 +298,7 @@ class SecAggServer(ServerProtocol):
             for receiver, text in sealed.items():
                 _unhex(text, what=f"sealed shares for {receiver} in {what}", limit=MAX_SEALED_BYTES)
             attempt.sealed[client] = sealed
-        elif attempt.stage == 2:
+        elif attempt.stage == 3:
             assert attempt.encoding is not None
             masked = upload.tensors.get(MASKED)
             if set(upload.tensors) != {MASKED} or masked is None:
@@ -284,7 +310,7 @@ class SecAggServer(ServerProtocol):
                     f"The {what}'s masked input has words of 2^{attempt.encoding.bits} or more."
                 )
             attempt.masked[client] = masked
-        elif attempt.stage == 3:
+        elif attempt.stage == 4:
             _unhex(meta.get("signature"), what=f"signature in {what}", limit=MAX_SIGNATURE_BYTES)
             attempt.signatures[client] = meta["signature"]
         else:
@@ -301,7 +327,8 @@ class SecAggServer(ServerProtocol):
         cert = meta.get("cert")
         if not isinstance(cert, str) or not 0 < len(cert) <= MAX_CERT_CHARS or not cert.isascii():
             raise ProtocolError(f"The {what} does not carry a PEM certificate.")
-        return _Advert(c_public, s_public, signature, cert.encode())
+        committed = _unhex(meta.get("commitment"), what=f"commitment in {what}", size=32)
+        return _Advert(c_public, s_public, signature, cert.encode(), committed)
 
     def _check_reveal(
         self, attempt: _ServerAttempt, client: int, meta: Mapping[str, Any], what: str
@@ -328,6 +355,7 @@ class SecAggServer(ServerProtocol):
                 f"Stage {stage} settled, but the attempt is in stage {attempt.stage}."
             )
         step = (
+            self._to_revealing,
             self._to_sharing,
             self._to_masking,
             self._to_consistency,
@@ -347,32 +375,47 @@ class SecAggServer(ServerProtocol):
                 "revealed."
             )
 
+    def _to_revealing(
+        self, attempt: _ServerAttempt, responders: list[int], _: Any
+    ) -> Mapping[int, Payload]:
+        advertised = [k for k in responders if k in attempt.adverts]
+        self._need(attempt, len(advertised), "advertised their keys")
+        instruction = Payload(
+            meta={
+                "session": attempt.session,
+                "advertised": advertised,
+                "keys": {
+                    str(k): {
+                        "c": _hex(a.c_public),
+                        "s": _hex(a.s_public),
+                        "commitment": _hex(a.commitment),
+                        "signature": _hex(a.signature),
+                        "cert": a.cert.decode(),
+                    }
+                    for k, a in ((k, attempt.adverts[k]) for k in advertised)
+                },
+            }
+        )
+        return {k: instruction for k in advertised}
+
     def _to_sharing(
         self, attempt: _ServerAttempt, responders: list[int], _: Any
     ) -> Mapping[int, Payload]:
-        members = [k for k in responders if k in attempt.adverts]
-        self._need(attempt, len(members), "advertised their keys")
+        members = [k for k in responders if k in attempt.nonces]
+        self._need(attempt, len(members), "revealed their nonces")
         attempt.members = members
         attempt.degree, attempt.threshold, attempt.encoding = parameters_of(
             self._options, len(members), fewest=self._fewest, dims=self._size
         )
-        keys = {k: (attempt.adverts[k].c_public, attempt.adverts[k].s_public) for k in members}
+        nonces = {k: attempt.nonces[k] for k in members}
         attempt.graph = sm.sharing_graph(
-            members, attempt.degree, graph_seed(attempt.session, attempt.round, keys)
+            members, attempt.degree, graph_seed(attempt.session, attempt.round, nonces)
         )
         instruction = Payload(
             meta={
                 "session": attempt.session,
                 "members": members,
-                "keys": {
-                    str(k): {
-                        "c": _hex(a.c_public),
-                        "s": _hex(a.s_public),
-                        "signature": _hex(a.signature),
-                        "cert": a.cert.decode(),
-                    }
-                    for k, a in ((k, attempt.adverts[k]) for k in members)
-                },
+                "nonces": {str(k): _hex(nonce) for k, nonce in nonces.items()},
             }
         )
         return {k: instruction for k in members}
@@ -520,8 +563,10 @@ class _ClientAttempt:
     round: int
     session: str
     keys: sk.RoundKeys
-    update: np.ndarray  # clipped, in float64; encoded at stage 2
+    update: np.ndarray  # clipped, in float64; encoded at stage 3
     words: np.ndarray | None = None  # the encoded input, before its masks
+    nonce: bytes = b""
+    commitments: dict[int, bytes] = field(default_factory=dict)
     members: list[int] = field(default_factory=list)
     publics: dict[int, tuple[bytes, bytes]] = field(default_factory=dict)
     certs: dict[int, bytes] = field(default_factory=dict)
@@ -537,7 +582,7 @@ class _ClientAttempt:
 
 
 class SecAggClient(ClientProtocol):
-    """Trains, then answers the five stages; refuses what an honest client must refuse.
+    """Trains, then answers the six stages; refuses what an honest client must refuse.
 
     Args:
         index: this client's index.
@@ -545,7 +590,7 @@ class SecAggClient(ClientProtocol):
         seed: ``spec.seed`` (the stochastic rounding's generator).
         fewest: the spec's least sum (``SecAggOptions.fewest_summed``).
         drops_after_sharing: an experiment's dropout (``spec.attack`` DropAfterSharing): the
-            client declines every stage 2.
+            client declines every stage 3 (its masked input).
     """
 
     def __init__(
@@ -602,13 +647,16 @@ class SecAggClient(ClientProtocol):
             np.clip(update, -self._options.clip_range, self._options.clip_range, out=update)
         round_keys = sk.RoundKeys.new()
         c_public, s_public = round_keys.public()
-        statement = sk.round_key_statement(session, round, self._index, c_public, s_public)
+        nonce = sk.new_self_seed()  # 32 bytes from the OS CSPRNG
+        committed = commitment(nonce)
+        statement = advert_statement(session, round, self._index, c_public, s_public, committed)
         signature = sk.sign_round_keys(self._tls.key_pem, statement)
-        self._attempt = _ClientAttempt(round, session, round_keys, update)
+        self._attempt = _ClientAttempt(round, session, round_keys, update, nonce=nonce)
         return Payload(
             meta={
                 "c": _hex(c_public),
                 "s": _hex(s_public),
+                "commitment": _hex(committed),
                 "signature": _hex(signature),
                 "cert": self._tls.cert_pem.decode(),
             }
@@ -628,46 +676,77 @@ class SecAggClient(ClientProtocol):
             raise ProtocolError(f"Asked for stage {stage} after stage {attempt.stage}.")
         if instruction.tensors:
             raise ProtocolError(f"The stage-{stage} request carries tensors.")
-        step = {1: self._share, 2: self._mask, 3: self._sign, 4: self._reveal}.get(stage)
+        step = {
+            1: self._open_nonce,
+            2: self._share,
+            3: self._mask,
+            4: self._sign,
+            5: self._reveal,
+        }.get(stage)
         if step is None:
             raise ProtocolError(f"secagg has no stage {stage}.")
         response = step(attempt, instruction.meta)
         attempt.stage = stage
         return response
 
-    def _share(self, attempt: _ClientAttempt, meta: Mapping[str, Any]) -> Payload:
+    def _open_nonce(self, attempt: _ClientAttempt, meta: Mapping[str, Any]) -> Payload:
+        """Stage 1: checks every advertised key and commitment against its signer's
+        certificate, then opens this client's own commitment."""
         assert self._tls is not None
-        members = _clients(meta.get("members"), what="member list")
-        if self._index not in members:
-            raise ProtocolError("The member list leaves this client out.")
+        advertised = _clients(meta.get("advertised"), what="list of clients that advertised")
+        if self._index not in advertised:
+            raise ProtocolError("The list of clients that advertised leaves this client out.")
         adverts = _by_client(meta.get("keys"), what="advertised keys")
-        if set(adverts) != set(members):
-            raise ProtocolError("The advertised keys are not exactly the members'.")
-        for v in members:
+        if set(adverts) != set(advertised):
+            raise ProtocolError("The advertised keys are not exactly the advertisers'.")
+        for v in advertised:
             advert = adverts[v]
             if not isinstance(advert, dict):
                 raise ProtocolError(f"Client {v}'s advertised keys are malformed.")
             c_public = _unhex(advert.get("c"), what=f"c key of client {v}", size=sk.KEY_BYTES)
             s_public = _unhex(advert.get("s"), what=f"s key of client {v}", size=sk.KEY_BYTES)
+            committed = _unhex(advert.get("commitment"), what=f"commitment of client {v}", size=32)
             signature = _unhex(
                 advert.get("signature"), what=f"signature of client {v}", limit=MAX_SIGNATURE_BYTES
             )
             cert = advert.get("cert")
             if not isinstance(cert, str) or len(cert) > MAX_CERT_CHARS or not cert.isascii():
                 raise ProtocolError(f"Client {v}'s certificate is malformed.")
-            statement = sk.round_key_statement(
-                attempt.session, attempt.round, v, c_public, s_public
+            statement = advert_statement(
+                attempt.session, attempt.round, v, c_public, s_public, committed
             )
-            sk.verify_round_keys(cert.encode(), self._tls.ca_pem, v, statement, signature)
+            sk.verify_signed(cert.encode(), self._tls.ca_pem, v, statement, signature)
             attempt.publics[v] = (c_public, s_public)
+            attempt.commitments[v] = committed
             attempt.certs[v] = cert.encode()
-        if attempt.publics[self._index] != attempt.keys.public():
-            raise ProtocolError("The member list carries other keys for this client than its own.")
+        if attempt.publics[self._index] != attempt.keys.public() or attempt.commitments[
+            self._index
+        ] != commitment(attempt.nonce):
+            raise ProtocolError("The advertised keys carry another advert for this client.")
+        return Payload(meta={"nonce": _hex(attempt.nonce)})
+
+    def _share(self, attempt: _ClientAttempt, meta: Mapping[str, Any]) -> Payload:
+        """Stage 2: checks every revealed nonce against its commitment, draws the graph from
+        them and seals its shares for its neighbours."""
+        members = _clients(meta.get("members"), what="member list")
+        if self._index not in members or not set(members) <= set(attempt.commitments):
+            raise ProtocolError("The member list is not a set of advertisers with this client.")
+        revealed = _by_client(meta.get("nonces"), what="revealed nonces")
+        if set(revealed) != set(members):
+            raise ProtocolError("The revealed nonces are not exactly the members'.")
+        nonces = {}
+        for v in members:
+            nonce = _unhex(revealed[v], what=f"nonce of client {v}", size=sm.SEED_BYTES)
+            if commitment(nonce) != attempt.commitments[v]:
+                raise ProtocolError(f"Client {v}'s nonce does not open its commitment.")
+            nonces[v] = nonce
+        if nonces[self._index] != attempt.nonce:
+            raise ProtocolError("The member list carries another nonce for this client.")
         degree, attempt.threshold, attempt.encoding = parameters_of(
             self._options, len(members), fewest=self._fewest, dims=attempt.update.size
         )
         graph = sm.sharing_graph(
-            members, degree, graph_seed(attempt.session, attempt.round, attempt.publics)
+            members, degree, graph_seed(attempt.session, attempt.round, nonces)
         )
         attempt.members = members
         attempt.neighbours = graph[self._index]
