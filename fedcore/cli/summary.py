@@ -107,9 +107,20 @@ def protocol_mode(spec: FederatedRunSpec) -> str | None:
     return None
 
 
+def _noise_off(spec: FederatedRunSpec) -> bool:
+    """Whether a protocol that can claim DP runs without its noise here (then it claims none):
+    secagg without distributedDp, mpdp with clientNoiseStd 0."""
+    name = spec.protocol.name
+    if name == "secagg":
+        return spec.protocol.secagg_options().distributed_dp is None
+    if name == "mpdp":
+        return spec.protocol.mpdp.client_noise_std == 0
+    return False
+
+
 def _privacy(spec: FederatedRunSpec, sampled: int) -> dict[str, Any]:
     """The DP claim: accountant, budget and amplification, or ``claims_dp`` false."""
-    if not protocol_facts(spec.protocol.name).claims_dp:
+    if not protocol_facts(spec.protocol.name).claims_dp or _noise_off(spec):
         return {
             "claims_dp": False,
             "accountant": None,

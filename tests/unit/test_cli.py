@@ -674,6 +674,30 @@ def test_validate_summary_of_a_dp_protocol_with_a_kdc(cli: CliRunner, tmp_path: 
     ) in result.stdout
 
 
+@pytest.mark.parametrize(
+    ("distributed_dp", "claim"),
+    [
+        (None, "  privacy:  no DP claim"),
+        (
+            {"noiseMultiplier": 1.0},
+            "  privacy:  (epsilon, delta)-DP, delta 1e-05; no budget (epsilon reported every "
+            "round); accountant RDP; no amplification claimed",
+        ),
+    ],
+)
+def test_validate_summary_claims_dp_for_secagg_only_with_its_noise(
+    cli: CliRunner, tmp_path: Path, distributed_dp: dict[str, float] | None, claim: str
+) -> None:
+    document = yaml.safe_load((REPO / "examples" / "digits-secagg.yaml").read_text())
+    if distributed_dp is not None:
+        document["spec"]["protocol"]["secagg"]["distributedDp"] = distributed_dp
+    manifest = tmp_path / "run.yaml"
+    manifest.write_text(yaml.safe_dump(document))
+    result = cli.invoke(main, ["validate", str(manifest)])
+    assert result.exit_code == 0, result.output
+    assert claim + "\n" in result.stdout
+
+
 def test_validate_summary_says_computed_at_start_unless_the_data_is_loaded(
     cli: CliRunner, tmp_path: Path
 ) -> None:
