@@ -403,3 +403,29 @@ def test_lppa_clients_train_over_their_peer_links_through_the_headless_service_n
             if j != i:
                 assert f"Peer link to client {j} is up." in log, log[-3000:]
                 assert f"Peer link from client {j} is up." in log, log[-3000:]
+
+
+def test_secagg_with_distributed_dp_runs_from_the_pods_own_tls_identities(
+    control_plane: ControlPlane, kubelet: FakeKubelet, operator: OperatorProcess, namespace: str
+) -> None:
+    """Each client pod signs its round keys with the key of its own TLS Secret and checks the
+    others' against the run's CA, as mounted: the run ends only if every identity is the
+    client's own, and its epsilon is the one its ledger computes."""
+    body = yaml.safe_load((ROOT / "examples/digits-secagg.yaml").read_text())
+    body["metadata"]["name"] = "masked"
+    body["spec"]["clients"]["count"] = 4
+    body["spec"]["clients"]["quorum"] = 3
+    body["spec"]["rounds"] = 3
+    body["spec"]["protocol"]["secagg"]["distributedDp"] = {"noiseMultiplier": 1.0}
+    control_plane.kubectl("apply", "-n", namespace, "-f", "-", input=yaml.safe_dump(body))
+    show = debug(control_plane, kubelet, operator, namespace, "masked")
+    run = wait_for_run(
+        control_plane, namespace, "masked", phase_is("Succeeded", "Failed"), timeout=240,
+        what="end", debug=show,
+    )  # fmt: skip
+    status = run["status"]
+    assert status["phase"] == "Succeeded", (status, show())
+    assert status["finalMetrics"]["roundsCompleted"] == 3
+    assert status["privacy"]["epsilon"] > 0
+    log = kubelet.log_of(namespace, "masked-server")
+    assert "refused" not in log.lower() and "declined" not in log.lower(), log[-3000:]
