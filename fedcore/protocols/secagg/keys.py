@@ -316,11 +316,12 @@ def open_shares(
 
 
 def round_key_statement(
-    run: str, round: int, client: int, c_public: bytes, s_public: bytes
+    run: str, round: int, client: int, c_public: bytes, s_public: bytes, commitment: bytes = b""
 ) -> bytes:
     """The bytes a client signs for its round keys: the label, ``round-keys``, run, round,
-    client index and both public keys, each length-prefixed (4-byte big-endian length; ints
-    as 8 bytes big-endian), so no two statements share an encoding.
+    client index, both public keys and its commitment to its graph nonce (if any), each
+    length-prefixed (4-byte big-endian length; ints as 8 bytes big-endian), so no two
+    statements share an encoding.
 
     Raises:
         ProtocolError: a public key is malformed (naming the client) or the context is invalid.
@@ -329,12 +330,16 @@ def round_key_statement(
     _check_index(client, "client")
     check_public_key(c_public, client=client)
     check_public_key(s_public, client=client)
-    return _frame(PROTOCOL_LABEL, "round-keys", run, round, client, c_public, s_public)
+    committed = (commitment,) if commitment else ()
+    return _frame(PROTOCOL_LABEL, "round-keys", run, round, client, c_public, s_public, *committed)
 
 
 def _statement_client(statement: bytes) -> int:
     """The client index a round-key statement names, or ProtocolError if it is not one."""
-    label, kind, _run, _round, client, _c, _s = _unframe(statement, 7)
+    try:
+        label, kind, _run, _round, client = _unframe(statement, 8)[:5]
+    except ProtocolError:  # a statement without a commitment
+        label, kind, _run, _round, client = _unframe(statement, 7)[:5]
     if label != PROTOCOL_LABEL.encode() or kind != b"round-keys" or len(client) != 8:
         raise ProtocolError("The statement is not a SecAgg+ round-key statement.")
     return int.from_bytes(client, "big")

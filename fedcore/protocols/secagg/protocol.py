@@ -142,14 +142,6 @@ def commitment(nonce: bytes) -> bytes:
     return hashlib.sha256(f"{sm.PROTOCOL_LABEL}/nonce/".encode() + nonce).digest()
 
 
-def advert_statement(
-    session: str, round: int, client: int, c_public: bytes, s_public: bytes, committed: bytes
-) -> bytes:
-    """What a client signs at stage 0: its round keys' statement and its nonce commitment."""
-    keys = sk.round_key_statement(session, round, client, c_public, s_public)
-    return keys + b"/commitment/" + committed
-
-
 def float_names(weights: Weights) -> list[str]:
     """The tensors that are summed: the floating-point ones (others keep the global value)."""
     return [name for name, value in weights.items() if np.issubdtype(value.dtype, np.floating)]
@@ -575,6 +567,7 @@ class _ClientAttempt:
     encoding: Encoding | None = None
     self_seed: bytes = b""
     sealed: dict[int, bytes] = field(default_factory=dict)
+    share_keys: dict[int, bytes] = field(default_factory=dict)  # by neighbour, from stage 2
     shared: list[int] = field(default_factory=list)
     committed: list[int] | None = None  # the survivor list this client signed
     revealed: bool = False
@@ -649,7 +642,9 @@ class SecAggClient(ClientProtocol):
         c_public, s_public = round_keys.public()
         nonce = sk.new_self_seed()  # 32 bytes from the OS CSPRNG
         committed = commitment(nonce)
-        statement = advert_statement(session, round, self._index, c_public, s_public, committed)
+        statement = sk.round_key_statement(
+            session, round, self._index, c_public, s_public, committed
+        )
         signature = sk.sign_round_keys(self._tls.key_pem, statement)
         self._attempt = _ClientAttempt(round, session, round_keys, update, nonce=nonce)
         return Payload(
@@ -712,10 +707,10 @@ class SecAggClient(ClientProtocol):
             cert = advert.get("cert")
             if not isinstance(cert, str) or len(cert) > MAX_CERT_CHARS or not cert.isascii():
                 raise ProtocolError(f"Client {v}'s certificate is malformed.")
-            statement = advert_statement(
+            statement = sk.round_key_statement(
                 attempt.session, attempt.round, v, c_public, s_public, committed
             )
-            sk.verify_signed(cert.encode(), self._tls.ca_pem, v, statement, signature)
+            sk.verify_round_keys(cert.encode(), self._tls.ca_pem, v, statement, signature)
             attempt.publics[v] = (c_public, s_public)
             attempt.commitments[v] = committed
             attempt.certs[v] = cert.encode()
@@ -757,16 +752,12 @@ class SecAggClient(ClientProtocol):
         )
         sealed = {}
         for v in attempt.neighbours:
-            key = sk.share_key(
-                attempt.keys.c_private,
-                attempt.publics[v][0],
-                run=attempt.session,
-                round=attempt.round,
-                pair=(min(self._index, v), max(self._index, v)),
+            attempt.share_keys[v] = sk.share_key(
+                attempt.keys.c_private, attempt.publics[v][0], **self._pair(attempt, v)
             )
             sealed[str(v)] = _hex(
                 sk.seal_shares(
-                    key,
+                    attempt.share_keys[v],
                     run=attempt.session,
                     round=attempt.round,
                     sender=self._index,
@@ -803,13 +794,7 @@ class SecAggClient(ClientProtocol):
         }
         attempt.shared = shared
         pair_seeds = {
-            v: sk.pair_seed(
-                attempt.keys.s_private,
-                attempt.publics[v][1],
-                run=attempt.session,
-                round=attempt.round,
-                pair=(min(self._index, v), max(self._index, v)),
-            )
+            v: sk.pair_seed(attempt.keys.s_private, attempt.publics[v][1], **self._pair(attempt, v))
             for v in partners
         }
         attempt.words = self._encode(attempt, attempt.encoding)
@@ -821,6 +806,14 @@ class SecAggClient(ClientProtocol):
             bits=attempt.encoding.bits,
         )
         return Payload(tensors={MASKED: masked})
+
+    def _pair(self, attempt: _ClientAttempt, v: int) -> dict[str, Any]:
+        """The context of this client's key agreement with neighbour ``v``."""
+        return {
+            "run": attempt.session,
+            "round": attempt.round,
+            "pair": (min(self._index, v), max(self._index, v)),
+        }
 
     def _encode(self, attempt: _ClientAttempt, encoding: Encoding) -> np.ndarray:
         """This client's words: its levels (plain), or its integers plus its noise share."""
@@ -895,16 +888,9 @@ class SecAggClient(ClientProtocol):
         for v in attempt.neighbours:
             if v not in attempt.sealed or v not in shared_set:
                 continue
-            key = sk.share_key(
-                attempt.keys.c_private,
-                attempt.publics[v][0],
-                run=attempt.session,
-                round=attempt.round,
-                pair=(min(self._index, v), max(self._index, v)),
-            )
             try:
                 self_share, mask_share = sk.open_shares(
-                    key,
+                    attempt.share_keys[v],
                     run=attempt.session,
                     round=attempt.round,
                     sender=v,
