@@ -116,7 +116,11 @@ class RoundOutcome:
 
     @property
     def participants(self) -> int:
-        """How many uploads were combined."""
+        """How many clients' uploads were combined: the protocol's count where it combined
+        the round (a multi-stage protocol may sum inputs from clients that missed a later
+        stage), else the uploads of the settled attempt."""
+        if self.result is not None:
+            return self.result.participants
         return len(self.report.uploads)
 
 

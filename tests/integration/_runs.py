@@ -85,16 +85,20 @@ class ServerHold:
     ``held`` event, act, then ``release()``.
     """
 
-    def __init__(self, monkeypatch: pytest.MonkeyPatch, folder: Path, round_: int | str) -> None:
-        """``round_``: a round, or ``"r.s"`` to hold after stage s of round r."""
-        self.path = folder / f"hold-after-{round_}"
-        self.path.touch()
-        monkeypatch.setenv(ROUND_VARIABLE, str(round_))
-        monkeypatch.setenv(FILE_VARIABLE, str(self.path))
+    def __init__(self, monkeypatch: pytest.MonkeyPatch, folder: Path, *points: int | str) -> None:
+        """``points``: rounds, or ``"r.s"`` to hold after stage s of round r; the server holds
+        at each in turn, until ``release`` of that point."""
+        self.paths = {str(point): folder / f"hold-after-{point}" for point in points}
+        for path in self.paths.values():
+            path.touch()
+        monkeypatch.setenv(ROUND_VARIABLE, ",".join(self.paths))
+        monkeypatch.setenv(FILE_VARIABLE, str(folder / "hold-after-{point}"))
 
-    def release(self) -> None:
-        """Lets the server go on."""
-        self.path.unlink(missing_ok=True)
+    def release(self, point: int | str | None = None) -> None:
+        """Lets the server go on from ``point`` (None: from every point)."""
+        for key, path in self.paths.items():
+            if point is None or key == str(point):
+                path.unlink(missing_ok=True)
 
 
 def kill_and_wait(child: Child, timeout: float = 60) -> None:

@@ -99,6 +99,57 @@ def test_a_client_lost_after_sharing_is_unmasked_from_its_neighbours_shares(
     assert "stage 3: clients [3] failed" in log
 
 
+def test_clients_lost_at_every_stage_are_handled_exactly_as_the_simulation_drops_them(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """One run, one client killed in each round at a different stage (real processes, mutual
+    TLS): before sharing (after its keys), after sharing (before its masked input), after its
+    masked input (before the consistency check) and during unmasking. Those killed before their
+    masked input are left out of the sum, the others are in it, and every round's model equals
+    the simulation with the same drops bit for bit (the dead stay dead: they fail the first
+    stage of every later round)."""
+    # Prepare
+    spec = {
+        **SECAGG_SPEC,
+        "protocol": {"name": "secagg", "secagg": {"dropoutRate": 0.4, "corruptRate": 0.05}},
+        "clients": {"count": 10, "quorum": "60%"},
+        "rounds": 4,
+    }
+    manifest = write_manifest(tmp_path / "run.yaml", **spec)
+    killed = {"1.0": 1, "2.2": 3, "3.3": 5, "4.4": 7}  # held after stage s, killed there
+    hold = ServerHold(monkeypatch, tmp_path, *killed)
+    run = LocalRun(load_manifest(manifest), manifest, workdir=tmp_path / "work")
+    run.start()
+    try:
+        # Execute
+        for point, client in killed.items():
+            round_, stage = (int(part) for part in point.split("."))
+            wait_for_event(run, "held", round=round_, stage=stage)
+            kill_and_wait(run.children[f"client-{client}"])
+            hold.release(point)
+        result = run.wait()
+    finally:
+        run.stop()
+    drops: dict[tuple[int, int], set[int]] = {}
+    dead: set[int] = set()
+    for point, client in killed.items():
+        round_, stage = (int(part) for part in point.split("."))
+        if dead:
+            drops[(round_, 0)] = set(dead)
+        drops[(round_, stage + 1)] = {client}
+        dead.add(client)
+    expected = simulate(load_manifest(manifest), drops=drops)
+    # Assert
+    assert result.phase == "Succeeded", result
+    released = load_file(str(tmp_path / "work" / "model.safetensors"))
+    for name, value in expected.weights.items():
+        assert np.array_equal(released[name], value), name
+    rounds = [e for e in _events(tmp_path / "work") if e["event"] == "round"]
+    # lost before its masked input: out of the sum; after it: in the sum
+    assert [e["participants"] for e in rounds] == [9, 8, 8, 7]
+    assert [e["participants"] for e in expected.history] == [9, 8, 8, 7]
+
+
 def test_thirty_percent_dropping_after_sharing_every_round_equals_its_simulation(
     tmp_path: Path,
 ) -> None:

@@ -28,7 +28,7 @@ def test_without_both_variables_it_does_nothing(tmp_path: Path) -> None:
         # Execute: would wait forever (300 s) if it held
         hold.after_round(1)
         # Assert
-        assert hold.path is None
+        assert hold.points == {}
     assert events_in(log) == []
 
 
@@ -55,7 +55,33 @@ def test_it_holds_only_after_its_round_and_until_the_file_is_gone(tmp_path: Path
     assert not flag.exists()
 
 
-@pytest.mark.parametrize("value", ["one", "0", "-1", "1.x", "0.1", "1.-1"])
+def test_several_points_hold_in_turn_each_on_its_own_file(tmp_path: Path) -> None:
+    # Prepare: two points; only the second one's file exists
+    log = tmp_path / "events.jsonl"
+    template = str(tmp_path / "hold-{point}")
+    (tmp_path / "hold-3.2").touch()
+    hold = HoldPoint(EventLog(log), {ROUND_VARIABLE: "1.0, 3.2", FILE_VARIABLE: template})
+    assert hold.points == {(1, 0): tmp_path / "hold-1.0", (3, 2): tmp_path / "hold-3.2"}
+    # Execute: the first point's file is gone, so it passes at once; stage 1 is no point
+    hold.after_stage(1, 0)
+    hold.after_stage(1, 1)
+    hold.after_round(1)
+
+    def release_once_held_twice() -> None:
+        while len(events_in(log)) < 2:
+            threading.Event().wait(0.01)
+        (tmp_path / "hold-3.2").unlink()
+
+    releaser = threading.Thread(target=release_once_held_twice)
+    releaser.start()
+    hold.after_stage(3, 2)
+    releaser.join()
+    # Assert
+    held = [(e["round"], e["stage"]) for e in events_in(log)]
+    assert held == [(1, 0), (3, 2)]
+
+
+@pytest.mark.parametrize("value", ["one", "0", "-1", "1.x", "0.1", "1.-1", "1,x", "2.1,"])
 def test_a_round_that_is_not_a_round_number_is_a_named_error(tmp_path: Path, value: str) -> None:
-    with pytest.raises(RunAborted, match=f"{ROUND_VARIABLE}='{value}' is not a round number"):
+    with pytest.raises(RunAborted, match=f"{ROUND_VARIABLE}='{value}' is not a list of round"):
         HoldPoint(EventLog(None), {ROUND_VARIABLE: value, FILE_VARIABLE: str(tmp_path / "h")})
