@@ -17,7 +17,11 @@ from fedcore.audit._attack import (
     registered_attacks,
 )
 from fedcore.audit._metrics import Estimate
+from fedcore.audit._seeded import audited
 from fedcore.audit._views import view_for
+from fedcore.audit.canary.report import FIGURE as CANARY_FIGURE
+from fedcore.audit.canary.report import scores_figure, section
+from fedcore.audit.canary.run import CanaryAudit, check_canaries, run_canary_audit
 from fedcore.privacy.sampling import sample_clients
 from fedcore.simulation import simulate
 from fedcore.spec import FederatedRun
@@ -43,6 +47,7 @@ class AuditReport:
         results: one per attack.
         seconds: the audit's wall time.
         markdown: the report's path.
+        canary: the canary audit, when one was asked for.
     """
 
     name: str
@@ -54,6 +59,7 @@ class AuditReport:
     results: list[AttackResult] = field(default_factory=list)
     seconds: float = 0.0
     markdown: Path | None = None
+    canary: CanaryAudit | None = None
 
     def result(self, attack: str) -> AttackResult:
         """The result of the attack named ``attack``."""
@@ -73,27 +79,13 @@ class AuditReport:
             "attacker": self.attacker,
             "seconds": self.seconds,
             "results": [r.as_json() for r in self.results],
+            "canary": None if self.canary is None else self.canary.as_json(),
         }
 
 
 def kept_rounds(last: int) -> set[int]:
     """The rounds the audit records: the first and the last ``EDGE_ROUNDS``."""
     return {t for t in range(1, last + 1) if t <= EDGE_ROUNDS or t > last - EDGE_ROUNDS}
-
-
-def audited(run: FederatedRun) -> FederatedRun:
-    """The run as the audit simulates it: a secret sample replaced by the seeded one.
-
-    The audit's attacker observes the round's messages, so it sees who takes part, and a
-    secret sample claims nothing against such an observer: the seeded sample lets the audit
-    choose its attacker among the clients of the rounds it records and be reproduced, and its
-    epsilon is then the public sample's bound, the one that holds against that attacker.
-    """
-    clients = run.spec.clients
-    if clients.sampling != "Secret":
-        return run
-    seeded = clients.model_copy(update={"sampling": "Seeded"})
-    return run.model_copy(update={"spec": run.spec.model_copy(update={"clients": seeded})})
 
 
 def choose_attacker(run: FederatedRun, rounds: set[int]) -> int:
@@ -115,6 +107,7 @@ def run_audit(
     rounds: int | None = None,
     budget: Budget | None = None,
     source: str | None = None,
+    canaries: int | None = None,
 ) -> AuditReport:
     """Simulates ``run`` with an attacker attached, runs ``attacks`` and writes the report.
 
@@ -129,12 +122,14 @@ def run_audit(
         rounds: simulate only the first ``rounds`` rounds (None: ``spec.rounds``).
         budget: how hard the attacks try.
         source: the manifest's file name, for the report.
+        canaries: also run the canary audit with this many canaries (a second simulation,
+            ``fedcore.audit.canary``): its ε goes beside the claimed ε in the report.
 
     Returns:
         The report (also written to ``out``).
 
     Raises:
-        ValueError: an unknown attack name.
+        ValueError: an unknown attack name, or a canary audit that cannot run (why).
     """
     started = time.monotonic()
     known = registered_attacks()
@@ -142,6 +137,8 @@ def run_audit(
     unknown = [name for name in chosen if name not in known]
     if unknown:
         raise ValueError(f"Unknown attack(s) {', '.join(unknown)}; known: {', '.join(known)}.")
+    if canaries is not None:
+        check_canaries(run.spec, canaries)
     run = audited(run)
     spec = run.spec
     last = spec.rounds if rounds is None else min(rounds, spec.rounds)
@@ -180,6 +177,9 @@ def run_audit(
         report.results.append(
             attack.result(skipped=reason) if reason is not None else attack.run(ctx)
         )
+    if canaries is not None:
+        report.canary = run_canary_audit(run, canaries=canaries, seed=seed, rounds=rounds)
+        scores_figure(out / FIGURES / CANARY_FIGURE, report.canary)
     report.seconds = time.monotonic() - started
     (out / "report.json").write_text(json.dumps(report.as_json(), indent=2) + "\n")
     report.markdown = out / "report.md"
@@ -261,6 +261,8 @@ def markdown(report: AuditReport, ctx: AuditContext, *, source: str | None) -> s
         details = {k: v for k, v in r.details.items() if k != "why"}
         if details:
             lines += [f"Details: `{json.dumps(details)}`"]
+    if report.canary is not None:
+        lines += ["", *section(report.canary, f"{FIGURES}/{CANARY_FIGURE}")]
     lines += [
         "",
         "## Setting",

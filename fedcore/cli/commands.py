@@ -656,7 +656,14 @@ def _simulate(run: Any, *, as_json: bool) -> None:
 @click.option(
     "--attacks",
     default=None,
-    help="Comma-separated attack names (default: all; see docs/audit.md).",
+    help="Comma-separated attack names (default: all; none: only the canaries; see docs/audit.md).",
+)
+@click.option(
+    "--canaries",
+    type=click.IntRange(4),
+    default=None,
+    help="Also run the canary audit with this many canaries (e.g. 200): a second simulation "
+    "whose measured epsilon goes beside the claimed one.",
 )
 @click.option(
     "--seed",
@@ -676,6 +683,7 @@ def audit(
     seed: int,
     rounds: int | None,
     as_json: bool,
+    canaries: int | None,
 ) -> None:
     """Simulates MANIFEST with an attacker attached; writes a privacy report (Markdown, PNG)."""
     from fedcore.audit import registered_attacks, run_audit
@@ -684,6 +692,8 @@ def audit(
 
     spec_run = load_manifest(manifest)
     names = None if attacks is None else [a.strip() for a in attacks.split(",") if a.strip()]
+    if names == ["none"]:
+        names = []
     unknown = sorted(set(names or []) - set(registered_attacks()))
     if unknown:
         raise click.BadParameter(
@@ -692,8 +702,21 @@ def audit(
         )
     limit_threads(ROLE_THREADS)
     folder = out or Path("runs") / spec_run.metadata.name / "audit"
+    if canaries is not None:
+        from fedcore.audit.canary.run import check_canaries
+
+        try:
+            check_canaries(spec_run.spec, canaries)
+        except ValueError as exc:
+            raise click.BadParameter(str(exc), param_hint="--canaries") from None
     report = run_audit(
-        spec_run, folder, attacks=names, seed=seed, rounds=rounds, source=str(manifest)
+        spec_run,
+        folder,
+        attacks=names,
+        seed=seed,
+        rounds=rounds,
+        source=str(manifest),
+        canaries=canaries,
     )
     if as_json:
         click.echo(json.dumps(report.as_json()))
@@ -709,6 +732,16 @@ def audit(
                 f"{beats.get(bool(verdict.beats_chance), '')}"
             )
         stderr.print(escape(f"{result.attack}: {line}"), highlight=False, soft_wrap=True)
+    if report.canary is not None:
+        canary = report.canary
+        claimed = "none" if canary.claimed is None else f"{canary.claimed:.3g}"
+        line = (
+            f"canaries: one-run lower bound {canary.bound.epsilon:.3g} "
+            f"({canary.bound.confidence:.0%}), one-shot estimate {canary.estimate.epsilon:.3g} "
+            f"[{canary.estimate.low:.3g}, {canary.estimate.high:.3g}], claimed {claimed}: "
+            f"{canary.verdict}"
+        )
+        stderr.print(escape(line), highlight=False, soft_wrap=True)
     stderr.print(escape(f"Report: {report.markdown}"), highlight=False, soft_wrap=True)
 
 

@@ -12,6 +12,7 @@ import torch
 import torch.nn.functional as F
 from torch.func import functional_call, grad, vmap
 
+from fedcore.learning.canary import CanaryLearner
 from fedcore.learning.models import set_weights
 from fedcore.learning.training import LocalLearner
 from fedcore.protocols._base import Weights
@@ -50,8 +51,11 @@ def batch_gradient(
     """The gradient of the mean loss over ``rows`` (None: the whole shard) at ``weights``.
 
     Returns:
-        One array per weight name (zeros for buffers) and the mean loss there.
+        One array per weight name (zeros for buffers) and the mean loss there (a canary's
+        fixed gradient and 0.0, for the canary audit's probes).
     """
+    if isinstance(learner, CanaryLearner):
+        return learner.gradient_at(weights), 0.0
     model = learner.model
     set_weights(model, weights)
     model.train()
@@ -80,8 +84,10 @@ def clipped_gradient(
 
     Returns:
         One array per weight name (zeros for buffers), the mean loss, and the share of
-        examples that were clipped.
+        examples that were clipped (a canary's fixed gradient, 0.0 and 0.0).
     """
+    if isinstance(learner, CanaryLearner):
+        return learner.gradient_at(weights), 0.0, 0.0
     model = learner.model
     set_weights(model, weights)
     model.train()

@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from fedcore.errors import MessageRejected, ProtocolError
+from fedcore.learning.canary import CanaryClients
 from fedcore.learning.data import (
     client_dataset,
     client_test_dataset,
@@ -130,6 +131,7 @@ def simulate(
     observer: Observer | None = None,
     threads: int = ROLE_THREADS,
     drops: Mapping[tuple[int, int], Collection[int]] | None = None,
+    canaries: CanaryClients | None = None,
 ) -> SimulationResult:
     """Runs ``run`` (or its first ``rounds`` rounds) in this process and returns the result.
 
@@ -138,10 +140,21 @@ def simulate(
     processes' count, the result equals ``fedcore run``'s bit for bit (``fedcore.local.threads``).
     ``drops`` makes clients drop out: ``{(round, stage): clients}``, each of them fails that
     stage of the round's first attempt (``disconnected``), as a client killed between two
-    stages does.
+    stages does. ``canaries`` (the canary audit's) are the run's last clients: from
+    ``canaries.first`` on, ``spec.clients.count`` counts them, they hold no data and each
+    reports its fixed direction (``fedcore.learning.canary``); the data is split among the
+    first ``canaries.first`` clients as without them, and only those evaluate.
     """
     with threads_limited(threads):
-        return _simulate(run, rounds=rounds, observer=observer, drops=drops or {})
+        return _simulate(
+            run, rounds=rounds, observer=observer, drops=drops or {}, canaries=canaries
+        )
+
+
+def without_canaries(spec: FederatedRunSpec, canaries: CanaryClients) -> FederatedRunSpec:
+    """``spec`` with only the run's own clients (whose data split the canaries do not change)."""
+    own = spec.clients.model_copy(update={"count": canaries.first})
+    return spec.model_copy(update={"clients": own})
 
 
 def federated_evaluation(spec: FederatedRunSpec, models: list[Weights]) -> EvalCounts:
@@ -170,10 +183,17 @@ def _simulate(
     rounds: int | None,
     observer: Observer | None,
     drops: Mapping[tuple[int, int], Collection[int]],
+    canaries: CanaryClients | None,
 ) -> SimulationResult:
     spec = run.spec
+    data_spec = spec if canaries is None else without_canaries(spec, canaries)
     protocol = create_protocol(spec.protocol.name)
     if protocol.facts.decentralized:  # no server model: clients step with their peers
+        if canaries is not None:
+            raise ProtocolError(
+                f"Protocol {spec.protocol.name!r} is decentralized: its clients' updates never "
+                "reach one model that a canary could move."
+            )
         from fedcore.simulation.peer import simulate_decentralized
 
         peers = simulate_decentralized(run, rounds=rounds, record=observer is not None)
@@ -190,7 +210,10 @@ def _simulate(
     input_shape, num_classes = dataset_info(spec)
     model = build_model(spec.model, input_shape, num_classes, seed=spec.seed)
     server = protocol.create_server(spec, get_weights(model))
-    server.set_shard_sizes(shard_sizes(spec))
+    sizes = shard_sizes(data_spec)
+    if canaries is not None and sizes is not None:
+        sizes = (*sizes, *[canaries.examples] * canaries.count)
+    server.set_shard_sizes(sizes)
     evaluator = (
         Evaluator(model, test_dataset(spec), spec.training)
         if spec.evaluation_where != "Clients"
@@ -218,8 +241,13 @@ def _simulate(
     learners: dict[int, LocalLearner] = {}
 
     def learner(index: int) -> LocalLearner:
+        if index not in learners and canaries is not None and index >= canaries.first:
+            canary_model = build_model(spec.model, input_shape, num_classes, seed=spec.seed)
+            learners[index] = canaries.learner(
+                index, canary_model, spec.training, input_shape, num_classes
+            )
         if index not in learners:
-            data = client_dataset(spec, index)
+            data = client_dataset(data_spec, index)
             client_model = build_model(
                 spec.model, data.input_shape, data.num_classes, seed=spec.seed
             )
@@ -337,7 +365,7 @@ def _simulate(
         assert evaluator is not None
         final = evaluator.evaluate_models(server.models(), spec.data.clusters.count)
     else:  # each client scores the models on its own held-out examples; counts are summed
-        final = federated_evaluation(spec, server.models()).result()
+        final = federated_evaluation(data_spec, server.models()).result()
     return SimulationResult(
         weights=server.global_weights(),
         accuracy=final.accuracy,

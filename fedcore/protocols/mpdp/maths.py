@@ -296,6 +296,24 @@ def local_terms(
     return LocalTerms(gradient, psi, phi, terms, last_row)
 
 
+def with_gradient(terms: LocalTerms, gradient: Sequence[np.ndarray]) -> LocalTerms:
+    """Terms whose recovery is ``R o gradient``: ``gradient`` per odd layer (reshaped to its
+    shape), every correction and scalar zero. A client that sends them contributes a
+    gradient it chose (the canary audit's probes do), clipped and noised as any other."""
+    if len(gradient) != len(terms.gradient):
+        raise ValueError(f"Expected {len(terms.gradient)} layers' gradients, got {len(gradient)}.")
+    return LocalTerms(
+        [
+            np.asarray(g, np.float64).reshape(t.shape)
+            for g, t in zip(gradient, terms.gradient, strict=True)
+        ],
+        [np.zeros_like(p) for p in terms.psi],
+        [np.zeros_like(p) for p in terms.phi],
+        np.zeros_like(terms.terms),
+        np.zeros_like(terms.last_row),
+    )
+
+
 def _numpy(tensor: torch.Tensor) -> np.ndarray:
     """A float64 numpy array on the CPU (a view when the tensor already is one)."""
     return tensor.detach().to("cpu", torch.float64).numpy()

@@ -30,6 +30,7 @@ import numpy as np
 from cryptography.hazmat.primitives.asymmetric.x25519 import X25519PrivateKey
 
 from fedcore.errors import MessageRejected, NotReady, ProtocolError
+from fedcore.learning.canary import CanaryLearner
 from fedcore.learning.training import LocalLearner
 from fedcore.protocols._base import (
     ClientProtocol,
@@ -378,6 +379,9 @@ class MpdpClient(ClientProtocol):
         odd = [np.asarray(instruction.tensors[f"w.{j}"], dtype=np.float64) for j in range(layers)]
         diagonals = [instruction.tensors[f"t.{j}"] for j in range(layers - 1)]
         terms = maths.local_terms(odd, diagonals, learner.features, learner.targets)
+        if isinstance(learner, CanaryLearner):  # the canary audit's probe: a fixed gradient
+            step = learner.update(-1.0)
+            terms = maths.with_gradient(terms, [step[name] for name in learner.direction])
         options = self._options
         if options.client_noise_std > 0:
             bound = maths.norm_bound(
