@@ -16,6 +16,7 @@ from click.testing import CliRunner
 
 import fedcore.protocols.dp_fedavg as dp_fedavg
 from fedcore.audit import run_audit
+from fedcore.audit._seeded import audited
 from fedcore.audit.canary.run import CanaryAudit, check_canaries, run_canary_audit, with_canaries
 from fedcore.cli import main
 from fedcore.learning.canary import (
@@ -208,6 +209,31 @@ def test_adaptive_dp_canaries_are_estimated_without_a_client_level_claim() -> No
     assert audit.scale_from == "the protocol's clipping bound"
 
 
+@pytest.mark.parametrize(("accountant", "sampling"), [("PLD", "Seeded"), ("RDP", "Secret")])
+def test_each_accountant_and_sampling_mode_is_audited_against_its_own_claim(
+    accountant: str, sampling: str
+) -> None:
+    """Half the clients per round: the canaries are sampled at the same rate, and a secret
+    sample is audited as the seeded one (no amplification claimed against an observer who
+    sees who takes part)."""
+    protocol = {
+        "name": "dp-fedavg",
+        "dpFedavg": {"clippingNorm": 0.5, "noiseMultiplier": 3.0, "secureNoise": False},
+    }
+    privacy = {"accountant": accountant, "targetDelta": 1e-5}
+    document = digits_run(protocol, clients=10, rounds=3, privacy=privacy).model_dump(
+        by_alias=True, exclude_none=True
+    )
+    document["spec"]["clients"] = {"count": 10, "perRound": "50%", "sampling": sampling}
+    run = parse_manifest(document)
+    audit = run_canary_audit(run, canaries=200, seed=0)
+    expected = simulate(with_canaries(audited(run), audit.inserted)).epsilon
+    assert audit.claimed == pytest.approx(expected, rel=1e-12)
+    assert audit.claim is not None and audit.claim["amplification"] == "None"
+    assert audit.per_round == -(-(10 + audit.inserted) // 2)
+    assert audit.bound.epsilon <= audit.claimed
+
+
 def test_more_noise_shows_less_than_less_noise() -> None:
     loud = run_canary_audit(dp_fedavg_run(noise=12.0), canaries=200, seed=0)
     quiet = run_canary_audit(dp_fedavg_run(noise=3.0), canaries=200, seed=0)
@@ -285,6 +311,7 @@ def test_the_report_puts_the_measured_epsilon_beside_the_claimed_one(tmp_path: P
     text = (tmp_path / "audit" / "report.md").read_text()
     assert "## Canaries: a measured ε beside the claimed ε" in text
     assert f"| claimed (accountant) | {report.canary.claimed:.3g} |" in text
+    assert "How far apart: the claimed ε is" in text
     assert (tmp_path / "audit" / "figures" / "canary-scores.png").stat().st_size > 1000
     assert report.as_json()["canary"]["verdict"] == "consistent"
 

@@ -20,12 +20,12 @@ __all__ = [
     "CanaryAudit",
     "OneRunBound",
     "OneShotEstimate",
+    "check_canaries",
     "gaussian_hockey_stick",
     "gaussian_pair_epsilon",
     "one_run_epsilon",
     "one_run_lower_bound",
     "one_run_p_value",
     "one_shot_estimate",
-    "check_canaries",
     "run_canary_audit",
 ]

@@ -82,6 +82,17 @@ def section(audit: CanaryAudit, figure: str) -> list[str]:
             "The protocol claims no DP for this manifest: the numbers below say what the "
             "final model shows of one client, with no bound to compare them with."
         )
+    apart = ""
+    if audit.claimed is not None and estimate.epsilon > 0:
+        apart = (
+            f" How far apart: the claimed ε is {audit.claimed / estimate.epsilon:.2f}x the "
+            f"one-shot estimate ({audit.claimed - estimate.epsilon:+.3g})"
+            + (
+                f" and {audit.claimed / bound.epsilon:.2f}x the lower bound."
+                if bound.epsilon > 0
+                else "; the lower bound is 0."
+            )
+        )
     claim = ""
     if audit.claim:
         claim = " The claim: " + "; ".join(f"{k} {v}" for k, v in audit.claim.items()) + "."
@@ -96,7 +107,7 @@ def section(audit: CanaryAudit, figure: str) -> list[str]:
         f"{audit.accuracy:.4f}. Each canary's score is the cosine between the final model's "
         f"movement and its direction. δ = {audit.delta:g}.{claim}",
         "",
-        verdict,
+        verdict + apart,
         "",
         "| ε | value | meaning |",
         "|---|---|---|",
