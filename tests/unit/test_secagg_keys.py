@@ -417,3 +417,48 @@ def test_a_round_with_dropouts_at_every_stage_sums_exactly(seed: int) -> None:
     for u in survivors:
         expected = expected + inputs[u]
     assert np.array_equal(total, expected & np.uint64(2**bits - 1))
+
+
+def test_a_dealt_share_is_proved_by_its_dealers_signature_and_nothing_else(bundles) -> None:
+    # Prepare
+    from fedcore.protocols.secagg.keys import (
+        open_signed_shares,
+        share_statement,
+        statement_signer,
+        verify_under_certificate,
+    )
+
+    sign = statement_signer(bundles[3].key_pem)
+    share = bytes(range(66))
+    statement = share_statement(RUN, 4, 3, 7, "self", share)
+    signature = sign(statement)
+    key = bytes(32)
+    sealed = seal_shares(
+        key,
+        run=RUN,
+        round=4,
+        sender=3,
+        receiver=7,
+        self_share=share,
+        mask_share=share[::-1],
+        self_signature=signature,
+        mask_signature=b"",
+    )
+    # Execute
+    opened = open_signed_shares(key, run=RUN, round=4, sender=3, receiver=7, ciphertext=sealed)
+    # Assert
+    assert opened == (share, share[::-1], signature, b"")
+    verify_under_certificate(bundles[3].cert_pem, "client 3", statement, signature)
+    other = bytes([1]) + share[1:]
+    for lie in (
+        share_statement(RUN, 4, 3, 7, "self", other),  # another share
+        share_statement(RUN, 4, 3, 8, "self", share),  # another holder
+        share_statement(RUN, 4, 3, 7, "mask", share),  # another kind
+        share_statement(RUN, 5, 3, 7, "self", share),  # another round
+    ):
+        with pytest.raises(ProtocolError, match="does not verify"):
+            verify_under_certificate(bundles[3].cert_pem, "client 3", lie, signature)
+    with pytest.raises(ProtocolError, match="does not verify"):
+        verify_under_certificate(bundles[4].cert_pem, "client 4", statement, signature)
+    with pytest.raises(ProtocolError, match="kind is self or mask"):
+        share_statement(RUN, 4, 3, 7, "both", share)

@@ -356,3 +356,131 @@ def test_a_nonce_that_does_not_open_its_commitment_is_refused(bundles) -> None:
         clients[0].respond(ROUND, 2, Payload(meta=meta))
     honest = clients[1].respond(ROUND, 2, plans[1])
     assert set(honest.meta["shares"])  # the same request, unaltered, is answered
+
+
+# ------------------------------------------------------------- accountable shares (insiders)
+
+
+def _attempt(server, clients, learners, number: int, tamper=None) -> AttemptReport:
+    """One attempt over the clients the server plans for; ``tamper(stage, client, response)``
+    may replace a response (a client lying)."""
+
+    def run_stage(round_: int, attempt: int, stage: int, plans: Mapping[int, Payload]):
+        responses = {}
+        for k, instruction in plans.items():
+            if stage == 0:
+                response = clients[k].compute_upload(round_, instruction, learners[k], None)
+            else:
+                response = clients[k].respond(round_, stage, instruction)
+            if tamper is not None:
+                response = tamper(stage, k, response)
+            server.check_upload(round_, k, response)
+            responses[k] = response
+        return AttemptReport(responses, {})
+
+    return play_stages(
+        server, ROUND, number, server.plan_round(ROUND, list(range(CLIENTS))), run_stage
+    )
+
+
+def _bumped(share_hex: str) -> str:
+    """Another field element: the share plus one."""
+    value = (int(share_hex, 16) + 1) % sm.FIELD_PRIME
+    return value.to_bytes(sm.SHARE_BYTES, "big").hex()
+
+
+def test_a_client_revealing_a_false_share_is_barred_and_the_round_still_sums_exactly(
+    bundles, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Client 3 reveals a false share of every survivor it holds one of: the dealers'
+    signatures show the shares are not the ones they dealt, so client 3 is barred, its shares
+    are dropped, and the others' shares rebuild every seed: the round completes exactly."""
+    options = SecAggOptions(dropout_rate=0.2, corrupt_rate=0.1)
+    initial, server, clients, learners = _setup(bundles, options)
+
+    def lie(stage: int, client: int, response: Payload) -> Payload:
+        if stage != 5 or client != 3:
+            return response
+        meta = dict(response.meta)
+        meta["self"] = {owner: _bumped(text) for owner, text in meta["self"].items()}
+        return Payload(meta=meta)
+
+    # Execute
+    report = _attempt(server, clients, learners, 1, lie)
+    # Assert
+    assert not report.failed, report.failed
+    summed = list(range(CLIENTS))
+    assert np.array_equal(server._attempt.total / CLIENTS, _expected_mean(clients, summed, options))
+    assert list(server.barred) == [3]
+    assert "did not deal" in server.barred[3]
+    assert "client 3 is barred from the run" in caplog.text
+    result = server.combine(ROUND, report.uploads, report.failures)
+    assert result.metrics["barred"] == 1.0
+    assert 3 not in server.plan_round(ROUND + 1, list(range(CLIENTS)))
+    restored = SecAggServer(initial, options)
+    restored.load_state_dict(server.state_dict())
+    assert restored.barred == server.barred
+
+
+def test_a_false_share_among_exactly_t_is_caught_by_its_signature(bundles) -> None:
+    """With exactly t shares a false one would pass Lagrange unseen: their signatures are
+    checked, the liar is barred, and too few shares remain, so the attempt fails by name."""
+    options = SecAggOptions(dropout_rate=0.2, corrupt_rate=0.1)
+    _, server, clients, learners = _setup(bundles, options)
+    holders: dict[int, list[int]] = {}
+
+    def keep_t_then_lie(stage: int, client: int, response: Payload) -> Payload:
+        if stage != 5:
+            return response
+        meta = {key: dict(value) for key, value in response.meta.items()}
+        for owner in list(meta["self"]):  # each owner's first t holders (in index order) reveal
+            chosen = holders.setdefault(int(owner), [])
+            if len(chosen) < server._attempt.threshold:
+                chosen.append(client)
+            else:
+                del meta["self"][owner], meta["self_signatures"][owner]
+        if client == 3:
+            meta["self"] = {owner: _bumped(text) for owner, text in meta["self"].items()}
+        return Payload(meta=meta)
+
+    report = _attempt(server, clients, learners, 1, keep_t_then_lie)
+    assert any(3 in chosen for chosen in holders.values())  # client 3 was among some t
+    assert report.uploads == {}
+    reasons = set(report.failed.values())
+    assert len(reasons) == 1 and "valid shares of client" in reasons.pop()
+    assert list(server.barred) == [3]
+
+
+def test_a_dealer_of_inconsistent_shares_is_barred_and_the_redo_sums_the_others_exactly(
+    bundles, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Client 2 deals shares of its self-mask seed that lie on no one polynomial, signing
+    each: the shares all carry its signature, so it is the liar. The attempt fails naming it,
+    and the redo, without it, sums the other nine exactly."""
+    options = SecAggOptions(dropout_rate=0.2, corrupt_rate=0.1)
+    _, server, clients, learners = _setup(bundles, options)
+    split = sm.split_secret
+
+    def dealing_falsely(secret: bytes, threshold: int, holders):
+        shares = split(secret, threshold, holders)
+        attempt = clients[2]._attempt
+        if attempt is not None and secret == attempt.self_seed:
+            first = sorted(shares)[0]
+            shares[first] = bytes.fromhex(_bumped(shares[first].hex()))
+        return shares
+
+    monkeypatch.setattr(sm, "split_secret", dealing_falsely)
+    # Execute
+    first = _attempt(server, clients, learners, 1)
+    monkeypatch.setattr(sm, "split_secret", split)
+    second = _attempt(server, clients, learners, 2)
+    # Assert
+    assert first.uploads == {}
+    assert all(
+        "Client 2 dealt shares of its self-mask seed" in why for why in first.failed.values()
+    )
+    assert list(server.barred) == [2] and "each signed by it" in server.barred[2]
+    assert not second.failed and 2 not in second.uploads
+    others = [k for k in range(CLIENTS) if k != 2]
+    expected = _expected_mean(clients, others, options)
+    assert np.array_equal(server._attempt.total / len(others), expected)

@@ -20,7 +20,7 @@ import datetime
 import functools
 import hashlib
 import os
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from cryptography import x509
@@ -258,8 +258,11 @@ def seal_shares(
     receiver: int,
     self_share: bytes,
     mask_share: bytes,
+    self_signature: bytes = b"",
+    mask_signature: bytes = b"",
 ) -> bytes:
-    """Encrypts the sender's two shares for the receiver (AES-256-GCM).
+    """Encrypts the sender's two shares for the receiver (AES-256-GCM), with the sender's
+    signature of each (``share_statement``), so that the receiver can prove what it was dealt.
 
     The associated data binds the label, run, round, sender and receiver, so the ciphertext
     opens nowhere else. Returns a random 12-byte nonce followed by the ciphertext and tag.
@@ -275,13 +278,29 @@ def seal_shares(
             raise ProtocolError(f"Client {sender}'s {name} share is not {SHARE_BYTES} bytes.")
     context = _shares_context(run, round, sender, receiver)
     nonce = os.urandom(NONCE_BYTES)
-    return nonce + AESGCM(key).encrypt(nonce, _frame(self_share, mask_share), context)
+    plain = _frame(self_share, mask_share, self_signature, mask_signature)
+    return nonce + AESGCM(key).encrypt(nonce, plain, context)
 
 
 def open_shares(
     key: bytes, *, run: str, round: int, sender: int, receiver: int, ciphertext: bytes
 ) -> tuple[bytes, bytes]:
     """Decrypts the two shares ``seal_shares`` sealed: ``(self_share, mask_share)``.
+
+    Raises:
+        ProtocolError: as ``open_signed_shares``.
+    """
+    opened = open_signed_shares(
+        key, run=run, round=round, sender=sender, receiver=receiver, ciphertext=ciphertext
+    )
+    return opened[0], opened[1]
+
+
+def open_signed_shares(
+    key: bytes, *, run: str, round: int, sender: int, receiver: int, ciphertext: bytes
+) -> tuple[bytes, bytes, bytes, bytes]:
+    """Decrypts what ``seal_shares`` sealed: ``(self_share, mask_share, self_signature,
+    mask_signature)`` (a signature is empty where the sender gave none).
 
     Raises:
         ProtocolError: the ciphertext is malformed, tampered with or sealed for another run,
@@ -302,14 +321,34 @@ def open_shares(
             "with, or sealed for another run, round, receiver or key."
         ) from exc
     try:
-        self_share, mask_share = _unframe(plain, 2)
+        self_share, mask_share, self_signature, mask_signature = _unframe(plain, 4)
     except ProtocolError as exc:
         raise ProtocolError(f"The sealed shares from client {sender} are malformed.") from exc
     if len(self_share) != SHARE_BYTES or len(mask_share) != SHARE_BYTES:
         raise ProtocolError(
             f"The sealed shares from client {sender} are not {SHARE_BYTES} bytes each."
         )
-    return self_share, mask_share
+    return self_share, mask_share, self_signature, mask_signature
+
+
+def share_statement(
+    run: str, round: int, dealer: int, holder: int, kind: str, share: bytes
+) -> bytes:
+    """The bytes a dealer signs for one share it deals: the label, ``share``, run, round,
+    dealer, holder, the share's kind (``self`` or ``mask``) and the share itself, framed.
+
+    A holder that reveals a share with this signature proves the dealer dealt it; one that
+    reveals anything else cannot sign for the dealer, so whoever lies about a share is named.
+
+    Raises:
+        ProtocolError: an invalid context, index or kind.
+    """
+    _check_context(run, round)
+    _check_index(dealer, "dealer")
+    _check_index(holder, "holder")
+    if kind not in ("self", "mask"):
+        raise ProtocolError(f"A share's kind is self or mask, not {kind!r}.")
+    return _frame(PROTOCOL_LABEL, "share", run, round, dealer, holder, kind, share)
 
 
 # ------------------------------------------------------------------------------ signatures
@@ -354,15 +393,46 @@ def sign_round_keys(tls_key_pem: bytes, statement: bytes) -> bytes:
     Raises:
         ProtocolError: the key is not an unencrypted PEM EC or Ed25519 private key.
     """
+    return statement_signer(tls_key_pem)(statement)
+
+
+def statement_signer(tls_key_pem: bytes) -> Callable[[bytes], bytes]:
+    """A function that signs statements as ``sign_round_keys`` does, with the key loaded once
+    (a client signs two shares per neighbour in a round).
+
+    Raises:
+        ProtocolError: as ``sign_round_keys``.
+    """
     try:
         key = serialization.load_pem_private_key(tls_key_pem, password=None)
     except (ValueError, TypeError, UnsupportedAlgorithm) as exc:
         raise ProtocolError("The TLS key is not an unencrypted PEM private key.") from exc
     if isinstance(key, ec.EllipticCurvePrivateKey):
-        return key.sign(statement, ec.ECDSA(hashes.SHA256()))
+        curve_key = key
+        return lambda statement: curve_key.sign(statement, ec.ECDSA(hashes.SHA256()))
     if isinstance(key, ed25519.Ed25519PrivateKey):
-        return key.sign(statement)
+        edwards_key = key
+        return lambda statement: edwards_key.sign(statement)
     raise ProtocolError(f"The TLS key is a {type(key).__name__}, not an EC or Ed25519 key.")
+
+
+def verify_under_certificate(cert_pem: bytes, who: str, statement: bytes, signature: bytes) -> None:
+    """Checks ``signature`` over ``statement`` under the public key of ``cert_pem`` only: for
+    the server, whose certificates are the ones every client already checked against the CA
+    (``verify_round_keys``) before the stage that brings the signature.
+
+    Raises:
+        ProtocolError: the certificate is not PEM, or the signature does not verify.
+    """
+    _verify_under(_loaded_certificate(cert_pem), who, statement, signature)
+
+
+@functools.lru_cache(maxsize=4096)
+def _loaded_certificate(cert_pem: bytes) -> x509.Certificate:
+    try:
+        return x509.load_pem_x509_certificate(cert_pem)
+    except (ValueError, TypeError) as exc:
+        raise ProtocolError("A certificate is not a PEM certificate.") from exc
 
 
 def verify_round_keys(
@@ -430,7 +500,7 @@ def _verify_under(
 ) -> None:
     """Verifies ``signature`` over ``statement`` under the certificate's public key."""
     if not isinstance(signature, bytes):
-        raise ProtocolError(f"The round-key signature of {who} is not bytes.")
+        raise ProtocolError(f"The signature of {who} is not bytes.")
     public = certificate.public_key()
     try:
         if isinstance(public, ec.EllipticCurvePublicKey):
@@ -444,7 +514,7 @@ def _verify_under(
             )
     except InvalidSignature as exc:
         raise ProtocolError(
-            f"The round-key signature of {who} does not verify under its certificate."
+            f"The signature of {who} does not verify under its certificate."
         ) from exc
 
 

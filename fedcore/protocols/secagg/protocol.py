@@ -36,15 +36,17 @@ what the analysis assumes, is in docs/protocols/secagg.md.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import logging
 import secrets
 import warnings
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
+from cryptography.hazmat.primitives.asymmetric.x25519 import X25519PrivateKey
 
 from fedcore.errors import ProtocolError
 from fedcore.learning.poisoning import attack_of
@@ -83,6 +85,11 @@ _NOISE_TAG = 0x5EC000_0000
 
 
 # ------------------------------------------------------------------------------ encodings
+
+
+def _mask_key(raw: bytes, *, public: bytes, client: int) -> X25519PrivateKey:
+    """A rebuilt mask key, checked against the public key its owner advertised."""
+    return sk.private_from_bytes(raw, public, client=client)
 
 
 def _hex(value: bytes) -> str:
@@ -246,14 +253,27 @@ class SecAggServer(ServerProtocol):
         self._names = float_names(initial)
         self._size = sum(int(np.size(initial[name])) for name in self._names)
         self._attempt: _ServerAttempt | None = None
+        self._barred: dict[int, str] = {}  # client -> what it was caught doing
+
+    @property
+    def barred(self) -> Mapping[int, str]:
+        """The clients caught falsifying a share, and how: they sit out every later attempt."""
+        return dict(self._barred)
+
+    def _bar(self, client: int, why: str) -> None:
+        """Bars ``client`` from the rest of the run (logged with the reason)."""
+        if client not in self._barred:
+            self._barred[client] = why
+            log.warning("secagg: client %d is barred from the run: %s", client, why)
 
     # ----------------------------------------------------------------- stage 0: plan
 
     def plan_round(self, round: int, clients: Sequence[int]) -> Mapping[int, Payload]:
+        """Opens an attempt for ``clients``, less any barred client (which sits it out)."""
         session = secrets.token_hex(16)
         self._attempt = _ServerAttempt(round, session)
         instruction = Payload(meta={"session": session}, tensors=self._weights)
-        return {client: instruction for client in clients}
+        return {client: instruction for client in clients if client not in self._barred}
 
     def _current(self, round: int) -> _ServerAttempt:
         attempt = self._attempt
@@ -335,6 +355,12 @@ class SecAggServer(ServerProtocol):
             raise ProtocolError(f"The {what} reveals shares of clients it may not.")
         for owner, text in [*selfs.items(), *masks.items()]:
             _unhex(text, what=f"share of client {owner} in {what}", size=sm.SHARE_BYTES)
+        for kind, revealed in (("self", selfs), ("mask", masks)):
+            signed = _by_client(meta.get(f"{kind}_signatures"), what=f"{kind} signatures")
+            if set(signed) != set(revealed):
+                raise ProtocolError(f"The {what} does not sign for exactly its {kind} shares.")
+            for owner, text in signed.items():
+                _unhex(text, what=f"signature of client {owner}", limit=MAX_SIGNATURE_BYTES)
 
     # ------------------------------------------------------------------- next stage
 
@@ -456,37 +482,33 @@ class SecAggServer(ServerProtocol):
         self, attempt: _ServerAttempt, responders: list[int], responses: Mapping[int, Payload]
     ) -> None:
         assert attempt.encoding is not None
-        t = attempt.threshold
         survivors, shared = set(attempt.survivors), set(attempt.shared)
         dropped = shared - survivors
-        self_shares: dict[int, dict[int, bytes]] = {k: {} for k in survivors}
-        key_shares: dict[int, dict[int, bytes]] = {d: {} for d in dropped}
+        revealed: dict[tuple[str, int], dict[int, tuple[bytes, bytes]]] = {}
         for holder in responders:
             meta = responses[holder].meta
-            for owner, text in _by_client(meta.get("self"), what="self-seed shares").items():
-                self_shares[owner][holder] = bytes.fromhex(text)
-            for owner, text in _by_client(meta.get("mask"), what="key shares").items():
-                key_shares[owner][holder] = bytes.fromhex(text)
+            for kind in ("self", "mask"):
+                shares = _by_client(meta.get(kind), what=f"{kind} shares")
+                signatures = _by_client(meta.get(f"{kind}_signatures"), what="signatures")
+                for owner, text in shares.items():
+                    signed = (bytes.fromhex(text), bytes.fromhex(signatures[owner]))
+                    revealed.setdefault((kind, owner), {})[holder] = signed
         graph = {u: tuple(v for v in attempt.graph[u] if v in shared) for u in sorted(shared)}
-        seeds = {}
-        for u in sorted(survivors):
-            if len(self_shares[u]) < t:
-                raise ProtocolError(
-                    f"Only {len(self_shares[u])} shares of client {u}'s self-mask seed came back "
-                    f"(threshold {t}); its input cannot be unmasked."
-                )
-            seeds[u] = sm.combine_shares(self_shares[u], t)
+        seeds = {
+            u: self._recover(attempt, u, "self", revealed.get(("self", u), {}))
+            for u in sorted(survivors)
+        }
         pair_seeds = {}
         rebuilt = {}
         for u, d in sorted(sm.needed_edges(graph, survivors, dropped)):
             if d not in rebuilt:
-                if len(key_shares[d]) < t:
-                    raise ProtocolError(
-                        f"Only {len(key_shares[d])} shares of dropped client {d}'s mask key came "
-                        f"back (threshold {t}); its neighbours' masks cannot be removed."
-                    )
-                raw = sm.combine_shares(key_shares[d], t)
-                rebuilt[d] = sk.private_from_bytes(raw, attempt.adverts[d].s_public, client=d)
+                rebuilt[d] = self._recover(
+                    attempt,
+                    d,
+                    "mask",
+                    revealed.get(("mask", d), {}),
+                    functools.partial(_mask_key, public=attempt.adverts[d].s_public, client=d),
+                )
             pair = (min(u, d), max(u, d))
             pair_seeds[(u, d)] = sk.pair_seed(
                 rebuilt[d],
@@ -504,6 +526,85 @@ class SecAggServer(ServerProtocol):
         )
         attempt.total = attempt.encoding.decode(total, len(survivors))
         return None
+
+    def _recover(
+        self,
+        attempt: _ServerAttempt,
+        owner: int,
+        kind: str,
+        revealed: Mapping[int, tuple[bytes, bytes]],
+        commit: Callable[[bytes], Any] | None = None,
+    ) -> Any:
+        """``owner``'s ``kind`` secret from the revealed (share, dealer's signature) pairs,
+        through ``commit`` (a check against a public commitment) where given.
+
+        Shares that do not agree are sorted out by the dealer's signatures: a holder that
+        revealed a share ``owner`` did not sign is barred and its share dropped; shares that
+        all carry ``owner``'s signature yet do not agree bar ``owner``. With exactly t shares a
+        false one would not show, so their signatures are always checked then.
+
+        Raises:
+            ProtocolError: fewer than t shares (or fewer than t once the false ones are
+                dropped), or a dealer that dealt inconsistent shares: the attempt fails, and
+                the barred clients sit out the next one.
+        """
+        t = attempt.threshold
+        what = "self-mask seed" if kind == "self" else "mask key"
+        shares = dict(revealed)
+        if len(shares) == t:
+            shares = self._signed_by_dealer(attempt, owner, kind, shares)
+        if len(shares) < t:
+            raise ProtocolError(
+                f"Only {len(shares)} valid shares of client {owner}'s {what} came back "
+                f"(threshold {t}); it cannot be rebuilt."
+            )
+        try:
+            secret = sm.combine_shares({h: share for h, (share, _) in shares.items()}, t)
+            return secret if commit is None else commit(secret)
+        except ProtocolError as exc:
+            log.warning("The shares of client %d's %s disagree: %s", owner, what, exc)
+        honest = self._signed_by_dealer(attempt, owner, kind, shares)
+        if len(honest) < t:
+            raise ProtocolError(
+                f"Only {len(honest)} shares of client {owner}'s {what} are the ones it dealt "
+                f"(threshold {t}); the clients that revealed false ones are barred."
+            )
+        try:
+            secret = sm.combine_shares({h: share for h, (share, _) in honest.items()}, t)
+            return secret if commit is None else commit(secret)
+        except ProtocolError:
+            self._bar(owner, f"it dealt shares of its {what} that disagree, each signed by it")
+            raise ProtocolError(
+                f"Client {owner} dealt shares of its {what} that disagree, each signed by it: "
+                "it is barred, and the attempt is redone without it."
+            ) from None
+
+    def _signed_by_dealer(
+        self,
+        attempt: _ServerAttempt,
+        owner: int,
+        kind: str,
+        shares: Mapping[int, tuple[bytes, bytes]],
+    ) -> dict[int, tuple[bytes, bytes]]:
+        """The shares whose signature by ``owner`` verifies; their holders are barred
+        otherwise (an honest holder reveals only shares its dealer signed)."""
+        cert = attempt.adverts[owner].cert
+        kept = {}
+        for holder, (share, signature) in shares.items():
+            statement = sk.share_statement(
+                attempt.session, attempt.round, owner, holder, kind, share
+            )
+            try:
+                sk.verify_under_certificate(cert, f"client {owner}", statement, signature)
+            except ProtocolError:
+                self._bar(
+                    holder,
+                    f"it revealed a {kind} share of client {owner} that client {owner} did not "
+                    "deal (its signature does not verify)",
+                )
+                continue
+            kept[holder] = (share, signature)
+        return kept
 
     # ---------------------------------------------------------------------- combine
 
@@ -534,6 +635,7 @@ class SecAggServer(ServerProtocol):
                 "degree": float(attempt.degree),
                 "threshold": float(attempt.threshold),
                 "dropped_after_sharing": float(len(attempt.shared) - len(survivors)),
+                "barred": float(len(self._barred)),
             },
         )
 
@@ -541,10 +643,20 @@ class SecAggServer(ServerProtocol):
         return self._weights
 
     def state_dict(self) -> dict[str, Any]:
-        return {"kind": self.kind, "version": 1, "weights": copy_weights(self._weights)}
+        barred = {str(k): why for k, why in self._barred.items()}
+        return {
+            "kind": self.kind,
+            "version": 1,
+            "weights": copy_weights(self._weights),
+            "barred": barred,
+        }
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         self._weights = restore_weights(state, self.kind, self._weights)
+        barred = state.get("barred", {})
+        if not isinstance(barred, Mapping):
+            raise ProtocolError("The checkpoint's barred clients are not a mapping.")
+        self._barred = {int(k): str(why) for k, why in barred.items()}
 
 
 # ------------------------------------------------------------------------------ client
@@ -601,12 +713,14 @@ class SecAggClient(ClientProtocol):
         self._seed = seed
         self._fewest = fewest
         self._tls: TlsBundle | None = None
+        self._signer: Callable[[bytes], bytes] | None = None
         self._attempt: _ClientAttempt | None = None
 
     needs_identity = True
 
     def set_identity(self, tls: TlsBundle) -> None:
         self._tls = tls
+        self._signer = sk.statement_signer(tls.key_pem)
 
     def compute_upload(
         self, round: int, instruction: Payload, learner: LocalLearner, keys: Payload | None
@@ -750,11 +864,18 @@ class SecAggClient(ClientProtocol):
         key_shares = sm.split_secret(
             attempt.keys.mask_private_bytes(), attempt.threshold, attempt.neighbours
         )
+        assert self._signer is not None
         sealed = {}
         for v in attempt.neighbours:
             attempt.share_keys[v] = sk.share_key(
                 attempt.keys.c_private, attempt.publics[v][0], **self._pair(attempt, v)
             )
+            signed = {
+                kind: self._signer(
+                    sk.share_statement(attempt.session, attempt.round, self._index, v, kind, share)
+                )
+                for kind, share in (("self", self_shares[v]), ("mask", key_shares[v]))
+            }
             sealed[str(v)] = _hex(
                 sk.seal_shares(
                     attempt.share_keys[v],
@@ -764,6 +885,8 @@ class SecAggClient(ClientProtocol):
                     receiver=v,
                     self_share=self_shares[v],
                     mask_share=key_shares[v],
+                    self_signature=signed["self"],
+                    mask_signature=signed["mask"],
                 )
             )
         return Payload(meta={"shares": sealed})
@@ -883,13 +1006,18 @@ class SecAggClient(ClientProtocol):
                 f"{attempt.threshold}); the server may be showing clients different lists."
             )
         attempt.revealed = True
-        selfs, masks = {}, {}
+        revealed: dict[str, dict[str, str]] = {
+            "self": {},
+            "mask": {},
+            "self_signatures": {},
+            "mask_signatures": {},
+        }
         survivor_set, shared_set = set(survivors), set(attempt.shared)
         for v in attempt.neighbours:
             if v not in attempt.sealed or v not in shared_set:
                 continue
             try:
-                self_share, mask_share = sk.open_shares(
+                self_share, mask_share, self_signed, mask_signed = sk.open_signed_shares(
                     attempt.share_keys[v],
                     run=attempt.session,
                     round=attempt.round,
@@ -897,14 +1025,20 @@ class SecAggClient(ClientProtocol):
                     receiver=self._index,
                     ciphertext=attempt.sealed[v],
                 )
-            except ProtocolError as exc:
-                log.warning("Shares sealed by client %d do not open: %s", v, exc)
+                kind = "self" if v in survivor_set else "mask"
+                share, signature = (
+                    (self_share, self_signed) if kind == "self" else (mask_share, mask_signed)
+                )
+                statement = sk.share_statement(
+                    attempt.session, attempt.round, v, self._index, kind, share
+                )
+                sk.verify_signed(attempt.certs[v], self._tls.ca_pem, v, statement, signature)
+            except ProtocolError as exc:  # nothing it could prove: it reveals nothing of v
+                log.warning("Shares sealed by client %d do not open or verify: %s", v, exc)
                 continue
-            if v in survivor_set:
-                selfs[str(v)] = _hex(self_share)
-            else:
-                masks[str(v)] = _hex(mask_share)
-        return Payload(meta={"self": selfs, "mask": masks})
+            revealed[kind][str(v)] = _hex(share)
+            revealed[f"{kind}_signatures"][str(v)] = _hex(signature)
+        return Payload(meta=dict(revealed))
 
 
 class SecAgg(Protocol):
