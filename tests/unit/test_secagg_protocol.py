@@ -484,3 +484,42 @@ def test_a_dealer_of_inconsistent_shares_is_barred_and_the_redo_sums_the_others_
     others = [k for k in range(CLIENTS) if k != 2]
     expected = _expected_mean(clients, others, options)
     assert np.array_equal(server._attempt.total / len(others), expected)
+
+
+def test_a_client_shown_another_attempt_than_the_others_refuses_to_unmask(bundles) -> None:
+    """The server tells client 0 that client 9 never shared (9 drops before its masked input;
+    the others are told it shared). The survivor list is the same for all, but each client
+    signs it under its view of the attempt, so client 0 finds fewer than t signatures it can
+    verify and reveals nothing, while the others, who share a view, go on."""
+    options = SecAggOptions(dropout_rate=0.2, corrupt_rate=0.1)
+    _, server, clients, learners = _setup(bundles, options)
+    plans = server.plan_round(ROUND, list(range(CLIENTS)))
+    answers: dict[int, Payload] = {}
+    for stage in range(6):
+        responses = {}
+        for k, instruction in plans.items():
+            if stage == 3 and k == 9:
+                continue  # drops before its masked input
+            if stage == 3 and k == 0:
+                meta = dict(instruction.meta)
+                meta["shared"] = [v for v in meta["shared"] if v != 9]
+                meta["sealed"] = {v: c for v, c in meta["sealed"].items() if v != "9"}
+                instruction = Payload(meta=meta)
+            try:
+                response = (
+                    clients[k].compute_upload(ROUND, instruction, learners[k], None)
+                    if stage == 0
+                    else clients[k].respond(ROUND, stage, instruction)
+                )
+            except ProtocolError as exc:
+                answers[k] = Payload(meta={"declined": str(exc)})
+                continue
+            server.check_upload(ROUND, k, response)
+            responses[k] = response
+            answers[k] = response
+        if stage == 5:
+            break
+        plans = server.next_stage(ROUND, stage, responses, [])
+    assert "declined" in answers[0].meta
+    assert "the server may be showing clients different lists" in answers[0].meta["declined"]
+    assert all("declined" not in answers[k].meta for k in range(1, 9))

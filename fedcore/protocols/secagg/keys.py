@@ -20,7 +20,7 @@ import datetime
 import functools
 import hashlib
 import os
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
 from cryptography import x509
@@ -467,13 +467,37 @@ def verify_round_keys(
     _verify_under(certificate, who, statement, signature)
 
 
-def survivors_statement(run: str, round: int, survivors: Sequence[int]) -> bytes:
+def survivors_statement(
+    run: str, round: int, survivors: Sequence[int], view: bytes = b""
+) -> bytes:
     """The bytes a client signs in the consistency stage: the label, ``survivors``, run,
-    round and the survivor list, framed as ``round_key_statement`` frames its fields."""
+    round, the client's ``view`` of the attempt (``view_digest``) and the survivor list,
+    framed as ``round_key_statement`` frames its fields. Two clients' signatures agree only
+    if the server showed them one attempt."""
     _check_context(run, round)
     for client in survivors:
         _check_index(client, "survivor")
-    return _frame(PROTOCOL_LABEL, "survivors", run, round, *survivors)
+    return _frame(PROTOCOL_LABEL, "survivors", run, round, view, *survivors)
+
+
+def view_digest(
+    adverts: Mapping[int, tuple[bytes, bytes, bytes]],
+    members: Sequence[int],
+    nonces: Mapping[int, bytes],
+    shared: Sequence[int],
+) -> bytes:
+    """SHA-256 of what the server told one client of everyone in an attempt: each
+    advertiser's (c key, s key, commitment), the members and their nonces, and who shared.
+
+    Bell et al.'s malicious-server consistency check signs this with the survivor list: a
+    server that shows clients different key lists, members or sharers gets signatures that
+    do not verify for one another, and no client reveals shares on fewer than t of them.
+    """
+    parts: list[bytes | str | int] = ["adverts"]
+    for client in sorted(adverts):
+        parts += [client, *adverts[client]]
+    parts += ["members", *members, *(nonces[client] for client in members), "shared", *shared]
+    return hashlib.sha256(_frame(*parts)).digest()
 
 
 def verify_signed(

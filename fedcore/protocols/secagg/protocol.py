@@ -681,6 +681,7 @@ class _ClientAttempt:
     sealed: dict[int, bytes] = field(default_factory=dict)
     share_keys: dict[int, bytes] = field(default_factory=dict)  # by neighbour, from stage 2
     shared: list[int] = field(default_factory=list)
+    nonces: dict[int, bytes] = field(default_factory=dict)  # the members', from stage 2
     committed: list[int] | None = None  # the survivor list this client signed
     revealed: bool = False
     stage: int = 0
@@ -759,7 +760,8 @@ class SecAggClient(ClientProtocol):
         statement = sk.round_key_statement(
             session, round, self._index, c_public, s_public, committed
         )
-        signature = sk.sign_round_keys(self._tls.key_pem, statement)
+        assert self._signer is not None
+        signature = self._signer(statement)
         self._attempt = _ClientAttempt(round, session, round_keys, update, nonce=nonce)
         return Payload(
             meta={
@@ -858,6 +860,7 @@ class SecAggClient(ClientProtocol):
             members, degree, graph_seed(attempt.session, attempt.round, nonces)
         )
         attempt.members = members
+        attempt.nonces = nonces
         attempt.neighbours = graph[self._index]
         attempt.self_seed = sk.new_self_seed()
         self_shares = sm.split_secret(attempt.self_seed, attempt.threshold, attempt.neighbours)
@@ -959,8 +962,16 @@ class SecAggClient(ClientProtocol):
         if attempt.committed is not None and attempt.committed != survivors:
             raise ProtocolError("The server asked this client to sign a second survivor list.")
         attempt.committed = survivors
-        statement = sk.survivors_statement(attempt.session, attempt.round, survivors)
-        return Payload(meta={"signature": _hex(sk.sign_round_keys(self._tls.key_pem, statement))})
+        assert self._signer is not None
+        statement = self._survivors_statement(attempt, survivors)
+        return Payload(meta={"signature": _hex(self._signer(statement))})
+
+    def _survivors_statement(self, attempt: _ClientAttempt, survivors: list[int]) -> bytes:
+        """The survivor list as this client signs and checks it: under its view of the
+        attempt (``keys.view_digest``), so signatures of clients shown another attempt fail."""
+        adverts = {v: (*attempt.publics[v], attempt.commitments[v]) for v in attempt.publics}
+        view = sk.view_digest(adverts, attempt.members, attempt.nonces, attempt.shared)
+        return sk.survivors_statement(attempt.session, attempt.round, survivors, view)
 
     def _survivors(self, attempt: _ClientAttempt, meta: Mapping[str, Any]) -> list[int]:
         survivors = _clients(meta.get("survivors"), what="survivor list")
@@ -988,7 +999,7 @@ class SecAggClient(ClientProtocol):
                 "signed; revealing for it could give away both secrets of a neighbour."
             )
         signatures = _by_client(meta.get("signatures"), what="survivor-list signatures")
-        statement = sk.survivors_statement(attempt.session, attempt.round, survivors)
+        statement = self._survivors_statement(attempt, survivors)
         valid = 0
         for v, text in sorted(signatures.items()):
             if v not in survivors or valid >= attempt.threshold:
