@@ -467,9 +467,7 @@ def verify_round_keys(
     _verify_under(certificate, who, statement, signature)
 
 
-def survivors_statement(
-    run: str, round: int, survivors: Sequence[int], view: bytes = b""
-) -> bytes:
+def survivors_statement(run: str, round: int, survivors: Sequence[int], view: bytes = b"") -> bytes:
     """The bytes a client signs in the consistency stage: the label, ``survivors``, run,
     round, the client's ``view`` of the attempt (``view_digest``) and the survivor list,
     framed as ``round_key_statement`` frames its fields. Two clients' signatures agree only
