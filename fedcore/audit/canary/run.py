@@ -261,8 +261,9 @@ def run_canary_audit(
     result = simulate(audited_run, rounds=rounds, canaries=probes)
     movement = along(result.weights, directions[0]) - along(initial, directions[0])
     norm = float(np.linalg.norm(movement))
-    unit = np.stack([along(d, d) for d in directions])  # each of norm 1
-    scores = unit @ movement / norm if norm > 0 else np.zeros(canaries)
+    scores = np.array(  # each direction has norm 1
+        [float(along(d, d) @ movement) / norm if norm > 0 else 0.0 for d in directions]
+    )
     ledger_delta = spec.privacy.target_delta if spec.privacy is not None else 1e-5
     claims = protocol_facts(spec.protocol.name).claims_dp and result.epsilon is not None
     estimate = one_shot_estimate(
