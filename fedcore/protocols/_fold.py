@@ -19,21 +19,18 @@ The work goes block by block so that the scratch stays in the CPU's cache.
 from __future__ import annotations
 
 import os
-import shutil
-import tempfile
 from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 
 import numpy as np
 
 from fedcore.errors import ProtocolError
+from fedcore.protocols._spill import HOLD_BYTES, SpillFolder
 
 Tensors = Mapping[str, np.ndarray]
 
 BLOCK_ELEMENTS = 1 << 15
 """Elements per block: 2 x 256 KiB of float64 scratch, well inside L2."""
-HOLD_BYTES = 256 * 2**20
-"""Default bytes of early uploads held in memory before they go to disk."""
 
 
 def scratch_elements(arrays: Iterable[np.ndarray]) -> int:
@@ -81,8 +78,7 @@ class OrderedFold:
         self._skipped: set[int] = set()
         self._added: set[int] = set()
         self._hold_bytes = hold_bytes
-        self._spill_root = spill_dir
-        self._spill_path: Path | None = None
+        self._spill = SpillFolder(spill_dir, prefix="fedcore-fold-")
         self.held_bytes = 0
         """Bytes of early uploads held in memory now."""
         self.peak_held_bytes = 0
@@ -181,9 +177,7 @@ class OrderedFold:
 
     def close(self) -> None:
         """Removes the files of early uploads, if any (idempotent)."""
-        if self._spill_path is not None:
-            shutil.rmtree(self._spill_path, ignore_errors=True)
-            self._spill_path = None
+        self._spill.close()
 
     def __enter__(self) -> OrderedFold:
         return self
@@ -256,9 +250,7 @@ class OrderedFold:
             self._next += 1
 
     def _spill_file(self, client: int) -> Path:
-        if self._spill_path is None:
-            self._spill_path = Path(tempfile.mkdtemp(prefix="fedcore-fold-", dir=self._spill_root))
-        return self._spill_path / f"client-{client}.npz"
+        return self._spill.file(f"client-{client}.npz")
 
 
 def weighted_sum(

@@ -7,6 +7,14 @@ that many models, every client trains the one with the lowest loss on its shard 
 and each model combines its own clients' updates with the rule. Plain fedavg (Mean, one
 cluster) keeps using ``ModelAveragingServer``. These are EBS-CFL's baselines (digest 004): they
 protect nothing, and their robustness is measured in benchmarks/ebscfl.py.
+
+A rule needs every upload of the round before it can combine any coordinate, so uploads are not
+summed as they arrive, as plain fedavg's are: ``take_upload`` keeps each in the attempt's
+``UploadStore`` (``fedcore.protocols._spill``: in memory up to ``hold_bytes``, beyond that on
+disk) and the runtime keeps only its meta. ``combine`` runs the rule block by block over the
+store (``aggregators.Rows``), whole uploads it is given (the simulation's) read in place, so it
+holds K x block values and a few model-sized vectors, not K models, and gives the same result
+either way, bit for bit.
 """
 
 from __future__ import annotations
@@ -39,6 +47,7 @@ from fedcore.protocols._maths import (
     mean_loss,
     unflatten,
 )
+from fedcore.protocols._spill import HOLD_BYTES, UploadStore
 from fedcore.protocols.fedavg import aggregators
 from fedcore.spec import FederatedRunSpec
 from fedcore.spec._options import FedAvgOptions
@@ -85,8 +94,14 @@ class RobustAveragingServer(ClusterModels, BoundedServer, ServerProtocol):
         )
         if options.aggregator == "FLTrust" and (root is None or m != 1):
             raise ProtocolError("FLTrust needs the server's root data and one cluster.")
+        self._store: UploadStore | None = None
+        self.hold_bytes = HOLD_BYTES
+        """Bytes of uploads the attempt's store holds in memory before it writes them to disk."""
+        self.spill_dir: str | None = None
+        """Where the store writes uploads (None: the system's temporary folder)."""
 
     def plan_round(self, round: int, clients: Sequence[int]) -> Mapping[int, Payload]:
+        self._open_store()
         m = self._options.clusters
         if m == 1:
             instruction = Payload(meta={"round": round}, tensors=self.global_weights())
@@ -117,13 +132,51 @@ class RobustAveragingServer(ClusterModels, BoundedServer, ServerProtocol):
         model = unflatten(self._theta[cluster], self._like)
         self._bounds.check_step(step_norm(upload.tensors, model), what=what)
 
+    def _open_store(self) -> UploadStore:
+        """Starts the store of a new attempt (the previous attempt's, if any, is dropped)."""
+        if self._store is not None:
+            self._store.close()
+        self._store = UploadStore(
+            self._like, budget_bytes=self.hold_bytes, spill_dir=self.spill_dir
+        )
+        return self._store
+
+    def take_upload(self, round: int, client: int, upload: Payload) -> Payload | None:
+        """Keeps a checked upload's tensors in the attempt's store (in memory or on disk); the
+        runtime keeps its meta only. Every rule and mode streams so: a rule reads the uploads
+        only at ``combine``, where the weights and (IFCA) the clusters come from the metas."""
+        if self._store is None:  # no plan (a restored server): the runtime keeps it whole
+            return None
+        self._store.add(client, upload.tensors)
+        return Payload(meta=upload.meta)
+
     def combine(
         self, round: int, uploads: Mapping[int, Payload], failures: Sequence[int]
+    ) -> RoundResult | None:
+        """Moves each cluster's model by its rule's aggregate of its clients' updates.
+
+        A taken client's upload is read from the attempt's store; any other must be whole.
+
+        Raises:
+            ProtocolError: an upload that was not taken has no tensors (or not the model's).
+            AggregateRefused: an aggregate is not finite or moves past the bound; no model moves.
+        """
+        store, self._store = self._store, None
+        if store is None:
+            store = UploadStore(self._like, budget_bytes=0, spill_dir=self.spill_dir)
+        with store:
+            return self._combine(round, uploads, store)
+
+    def _combine(
+        self, round: int, uploads: Mapping[int, Payload], store: UploadStore
     ) -> RoundResult | None:
         if not uploads:
             return None
         options = self._options
         order = sorted(uploads)
+        for client in order:
+            if client not in store:
+                store.lend(client, uploads[client].tensors)
         if options.weighting == "ShardSize":
             weights = self._bounds.example_weights(uploads)
         else:
@@ -134,22 +187,24 @@ class RobustAveragingServer(ClusterModels, BoundedServer, ServerProtocol):
             members = [k for k in order if int(uploads[k].meta.get("cluster", 0)) == j]
             if not members:
                 continue
-            updates = [flatten(uploads[k].tensors, self._names) - self._theta[j] for k in members]
-            server_update = None
-            if options.aggregator == "FLTrust":
+            # Row i of a block: flatten(upload of members[i])[block] - theta_j[block].
+            updates = store.view(members, minus=self._theta[j])
+            rule = options.aggregator
+            if rule == "FLTrust":
                 assert self._root is not None
                 trained, _ = self._root.train(unflatten(self._theta[j], self._like), round=round)
                 server_update = flatten(trained, self._names) - self._theta[j]
-                scores = aggregators.trust_scores(updates, server_update)
+                steps[j], scores = aggregators.fltrust_scored(updates, server_update)
                 metrics["trusted"] = float(np.count_nonzero(scores))
-            rule = options.aggregator
-            if rule == "Krum" and len(updates) < options.krum_byzantine + 3:
+                metrics[f"cluster_{j}_clients"] = float(len(members))
+                continue
+            if rule == "Krum" and updates.count < options.krum_byzantine + 3:
                 log.warning(
                     "Round %d cluster %d: %d updates are too few for Krum with f = %d; using "
                     "Median for it.",
                     round,
                     j,
-                    len(updates),
+                    updates.count,
                     options.krum_byzantine,
                 )
                 rule = "Median"
@@ -159,13 +214,12 @@ class RobustAveragingServer(ClusterModels, BoundedServer, ServerProtocol):
                 weights=[weights[k] for k in members],
                 trim=options.trim_fraction,
                 byzantine=options.krum_byzantine,
-                server_update=server_update,
             )
             metrics[f"cluster_{j}_clients"] = float(len(members))
         for step in steps.values():  # all checked before any is applied
             self._bounds.check_aggregate_step(round, step)
         for j, step in steps.items():
-            self._theta[j] = self._theta[j] + step
+            np.add(self._theta[j], step, out=self._theta[j])
         return RoundResult(
             participants=len(order), train_loss=mean_loss(uploads, weights), metrics=metrics
         )
