@@ -375,6 +375,39 @@ def test_chosen_parameters_meet_the_bounds_and_are_minimal(
             assert c > 2**-20 or s > 2**-40
 
 
+def test_a_degree_or_threshold_set_by_the_spec_is_used_when_it_meets_the_bounds() -> None:
+    derived = choose_parameters(100, 0.1, 0.1)
+    # A larger degree: the least secure threshold for it, both bounds met
+    degree, threshold = choose_parameters(100, 0.1, 0.1, degree=48)
+    assert degree == 48 and threshold > derived[1]
+    correctness, security = failure_probabilities(100, 48, threshold, 10, 10)
+    assert correctness <= 2**-20 and security <= 2**-40
+    assert failure_probabilities(100, 48, threshold - 1, 10, 10)[1] > 2**-40
+    # A larger threshold: the least degree whose correctness it still meets
+    degree, threshold = choose_parameters(100, 0.1, 0.1, threshold=derived[1] + 1)
+    assert threshold == derived[1] + 1 and degree >= derived[0]
+    assert failure_probabilities(100, degree, threshold, 10, 10)[0] <= 2**-20
+    assert failure_probabilities(100, degree - 2, threshold, 10, 10)[0] > 2**-20
+    # The complete graph past n - 1, with the threshold it needs: k + c < 2t, 9 + 1 < 2 * 6
+    assert choose_parameters(10, 0.1, 0.1, degree=50) == (9, 6)
+
+
+@pytest.mark.parametrize(
+    ("degree", "threshold", "message"),
+    [
+        (31, None, "odd"),
+        (None, 3, "fail the security bound"),  # too few shares keep a secret
+        (32, 33, "above the degree 32"),
+        (32, 31, "fail the correctness bound"),  # 10 dropping leave fewer than 31
+    ],
+)
+def test_a_degree_or_threshold_that_breaks_a_bound_is_refused_naming_it(
+    degree: int | None, threshold: int | None, message: str
+) -> None:
+    with pytest.raises(ProtocolError, match=message):
+        choose_parameters(100, 0.1, 0.1, degree=degree, threshold=threshold)
+
+
 def test_parameters_fall_back_on_the_complete_graph() -> None:
     # n = 8, 2 dropped, 2 corrupt: the complete graph needs 7 + 2 < 2t and t <= 7 - 2.
     assert choose_parameters(8, 0.3, 0.3) == (7, 5)

@@ -523,3 +523,13 @@ def test_a_client_shown_another_attempt_than_the_others_refuses_to_unmask(bundle
     assert "declined" in answers[0].meta
     assert "the server may be showing clients different lists" in answers[0].meta["declined"]
     assert all("declined" not in answers[k].meta for k in range(1, 9))
+
+
+def test_a_degree_set_by_the_spec_is_the_graph_every_party_draws(bundles) -> None:
+    options = SecAggOptions(dropout_rate=0.2, corrupt_rate=0.1, degree=8)
+    _, server, clients, learners = _setup(bundles, options)
+    report = _run(server, clients, learners, {})
+    assert not report.failed
+    assert server._attempt.degree == 8
+    assert all(len(clients[k]._attempt.neighbours) == 8 for k in range(CLIENTS))
+    assert server._attempt.threshold == options.graph_parameters(CLIENTS)[1]

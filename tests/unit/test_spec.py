@@ -301,6 +301,21 @@ INVALID = [
         "too small",
     ),
     _case(
+        "secagg-threshold-below-the-security-bound",
+        {("spec", "protocol"): {"name": "secagg", "secagg": {"threshold": 1}}},
+        "spec.protocol.secagg.threshold",
+        "fail the security bound",
+    ),
+    _case(
+        "secagg-odd-degree",
+        {
+            ("spec", "protocol"): {"name": "secagg", "secagg": {"degree": 5}},
+            ("spec", "clients", "count"): 20,
+        },
+        "spec.protocol.secagg.degree",
+        "odd",
+    ),
+    _case(
         "secagg-compressed-uploads",
         {
             ("spec", "protocol"): {"name": "secagg"},

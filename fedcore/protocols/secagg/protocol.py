@@ -184,13 +184,7 @@ def parameters_of(
     """(degree, threshold, encoding) for ``members`` clients summing ``dims`` coordinates:
     what every party derives from the spec and the member count alone. ``fewest``: the spec's
     least sum (``SecAggOptions.fewest_summed``)."""
-    degree, threshold = sm.choose_parameters(
-        members,
-        options.dropout_rate,
-        options.corrupt_rate,
-        options.security_bits,
-        options.correctness_bits,
-    )
+    degree, threshold = options.graph_parameters(members)
     least = max(threshold, 2)
     plan = options.dp_plan(fewest=fewest, members=members, dims=dims)
     if plan is not None:

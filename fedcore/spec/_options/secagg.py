@@ -86,6 +86,25 @@ class SecAggOptions(SpecModel):
     correctness_bits: int = Field(
         20, ge=0, le=64, description="correctnessBits eta (Bell et al.). Default 20."
     )
+    degree: int | None = Field(
+        None,
+        ge=2,
+        le=10_000,
+        description="degree overrides the sharing graph's derived degree k: each client shares "
+        "with this many others (an even number; the complete graph when it reaches the round's "
+        "clients minus one). It must still meet securityBits and correctnessBits at the rates "
+        "above, for every round size the run allows: a larger degree buys margin at the cost of "
+        "more key agreements per client. Unset (default): the least degree that meets them.",
+    )
+    threshold: int | None = Field(
+        None,
+        ge=1,
+        le=10_000,
+        description="threshold overrides the Shamir threshold t: how many of a client's "
+        "neighbours must take part to rebuild its secrets. It must still meet securityBits and "
+        "correctnessBits at the rates above. Unset (default): the least threshold that meets "
+        "securityBits at the chosen degree.",
+    )
     distributed_dp: DistributedDpOptions | None = Field(
         None,
         description="distributedDp adds distributed DP: each client clips its update to L2 norm "
@@ -114,6 +133,23 @@ class SecAggOptions(SpecModel):
             dims=max(dims, 1),
         )
 
+    def graph_parameters(self, n: int) -> tuple[int, int]:
+        """(degree, threshold) for a round of ``n`` clients: ``choose_parameters`` at these
+        options' rates, bounds and overrides.
+
+        Raises:
+            ProtocolError: no graph meets them, naming which bound fails.
+        """
+        return choose_parameters(
+            n,
+            self.dropout_rate,
+            self.corrupt_rate,
+            self.security_bits,
+            self.correctness_bits,
+            degree=self.degree,
+            threshold=self.threshold,
+        )
+
     def fewest_summed(self, clients: ClientsSpec) -> int:
         """The fewest clients whose sum the clients let the server unmask: the quorum of a
         round's sample (at least 2); distributed DP's noise is calibrated for it."""
@@ -128,15 +164,14 @@ def secagg_issues(options: SecAggOptions, clients: ClientsSpec) -> list[SpecIssu
     sampled = min(clients.sampled_per_round(), clients.count)
     for n in sorted({sampled, max(clients.quorum_of(sampled), 2)}):
         try:
-            choose_parameters(
-                n,
-                options.dropout_rate,
-                options.corrupt_rate,
-                options.security_bits,
-                options.correctness_bits,
-            )
+            options.graph_parameters(n)
         except ProtocolError as exc:
-            issues.append(SpecIssue("spec.protocol.secagg.dropoutRate", str(exc)))
+            field = "dropoutRate"
+            if options.threshold is not None:
+                field = "threshold"
+            elif options.degree is not None:
+                field = "degree"
+            issues.append(SpecIssue(f"spec.protocol.secagg.{field}", str(exc)))
             break
     try:
         options.dp_plan(fewest=options.fewest_summed(clients), members=max(sampled, 1), dims=1)
@@ -150,6 +185,50 @@ def secagg_issues(options: SecAggOptions, clients: ClientsSpec) -> list[SpecIssu
             )
         )
     return issues
+
+
+def _fixed_parameters(
+    n: int,
+    dropped: int,
+    corrupt: int,
+    security_bits: int,
+    correctness_bits: int,
+    degree: int | None,
+    threshold: int | None,
+) -> tuple[int, int]:
+    """``choose_parameters`` with a degree and/or a threshold set by the spec."""
+    if degree is not None and (isinstance(degree, bool) or not isinstance(degree, int)):
+        raise ProtocolError(f"The degree is an integer, not {degree!r}.")
+    if degree is not None and degree < n - 1 and degree % 2:
+        raise ProtocolError(
+            f"A degree of {degree} is odd: the sharing graph (a Harary graph) needs an even "
+            f"degree below n - 1 = {n - 1}."
+        )
+    degrees = [min(degree, n - 1)] if degree is not None else [*range(2, n - 1, 2), n - 1]
+    failed = ""
+    for k in degrees:
+        if threshold is not None and threshold > k:
+            failed = f"a threshold of {threshold} is above the degree {k}"
+            continue
+        candidates = [threshold] if threshold is not None else range(1, k + 1)
+        for t in candidates:
+            correctness, security = failure_probabilities(n, k, t, dropped, corrupt)
+            if security > 2.0**-security_bits:
+                failed = (
+                    f"degree {k} and threshold {t} fail the security bound: {security:.3g} > "
+                    f"2^-{security_bits}"
+                )
+                continue
+            if correctness > 2.0**-correctness_bits:
+                failed = (
+                    f"degree {k} and threshold {t} fail the correctness bound: "
+                    f"{correctness:.3g} > 2^-{correctness_bits}"
+                )
+                break  # a higher threshold only fails it more
+            return k, t
+    raise ProtocolError(
+        f"For n = {n} clients ({dropped} dropping, {corrupt} corrupt), {failed or 'no pair fits'}."
+    )
 
 
 def failure_probabilities(
@@ -206,8 +285,15 @@ def choose_parameters(
     corrupt_rate: float,
     security_bits: int = 40,
     correctness_bits: int = 20,
+    *,
+    degree: int | None = None,
+    threshold: int | None = None,
 ) -> tuple[int, int]:
     """The least (degree, threshold) meeting the run's bounds for ``n`` clients.
+
+    ``degree`` and ``threshold``, where given, replace the search: the degree is used as it is
+    (the complete graph from n - 1 on; it must be even below that), the threshold too (at most
+    the degree), and the pair must meet both bounds, or the call fails saying which bound.
 
     ``floor(dropout_rate * n)`` clients drop and ``floor(corrupt_rate * n)`` are corrupt (the
     rates read as the decimals they print as). Degrees 2, 4, ... below n - 1 are tried in turn,
@@ -239,6 +325,10 @@ def choose_parameters(
         )
     dropped = math.floor(rates["dropout"] * n)
     corrupt = math.floor(rates["corrupt"] * n)
+    if degree is not None or threshold is not None:
+        return _fixed_parameters(
+            n, dropped, corrupt, security_bits, correctness_bits, degree, threshold
+        )
     for k in [*range(2, n - 1, 2), n - 1]:
         total = math.comb(n - 1, k)
         corrupt_tails = _tails(n - 1, corrupt, k)
