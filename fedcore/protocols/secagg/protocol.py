@@ -544,28 +544,31 @@ class SecAggServer(ServerProtocol):
         """
         t = attempt.threshold
         what = "self-mask seed" if kind == "self" else "mask key"
+
+        def enough(chosen: Mapping[int, tuple[bytes, bytes]], which: str) -> None:
+            if len(chosen) < t:
+                raise ProtocolError(
+                    f"Only {len(chosen)} {which} shares of client {owner}'s {what} came back "
+                    f"(threshold {t}); it cannot be rebuilt, and any client that revealed a "
+                    "false one is barred."
+                )
+
+        def rebuilt(chosen: Mapping[int, tuple[bytes, bytes]]) -> Any:
+            secret = sm.combine_shares({h: share for h, (share, _) in chosen.items()}, t)
+            return secret if commit is None else commit(secret)
+
         shares = dict(revealed)
         if len(shares) == t:
             shares = self._signed_by_dealer(attempt, owner, kind, shares)
-        if len(shares) < t:
-            raise ProtocolError(
-                f"Only {len(shares)} valid shares of client {owner}'s {what} came back "
-                f"(threshold {t}); it cannot be rebuilt."
-            )
+        enough(shares, "valid")
         try:
-            secret = sm.combine_shares({h: share for h, (share, _) in shares.items()}, t)
-            return secret if commit is None else commit(secret)
+            return rebuilt(shares)
         except ProtocolError as exc:
             log.warning("The shares of client %d's %s disagree: %s", owner, what, exc)
         honest = self._signed_by_dealer(attempt, owner, kind, shares)
-        if len(honest) < t:
-            raise ProtocolError(
-                f"Only {len(honest)} shares of client {owner}'s {what} are the ones it dealt "
-                f"(threshold {t}); the clients that revealed false ones are barred."
-            )
+        enough(honest, "dealt")
         try:
-            secret = sm.combine_shares({h: share for h, (share, _) in honest.items()}, t)
-            return secret if commit is None else commit(secret)
+            return rebuilt(honest)
         except ProtocolError:
             self._bar(owner, f"it dealt shares of its {what} that disagree, each signed by it")
             raise ProtocolError(
