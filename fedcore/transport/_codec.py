@@ -204,20 +204,19 @@ class PayloadDecoder:
         self._head = bytearray()
         self._head_needed = _PREFIX.size
         self._header: dict[str, Any] | None = None
-        self._body = np.empty(0, dtype=np.uint8)
-        self._filled = 0  # body bytes arrived so far
+        self._body = bytearray()
         self._body_bytes = 0
         self._closed = False
 
     @property
     def complete(self) -> bool:
         """Whether the header and every announced body byte have arrived."""
-        return self._header is not None and self._filled == self._body_bytes
+        return self._header is not None and len(self._body) == self._body_bytes
 
     @property
     def buffered(self) -> int:
         """How many bytes this decoder holds now (prefix, header and body so far)."""
-        return len(self._head) + self._filled
+        return len(self._head) + len(self._body)
 
     def feed(self, chunk: bytes) -> None:
         """Add the next chunk of the message.
@@ -255,17 +254,16 @@ class PayloadDecoder:
                 "before its header was complete."
             )
         body_bytes = self._body_bytes
-        if self._filled < body_bytes:
+        if len(self._body) < body_bytes:
             raise MessageRejected(
                 f"The message is truncated: its header announced {body_bytes} body bytes but "
-                f"only {self._filled} arrived."
+                f"only {len(self._body)} arrived."
             )
         tensors: dict[str, np.ndarray] = {}
         for entry in header["tensors"]:
             dtype = _WIRE_DTYPES[entry["dtype"]]
             count = entry["nbytes"] // dtype.itemsize
-            start = entry["offset"]
-            array = self._body[start : start + entry["nbytes"]].view(dtype)[:count]
+            array = np.frombuffer(self._body, dtype=dtype, count=count, offset=entry["offset"])
             tensors[entry["name"]] = array.reshape(entry["shape"])
         return Payload(meta=header["meta"], tensors=tensors)
 
@@ -284,15 +282,13 @@ class PayloadDecoder:
         size = len(view)
         if not size:
             return
-        end = self._filled + size
+        end = len(self._body) + size
         if end > self._body_bytes:
             raise MessageRejected(
                 f"The message is longer than announced: its header announced "
                 f"{self._body_bytes} body bytes but at least {end} arrived."
             )
-        self._body = _grown(self._body, self._filled, end, self._body_bytes)
-        self._body[self._filled : end] = view
-        self._filled = end
+        self._body += view
 
     def _feed_head(self, view: memoryview) -> memoryview:
         """Consume prefix and header bytes from ``view``; return what is left of it."""
@@ -323,29 +319,6 @@ class PayloadDecoder:
             self._head = bytearray()
             self._header = header
         return view
-
-
-FIRST_BODY_BYTES = 64 << 10
-"""The body buffer's first capacity; it doubles as bytes arrive, up to the announced size."""
-
-
-def _grown(body: np.ndarray, filled: int, needed: int, announced: int) -> np.ndarray:
-    """``body`` with room for ``needed`` bytes: itself if it has it, else a buffer of twice
-    its capacity (at least ``needed``, at most ``announced``) holding its ``filled`` bytes.
-
-    Capacity follows what arrived, never what a header announced (at most twice it), so a
-    sender that announces a gigabyte and sends 16 bytes makes the receiver hold kilobytes.
-    The buffer is numpy's allocation, not a ``bytearray``: numpy advises the kernel to back
-    large arrays with transparent huge pages, so filling a gigabyte costs hundreds of page
-    faults, not 262,144, which were most of decoding's time; the doubling copies each byte
-    at most once more, at memory speed.
-    """
-    if needed <= body.size:
-        return body
-    capacity = min(announced, max(needed, 2 * body.size, FIRST_BODY_BYTES))
-    larger = np.empty(capacity, dtype=np.uint8)
-    larger[:filled] = body[:filled]
-    return larger
 
 
 def _reject_duplicate_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
