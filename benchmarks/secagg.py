@@ -547,8 +547,10 @@ def render_flower(data: dict[str, Any]) -> list[str]:
         "consistency round (clients reveal shares for whichever lists of survivors and "
         "drop-outs the server sends), and derives its masks from numpy's Mersenne Twister "
         "seeded with 32 bits folded from the agreed key or seed (`pseudo_rand_gen`); "
-        "fedcore's six stages add signed adverts, committed nonces and a signed list of "
-        "survivors, with AES-256-CTR masks (docs/protocols/secagg.md). Flower also sends the "
+        "fedcore's six stages add signed adverts, committed nonces, shares signed by their "
+        "dealers (a false one bars its sender) and a list of survivors signed under each "
+        "client's view of the attempt, with AES-256-CTR masks (docs/protocols/secagg.md). "
+        "Flower also sends the "
         "global model as float64 from round 2 on (it dequantizes to float64), about twice "
         "round 1's download.",
         "",
