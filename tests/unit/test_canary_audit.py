@@ -197,16 +197,24 @@ def test_a_claim_beyond_what_the_canaries_can_bound_is_flagged_by_the_estimate(
     assert audit.estimate.low > audit.claimed
 
 
-def test_adaptive_dp_canaries_are_estimated_without_a_client_level_claim() -> None:
-    """adaptive's DP measure bounds one example of a client's batch, not a client: the canaries
-    (whole clients) get the estimate, with no claim to hold it against."""
-    protocol = {
+def test_adaptive_formal_dp_is_held_to_its_client_level_claim() -> None:
+    """adaptive's DP measure bounds one example of a client's batch: a canary (a whole client)
+    is held to B times it per round, over the rounds (pure DP); a learned distortion (no
+    formal DP) gets the estimate with no claim."""
+    protocol: dict[str, Any] = {
         "name": "adaptive",
         "adaptive": {"measure": "DP", "strategy": "Identical", "dp": {"epsilon": 1.0}},
     }
-    audit = run_canary_audit(digits_run(protocol, clients=4, rounds=2), canaries=40, seed=0)
-    assert audit.claimed is None and audit.verdict == "no DP claim"
+    run = digits_run(protocol, clients=4, rounds=2)
+    audit = run_canary_audit(run, canaries=40, seed=0)
+    batch = run.spec.training.batch_size  # the canaries' private rows outnumber it
+    assert audit.claimed == 2 * batch * 1.0
+    assert audit.claim is not None and audit.claim["batch"] == str(batch)
     assert audit.scale_from == "the protocol's clipping bound"
+    assert audit.verdict == "consistent" and audit.bound.epsilon <= audit.claimed
+    protocol["adaptive"]["strategy"] = "Learn"
+    learned = run_canary_audit(digits_run(protocol, clients=4, rounds=2), canaries=40, seed=0)
+    assert learned.claimed is None and learned.verdict == "no DP claim"
 
 
 @pytest.mark.parametrize(("accountant", "sampling"), [("PLD", "Seeded"), ("RDP", "Secret")])

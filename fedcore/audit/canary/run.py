@@ -176,6 +176,35 @@ def clipping_bound(spec: FederatedRunSpec) -> float | None:
     return None
 
 
+def client_level_claim(
+    spec: FederatedRunSpec, rounds: int, examples: int
+) -> tuple[float, dict[str, str]] | None:
+    """adaptive's formal DP (measure DP, strategy Identical) as a claim about a whole client,
+    which is what a canary is; None for any other protocol or mode.
+
+    adaptive's epsilon is per example of one round's batch: its Laplace noise is calibrated to
+    the L1 sensitivity 2 eta C sqrt(P) / B of replacing one of the B clipped gradients in the
+    batch mean. Replacing the whole client moves that mean by up to 2C, B times as much, so
+    one round's upload is (B epsilon)-DP for the client, and ``rounds`` rounds (a client
+    takes part once a round at most) are (rounds B epsilon, 0)-DP by basic composition. B is
+    the batch a canary with ``examples`` rows draws (its private rows, capped at the batch
+    size), as adaptive's client computes it.
+    """
+    options = spec.protocol.adaptive
+    if spec.protocol.name != "adaptive" or options.measure != "DP":
+        return None
+    if options.strategy != "Identical":
+        return None  # a learned distortion is not calibrated noise: no formal claim
+    private = examples - round(options.held_out_fraction * examples)
+    batch = max(1, min(spec.training.batch_size, private))
+    claim = {
+        "adjacency": "a whole client (its batch of B examples: B times the per-example epsilon)",
+        "composition": "basic, over the rounds (pure DP)",
+        "batch": str(batch),
+    }
+    return rounds * batch * options.dp.epsilon, claim
+
+
 def honest_norm(spec: FederatedRunSpec) -> float:
     """The L2 norm of client 0's first update from the initial model (a gradient's, for
     protocols that send gradients): the canaries' scale where no clipping bound sets it."""
@@ -266,6 +295,10 @@ def run_canary_audit(
     )
     ledger_delta = spec.privacy.target_delta if spec.privacy is not None else 1e-5
     claims = protocol_facts(spec.protocol.name).claims_dp and result.epsilon is not None
+    claimed, claim = (result.epsilon, result.epsilon_claim) if claims else (None, None)
+    client_level = client_level_claim(spec, result.rounds_completed, max(1, examples))
+    if client_level is not None:
+        claimed, claim = client_level
     estimate = one_shot_estimate(
         scores[chosen], scores[~chosen], ledger_delta, confidence=confidence, seed=seed
     )
@@ -281,8 +314,8 @@ def run_canary_audit(
         per_round=audited_run.spec.clients.sampled_per_round(),
         rounds=result.rounds_completed,
         delta=ledger_delta,
-        claimed=result.epsilon if claims else None,
-        claim=result.epsilon_claim if claims else None,
+        claimed=claimed,
+        claim=claim,
         estimate=estimate,
         bound=bound,
         ceiling=ceiling,
