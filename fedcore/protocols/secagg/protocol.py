@@ -558,14 +558,15 @@ class SecAggServer(ServerProtocol):
             return secret if commit is None else commit(secret)
 
         shares = dict(revealed)
-        if len(shares) == t:
+        checked = len(shares) == t  # a false one among exactly t would not show: check now
+        if checked:
             shares = self._signed_by_dealer(attempt, owner, kind, shares)
         enough(shares, "valid")
         try:
             return rebuilt(shares)
         except ProtocolError as exc:
             log.warning("The shares of client %d's %s disagree: %s", owner, what, exc)
-        honest = self._signed_by_dealer(attempt, owner, kind, shares)
+        honest = shares if checked else self._signed_by_dealer(attempt, owner, kind, shares)
         enough(honest, "dealt")
         try:
             return rebuilt(honest)
