@@ -260,6 +260,10 @@ class LocalLearner:
                     losses.append(loss.detach())
                     sizes.append(len(rows))
                     steps += 1
+        # The gradients and the optimizer's state (Adam's: twice the model) are let go before
+        # the weights are copied out: a client holds its model's bytes a few times, not more.
+        optimizer.zero_grad(set_to_none=True)
+        optimizer.state.clear()
         per_step = torch.stack(losses).to("cpu", torch.float64).numpy()
         mean_loss = float(np.dot(per_step, np.asarray(sizes, dtype=np.float64))) / (epochs * n)
         return get_weights(self._model, state), LocalStats(n, mean_loss, steps)
@@ -368,6 +372,9 @@ class Evaluator:
         device: the torch device to score on.
         batch_size: the number of examples per forward pass.
         allow_empty: take an empty data set (a client without held-out rows counts zeros).
+        own_model: the model is the evaluator's alone: on the CPU it scores the weights it is
+            given in place (borrowed, not copied) and holds no storage of its own between
+            scores, so a server holds its model's bytes once, not twice.
 
     Raises:
         ValueError: if ``data`` is empty (unless ``allow_empty``) or ``batch_size`` is below 1.
@@ -382,6 +389,7 @@ class Evaluator:
         device: str = "cpu",
         batch_size: int = 2048,
         allow_empty: bool = False,
+        own_model: bool = False,
     ) -> None:
         if len(data) == 0 and not allow_empty:
             raise ValueError("The evaluation data set has no examples.")
@@ -392,6 +400,9 @@ class Evaluator:
         self._training = training
         self._batch_size = batch_size
         self._x, self._y, self._targets = _as_tensors(model, data, self._device)
+        self._borrow = own_model and self._device.type == "cpu"
+        if self._borrow:
+            self._model.to_empty(device="meta")  # shapes and dtypes kept, storage let go
 
     def evaluate(
         self, weights: dict[str, np.ndarray], *, rows: tuple[int, int] | None = None
@@ -427,7 +438,14 @@ class Evaluator:
         Raises:
             ValueError: if ``weights`` do not fit the model.
         """
-        set_weights(self._model, weights)
+        set_weights(self._model, weights, borrow=self._borrow)
+        try:
+            return self._counts(rows, per_class)
+        finally:
+            if self._borrow:
+                self._model.to_empty(device="meta")  # lets go of the borrowed weights
+
+    def _counts(self, rows: tuple[int, int] | None, per_class: bool) -> EvalCounts:
         self._model.eval()
         first, last = (0, int(self._y.shape[0])) if rows is None else rows
         classes = int(self._targets.shape[1])

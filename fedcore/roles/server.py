@@ -320,7 +320,10 @@ class Server:
         input_shape, num_classes = dataset_info(self.spec)
         model = build_model(self.spec.model, input_shape, num_classes, seed=self.spec.seed)
         scheme = create_protocol(self.spec.protocol.name)
-        self.protocol: ServerProtocol = scheme.create_server(self.spec, get_weights(model))
+        # Views of the model's tensors: the protocol keeps its own copy, the only one.
+        initial = get_weights(model, copy=False)
+        self.protocol: ServerProtocol = scheme.create_server(self.spec, initial)
+        del initial
         self.protocol.set_shard_sizes(shard_sizes(self.spec))  # weights from what it knows
         self.privacy = PrivacyLedger(self.spec, scheme.noise_multiplier(self.spec), self.metrics)
         if self.privacy.enabled and self.privacy.secret:
@@ -346,7 +349,11 @@ class Server:
         self.evaluator: Evaluator | None = None
         if self.where != "Clients" and self.spec.data.client_data is None:
             self.evaluator = Evaluator(
-                model.to(device), test_dataset(self.spec), self.spec.training, device=device
+                model.to(device),
+                test_dataset(self.spec),
+                self.spec.training,
+                device=device,
+                own_model=True,
             )
         self.kdc: RpcClient | None = None
         if self.facts.server_uses_kdc:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+import mmap
 import struct
 from collections.abc import Iterable, Iterator
 from typing import Any
@@ -22,6 +23,11 @@ MAX_HEADER_BYTES = 1 << 20
 """The largest JSON header a decoder accepts by default."""
 
 _PREFIX = struct.Struct("<4sI")
+
+MAPPED_BODY_BYTES = 1 << 24
+"""A body at least this large is received into anonymous memory mapped for its announced size
+(pages appear as bytes arrive, and are given back whole when the payload is dropped); a smaller
+one into a bytearray that grows."""
 _ALLOWED_DTYPES: frozenset[str] = frozenset(
     {
         "bool",
@@ -178,11 +184,12 @@ class PayloadDecoder:
     """Reassemble one Payload from the chunks produced by :func:`encode_chunks`.
 
     The decoder checks the prefix and header as soon as they are complete, refuses a body
-    larger than ``max_message_bytes`` before buffering any of it, then appends each chunk to
-    one buffer that grows as the bytes arrive: nothing is reserved on the header's word, so a
-    sender that announces a large body and sends little holds only what it sent (growing a
-    large buffer remaps its pages rather than copying them). The arrays of the decoded payload
-    are writable views into that buffer. A decoder serves a single message.
+    larger than ``max_message_bytes`` before buffering any of it, then writes each chunk into
+    one buffer: a bytearray that grows for a small body, anonymous memory mapped for the
+    announced size for a large one (``MAPPED_BODY_BYTES``), whose pages exist only once bytes
+    are written to them. Either way a sender that announces a large body and sends little
+    holds only what it sent, and a large buffer is never copied to grow. The arrays of the
+    decoded payload are writable views into that buffer. A decoder serves a single message.
 
     Args:
         max_message_bytes: the largest body (sum of tensor bytes) to accept.
@@ -204,19 +211,25 @@ class PayloadDecoder:
         self._head = bytearray()
         self._head_needed = _PREFIX.size
         self._header: dict[str, Any] | None = None
-        self._body = bytearray()
+        self._body: bytearray | mmap.mmap = bytearray()
+        self._filled = 0  # body bytes arrived so far
         self._body_bytes = 0
         self._closed = False
 
     @property
     def complete(self) -> bool:
         """Whether the header and every announced body byte have arrived."""
-        return self._header is not None and len(self._body) == self._body_bytes
+        return self._header is not None and self._filled == self._body_bytes
+
+    @property
+    def announced(self) -> int | None:
+        """The body bytes the header announced; None before the header is complete."""
+        return None if self._header is None else self._body_bytes
 
     @property
     def buffered(self) -> int:
         """How many bytes this decoder holds now (prefix, header and body so far)."""
-        return len(self._head) + len(self._body)
+        return len(self._head) + self._filled
 
     def feed(self, chunk: bytes) -> None:
         """Add the next chunk of the message.
@@ -254,10 +267,10 @@ class PayloadDecoder:
                 "before its header was complete."
             )
         body_bytes = self._body_bytes
-        if len(self._body) < body_bytes:
+        if self._filled < body_bytes:
             raise MessageRejected(
                 f"The message is truncated: its header announced {body_bytes} body bytes but "
-                f"only {len(self._body)} arrived."
+                f"only {self._filled} arrived."
             )
         tensors: dict[str, np.ndarray] = {}
         for entry in header["tensors"]:
@@ -282,13 +295,17 @@ class PayloadDecoder:
         size = len(view)
         if not size:
             return
-        end = len(self._body) + size
+        end = self._filled + size
         if end > self._body_bytes:
             raise MessageRejected(
                 f"The message is longer than announced: its header announced "
                 f"{self._body_bytes} body bytes but at least {end} arrived."
             )
-        self._body += view
+        if isinstance(self._body, mmap.mmap):
+            self._body[self._filled : end] = view
+        else:
+            self._body += view
+        self._filled = end
 
     def _feed_head(self, view: memoryview) -> memoryview:
         """Consume prefix and header bytes from ``view``; return what is left of it."""
@@ -316,6 +333,10 @@ class PayloadDecoder:
                     continue
             header = _parse_header(bytes(self._head[_PREFIX.size :]), self._max_message_bytes)
             self._body_bytes = header["body_bytes"]
+            if self._body_bytes >= MAPPED_BODY_BYTES:
+                # Anonymous pages, as the bytes arrive: nothing is reserved on the header's
+                # word beyond address space, and the buffer is never copied to grow.
+                self._body = mmap.mmap(-1, self._body_bytes)
             self._head = bytearray()
             self._header = header
         return view

@@ -61,6 +61,12 @@ SPARE_WORKERS = 4
 """Workers a server keeps beyond every party's share (see ``Limits.workers``)."""
 
 
+RECEIVE_BYTES = 256 * 1024 * 1024
+"""The default room for large session messages on a server (``Limits.receive_bytes``): every
+upload of a small model at once, a large model's one at a time, so that a server's memory for
+uploads in flight does not grow with the number of clients."""
+
+
 @dataclass(frozen=True)
 class Limits:
     """Message limits shared by both ends of a link, and what one party may hold of a server.
@@ -75,6 +81,13 @@ class Limits:
             (the hello); one that has not is ended with DEADLINE_EXCEEDED.
         bytes_in_flight: how many bytes of unfinished messages one identity may have a server
             hold at once; None: one largest message (``max_message_bytes`` plus its header).
+        receive_bytes: how many bytes of large session messages (bodies over 1 MiB) a server
+            receives and handles at once, whoever sends them. A message waits for room before
+            its body is read (gRPC's flow control then holds its sender back); one larger than
+            this is received alone. None: ``RECEIVE_BYTES``.
+        stall_seconds: how long a large message that holds room others wait for may go
+            without a byte arriving before its session is ended (a stalled sender cannot hold
+            the server's room).
     """
 
     chunk_bytes: int = 4 * 1024 * 1024
@@ -83,6 +96,13 @@ class Limits:
     calls_per_identity: int = 4
     hello_seconds: float = 30.0
     bytes_in_flight: int | None = None
+    receive_bytes: int | None = None
+    stall_seconds: float = 60.0
+
+    @property
+    def room_bytes(self) -> int:
+        """The bytes of large session messages a server receives and handles at once."""
+        return RECEIVE_BYTES if self.receive_bytes is None else self.receive_bytes
 
     @property
     def identity_bytes(self) -> int:
@@ -126,6 +146,11 @@ class Limits:
             ("grpc.http2.max_pings_without_data", 0),
             ("grpc.http2.min_ping_interval_without_data_ms", self.keepalive_ms // 2),
             ("grpc.http2.max_frame_size", MAX_FRAME_BYTES),
+            # No bandwidth-delay probing: with it, a receiver's HTTP/2 windows grew until a
+            # server held ~170 MiB of the uploads waiting for Limits.receive_bytes' room
+            # (tests/integration/test_receive_room.py); off, a 240 MB session message moved
+            # as fast on loopback.
+            ("grpc.http2.bdp_probe", 0),
             ("grpc.initial_reconnect_backoff_ms", RECONNECT_BACKOFF_MS[0]),
             ("grpc.max_reconnect_backoff_ms", RECONNECT_BACKOFF_MS[1]),
         ]

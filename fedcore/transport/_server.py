@@ -12,6 +12,8 @@ the session messages large enough to take a while to handle (``INLINE_BYTES``).
 from __future__ import annotations
 
 import asyncio
+import collections
+import contextlib
 import hashlib
 import logging
 import threading
@@ -164,6 +166,71 @@ class _Inbound:
     def release(self) -> None:
         self._admission.give_bytes(self._who, self.held)
         self.held = 0
+
+
+class _ReceiveRoom:
+    """The bytes of large session messages a server receives and handles at once.
+
+    A large message takes room for its whole announced body before its body is read, and gives
+    it back once its handler has returned; one that does not fit waits, first come first
+    served, without reading (gRPC's flow control holds its sender back). A message larger than
+    the room is let in alone. Used on the server's event loop only.
+    """
+
+    def __init__(self, capacity: int) -> None:
+        self.capacity = capacity
+        self.in_use = 0
+        self.peak = 0
+        """The most bytes ever held at once."""
+        self._queue: collections.deque[tuple[int, asyncio.Future[None]]] = collections.deque()
+
+    @property
+    def waiting(self) -> int:
+        """How many messages wait for room."""
+        return len(self._queue)
+
+    async def take(self, size: int) -> None:
+        """Waits until ``size`` bytes of room are this caller's."""
+        if not self._queue and self._fits(size):
+            self._grant(size)
+            return
+        future: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        entry = (size, future)
+        self._queue.append(entry)
+        try:
+            await future
+        except asyncio.CancelledError:
+            if future.done() and not future.cancelled():
+                self.give(size)  # granted just as the waiter was cancelled
+            else:
+                with contextlib.suppress(ValueError):
+                    self._queue.remove(entry)
+                self._wake()
+            raise
+
+    def give(self, size: int) -> None:
+        """Gives back room taken by ``take``."""
+        self.in_use -= size
+        self._wake()
+
+    def _fits(self, size: int) -> bool:
+        return self.in_use == 0 or self.in_use + size <= self.capacity
+
+    def _grant(self, size: int) -> None:
+        self.in_use += size
+        self.peak = max(self.peak, self.in_use)
+
+    def _wake(self) -> None:
+        while self._queue and self._fits(self._queue[0][0]):
+            size, future = self._queue.popleft()
+            if future.cancelled():
+                continue
+            self._grant(size)
+            future.set_result(None)
+
+
+class _Stalled(Exception):
+    """A large message held room that others waited for, and no byte of it came in time."""
 
 
 class _OverLimit(Exception):
@@ -352,6 +419,9 @@ class RpcServer:
             raise TransportError(f"callers names {unknown}, which this server does not serve.")
         self._rejected = RejectionCounter(on_rejected)
         self._admission = _Admission(limits)
+        self.room = _ReceiveRoom(limits.room_bytes)
+        """Room for large session messages (``Limits.receive_bytes``); ``room.peak`` is the
+        most bytes of them this server held at once."""
         self._live: dict[tuple[str, str], ServerSession] = {}
         self._live_lock = threading.Lock()
         self._on_bytes = on_bytes
@@ -721,12 +791,24 @@ class RpcServer:
         who = session.peer.common_name
         inbound = _Inbound(self._admission, who, limit)
         received = 0
+        room = 0  # bytes of self.room the message being read holds
+        chunks = aiter(requests)
         try:
-            async for chunk in requests:
+            while True:
+                try:
+                    chunk = await self._next_chunk(chunks, holding=room > 0)
+                except StopAsyncIteration:
+                    break
                 if not session.is_open:
                     return  # ended (replaced, late hello): drop what else arrives
                 received += len(chunk)
                 inbound.feed(chunk)
+                announced = inbound.decoder.announced
+                if not room and announced is not None and announced > INLINE_BYTES:
+                    # Room for the whole body before more of it is read: a server holds a
+                    # bounded number of large messages however many clients send at once.
+                    await self.room.take(announced)
+                    room = announced
                 if not inbound.decoder.complete:
                     continue
                 message = inbound.finish()
@@ -742,11 +824,19 @@ class RpcServer:
                     session.abort(barred, code=grpc.StatusCode.PERMISSION_DENIED)
                     return
                 if message.tensor_bytes > INLINE_BYTES:
-                    await self._loop.run_in_executor(
-                        self._workers, handler.received, session, message
-                    )
+                    try:
+                        await self._loop.run_in_executor(
+                            self._workers, handler.received, session, message
+                        )
+                    finally:
+                        del message  # the handler has kept what it keeps
+                        self.room.give(room)
+                        room = 0
                 else:
                     handler.received(session, message)
+                    if room:  # announced large, decoded small (an empty body never is)
+                        self.room.give(room)
+                        room = 0
             if received:
                 inbound.finish()  # raises: the peer half-closed inside a message
         except MessageRejected as exc:
@@ -757,6 +847,16 @@ class RpcServer:
             self._rejected(name, "refused", who)
             log.warning("Closing the %s session of %s: %s", name, who, exc)
             session.abort(str(exc), code=grpc.StatusCode.RESOURCE_EXHAUSTED)
+        except _Stalled:
+            self._rejected(name, "refused", who)
+            message_text = (
+                f"No byte of a {room}-byte message arrived for "
+                f"{self._limits.stall_seconds} s (limits.stall_seconds) while "
+                f"{self.room.waiting} other message(s) waited for the room it held; "
+                "the session is closed."
+            )
+            log.warning("Closing the %s session of %s: %s", name, who, message_text)
+            session.abort(message_text, code=grpc.StatusCode.DEADLINE_EXCEEDED)
         except (grpc.RpcError, asyncio.InvalidStateError):
             pass  # the peer went away; closed() tells the handler
         except asyncio.CancelledError:
@@ -765,8 +865,31 @@ class RpcServer:
             log.exception("The %s session handler failed for %s.", name, who)
             session.abort(f"{type(exc).__name__}: {exc}")
         finally:
+            if room:
+                self.room.give(room)
             inbound.release()
             session.close()
+
+    async def _next_chunk(self, chunks: AsyncIterator[bytes], *, holding: bool) -> bytes:
+        """The next chunk of a session; while it holds room, a sender that sends nothing for
+        ``limits.stall_seconds`` as others wait for room raises ``_Stalled``.
+
+        Raises:
+            StopAsyncIteration: the stream ended.
+        """
+        if not holding:
+            return await anext(chunks)
+        pending = asyncio.ensure_future(anext(chunks))
+        try:
+            while True:
+                done, _ = await asyncio.wait({pending}, timeout=self._limits.stall_seconds)
+                if done:
+                    return pending.result()
+                if self.room.waiting:
+                    raise _Stalled()
+        finally:
+            if not pending.done():
+                pending.cancel()
 
 
 def _park_key(peer: Identity, method: str, request: bytes) -> tuple[str, str, bytes]:

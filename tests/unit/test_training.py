@@ -395,6 +395,47 @@ def test_evaluator_evaluate_improves_after_training() -> None:
     assert after.accuracy > 0.85
 
 
+def test_an_evaluator_that_owns_its_model_borrows_the_weights_it_scores() -> None:
+    # Prepare: two evaluators of the same data, one copying weights in, one borrowing them
+    _, test = load_split(DataSpec())
+    training = _training()
+    weights = [get_weights(_model(seed=seed)) for seed in (3, 4)]
+    copying = Evaluator(_model(), test, training, batch_size=50)
+    borrowing = Evaluator(_model(), test, training, batch_size=50, own_model=True)
+    model = borrowing._model
+
+    # Execute / Assert: equal counts, the weights untouched, and no storage held between
+    assert all(p.device.type == "meta" for p in model.parameters())
+    for w in weights:
+        before = {name: array.copy() for name, array in w.items()}
+        assert borrowing.counts(w, per_class=True) == copying.counts(w, per_class=True)
+        assert borrowing.evaluate(w, rows=(10, 70)) == copying.evaluate(w, rows=(10, 70))
+        for name, array in w.items():
+            np.testing.assert_array_equal(array, before[name])
+        assert all(p.device.type == "meta" for p in model.parameters())
+        assert all(not p.requires_grad or p.grad is None for p in model.parameters())
+
+
+def test_set_weights_borrowing_makes_the_module_a_view_of_the_weights() -> None:
+    module = _model(seed=1)
+    weights = get_weights(_model(seed=2))
+    state = set_weights(module, weights, borrow=True)
+    for name, array in weights.items():
+        assert state[name].data_ptr() == array.ctypes.data  # the very memory, not a copy
+    assert all(p.requires_grad for p in module.parameters())  # the module's flags are kept
+    with pytest.raises(ValueError, match="shape"):
+        set_weights(module, {**weights, "1.weight": np.zeros((2, 2), np.float32)}, borrow=True)
+
+
+def test_local_learner_train_lets_go_of_gradients_and_optimizer_state() -> None:
+    learner = _learner(_training(optimizer=OptimizerSpec(kind="Adam", learning_rate=0.01)))
+    trained, _ = learner.train(get_weights(_model(seed=9)), round=0)
+    model = learner._model
+    assert trained and all(p.grad is None for p in model.parameters())
+    optimizer = learner._optimizer
+    assert optimizer is not None and not optimizer.state  # Adam's moments: twice the model
+
+
 def test_evaluator_init_refuses_empty_data() -> None:
     # Prepare
     empty = _shard().subset(np.array([], dtype=np.int64))

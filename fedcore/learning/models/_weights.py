@@ -11,7 +11,7 @@ from torch import nn
 
 
 def get_weights(
-    module: nn.Module, state: Mapping[str, torch.Tensor] | None = None
+    module: nn.Module, state: Mapping[str, torch.Tensor] | None = None, *, copy: bool = True
 ) -> dict[str, np.ndarray]:
     """Returns copies of a module's state (parameters and buffers) as numpy arrays.
 
@@ -19,16 +19,19 @@ def get_weights(
         module: the module to read.
         state: its ``state_dict()`` if the caller holds one taken since its parameters were
             last replaced (``set_weights`` returns it); None: taken here.
+        copy: False: views of a CPU module's tensors (they change as the module does).
 
     Returns:
-        One detached CPU copy per ``state_dict`` entry, in ``state_dict`` order.
+        One detached CPU copy (or view) per ``state_dict`` entry, in ``state_dict`` order.
     """
     if state is None:
         state = module.state_dict()
-    return {name: tensor.detach().to("cpu", copy=True).numpy() for name, tensor in state.items()}
+    return {name: tensor.detach().to("cpu", copy=copy).numpy() for name, tensor in state.items()}
 
 
-def set_weights(module: nn.Module, weights: dict[str, np.ndarray]) -> dict[str, torch.Tensor]:
+def set_weights(
+    module: nn.Module, weights: dict[str, np.ndarray], *, borrow: bool = False
+) -> dict[str, torch.Tensor]:
     """Copies ``weights`` into a module's state in place; returns the ``state_dict()`` it
     copied into (views of the module's tensors).
 
@@ -38,6 +41,9 @@ def set_weights(module: nn.Module, weights: dict[str, np.ndarray]) -> dict[str, 
     Args:
         module: the module to load into.
         weights: one array per ``state_dict`` entry, as :func:`get_weights` returns.
+        borrow: make the module's tensors views of ``weights`` instead of copying them (a CPU
+            module only; its own storage is let go). The caller must not change ``weights``
+            while the module is used, nor train the module.
 
     Raises:
         ValueError: naming the tensor, if a name is missing or unexpected, or a shape or
@@ -60,6 +66,9 @@ def set_weights(module: nn.Module, weights: dict[str, np.ndarray]) -> dict[str, 
                 f"The weight {name!r} has shape {array.shape} and dtype {array.dtype}, but the "
                 f"model's has shape {tuple(tensor.shape)} and dtype {expected}."
             )
+    if borrow:
+        module.load_state_dict({name: _as_tensor(weights[name]) for name in state}, assign=True)
+        return module.state_dict()
     with torch.no_grad():
         for name, tensor in state.items():
             tensor.copy_(_as_tensor(weights[name]))
