@@ -1,12 +1,18 @@
 """Physical limits: aggregation against memory bandwidth, transport against raw loopback.
 
 **Aggregation.** This machine's memory bandwidth is measured the STREAM way with numpy on
-1 GiB arrays (copy: read + write bytes per second), then fedcore's
-aggregation (``fedcore.protocols._maths.weighted_mean``, what FedAvg's server runs) averages
-K=10 float32 uploads of a 100 MB model. Its throughput counts the bytes that must move at
-least (the K inputs read once, the result written once) over the wall time, the same
-accounting as the copy. Target: at least 50% of the copy bandwidth. One thread throughout
-(numpy's element-wise kernels are single-threaded, and so is the aggregation).
+1 GiB arrays (copy: read + write bytes per second; one thread, and split over as many threads
+as the fold's kernel uses), then fedcore's aggregation (``fedcore.protocols._maths.weighted_mean``:
+the fold FedAvg's server runs, ``fedcore.protocols._fold``) averages K=10 float32 uploads of a
+100 MB model. Its throughput counts the bytes that must move at least (the K inputs read once,
+the result written once) over the wall time, the same accounting as the copy. Target: at least
+50% of the copy bandwidth. The fold runs three ways, alternating: with its compiled kernel
+(``fedcore.protocols._kernels``, the default: numba, over the usable cores), with the kernel on
+one thread (``FEDCORE_FOLD_THREADS=1``) and with the kernel off (``FEDCORE_FOLD_THREADS=0``:
+numpy, one thread, what fedcore ran before). The first
+kernel call of the process (numba's import and compilation) is timed apart.
+``--only aggregation`` measures only this part and, with ``--write``, replaces only its rows
+and paragraph in the section (the transport's stay as they are).
 
 **Transport.** A 100 MB and a 1 GB float32 model go one way from a client process to a
 server process over loopback, the server acknowledging with a few bytes, on four stacks:
@@ -22,19 +28,23 @@ The codec alone (encode to chunks, decode from them, in one process) is timed to
 the cost. Target (issue 29): fedcore at least 50% of the raw TLS socket. Sides alternate,
 ``--repeats`` times; medians. ``--write`` replaces the limits section of docs/benchmarks.md.
 
-Run: ``python -m benchmarks.limits [--repeats 3] [--write]``.
+Run: ``python -m benchmarks.limits [--repeats 3] [--only aggregation] [--write]``.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import itertools
 import multiprocessing as mp
 import os
 import socket
 import ssl
 import statistics
+import subprocess
 import sys
 import tempfile
+import threading
 import time
 from collections.abc import Callable, Iterator
 from multiprocessing.connection import Connection
@@ -64,35 +74,83 @@ SIDES = (
 # ------------------------------------------------------------------------------ memory
 
 
-def memory_bandwidth(repeats: int, size: int = GIB) -> dict[str, float]:
-    """Copy bandwidth of ``size``-byte arrays (read + write bytes per second, as STREAM counts)."""
+def memory_bandwidth(repeats: int, size: int = GIB, threads: int = 1) -> dict[str, float]:
+    """Copy bandwidth of ``size``-byte arrays (read + write bytes per second, as STREAM counts),
+    on one thread and split over ``threads`` threads (numpy's copy releases the GIL)."""
     src = np.ones(size // 8, dtype=np.float64)
     dst = np.empty_like(src)
-    copies = []
     np.copyto(dst, src)
+    bounds = np.linspace(0, src.size, max(1, threads) + 1).astype(int)
+
+    def part(start: int, stop: int) -> None:
+        np.copyto(dst[start:stop], src[start:stop])
+
+    def parallel() -> None:
+        workers = [
+            threading.Thread(target=part, args=(int(a), int(b)))
+            for a, b in itertools.pairwise(bounds)
+        ]
+        for worker in workers:
+            worker.start()
+        for worker in workers:
+            worker.join()
+
+    copies, parallel_copies = [], []
     for _ in range(repeats):
         t0 = time.perf_counter()
         np.copyto(dst, src)
         copies.append(2 * size / (time.perf_counter() - t0))
-    return {"copy_best": max(copies), "copy_median": statistics.median(copies)}
+        t0 = time.perf_counter()
+        parallel()
+        parallel_copies.append(2 * size / (time.perf_counter() - t0))
+    return {
+        "copy_best": max(copies),
+        "copy_median": statistics.median(copies),
+        "threads": threads,
+        "copy_threads_best": max(parallel_copies),
+        "copy_threads_median": statistics.median(parallel_copies),
+    }
 
 
 def per_element(block: int = 1 << 15, number: int = 200) -> dict[str, float]:
-    """Nanoseconds per element, in cache, of the steps of weighted_mean and of a copy."""
+    """Nanoseconds per element, in cache, of the numpy path's steps, of the compiled kernel's
+    whole fold (one thread; the slope between one block and two, so without the call's
+    overhead, which is given apart in microseconds) and of a copy."""
     import timeit
 
-    x = np.random.default_rng(0).standard_normal(block, dtype=np.float32)
-    term, acc, dst = np.empty(block), np.zeros(block), np.empty(block, dtype=np.float32)
+    from fedcore.protocols import _kernels
+
+    x = np.random.default_rng(0).standard_normal(2 * block, dtype=np.float32)
+    term, acc, dst = np.empty(block), np.zeros(2 * block), np.empty(block, dtype=np.float32)
+    small = x[:block]
     steps = {
-        "copy float32": lambda: np.copyto(dst, x),
-        "widen float32 to float64": lambda: np.copyto(term, x),
-        "widen and scale": lambda: np.multiply(x, 0.1, out=term, dtype=np.float64),
-        "add float64": lambda: np.add(acc, term, out=acc),
+        "copy float32": lambda: np.copyto(dst, small),
+        "widen float32 to float64": lambda: np.copyto(term, small),
+        "widen and scale": lambda: np.multiply(small, 0.1, out=term, dtype=np.float64),
+        "add float64": lambda: np.add(acc[:block], term, out=acc[:block]),
     }
-    return {
+    timings = {
         name: min(timeit.repeat(step, number=number, repeat=7)) / number / block * 1e9
         for name, step in steps.items()
     }
+
+    def kernel_seconds(size: int) -> float:
+        def step() -> None:
+            _kernels.fold_into(acc[:size], x[:size], 0.1)
+
+        step()
+        return min(timeit.repeat(step, number=number, repeat=7)) / number
+
+    threshold = _kernels.KERNEL_ELEMENTS
+    _kernels.KERNEL_ELEMENTS = 1  # these blocks take the kernel too
+    try:
+        with fold_kernel(True, threads=1):
+            one, two = kernel_seconds(block), kernel_seconds(2 * block)
+    finally:
+        _kernels.KERNEL_ELEMENTS = threshold
+    timings["kernel fold, one thread"] = (two - one) / block * 1e9
+    timings["kernel call overhead (us)"] = (one - (two - one)) * 1e6
+    return timings
 
 
 def model(total_bytes: int, tensors: int = 8, seed: int = 0) -> dict[str, np.ndarray]:
@@ -102,8 +160,63 @@ def model(total_bytes: int, tensors: int = 8, seed: int = 0) -> dict[str, np.nda
     return {f"layer{i}": rng.standard_normal(per, dtype=np.float32) for i in range(tensors)}
 
 
+@contextlib.contextmanager
+def fold_kernel(enabled: bool, threads: int | None = None) -> Iterator[None]:
+    """The fold's compiled kernel on (the default; ``threads``: that many) or off
+    (``FEDCORE_FOLD_THREADS=0``: the numpy path, what fedcore folded with before the kernel)."""
+    from fedcore.protocols._kernels import THREADS_ENV
+
+    before = os.environ.get(THREADS_ENV)
+    if not enabled:
+        os.environ[THREADS_ENV] = "0"
+    elif threads is not None:
+        os.environ[THREADS_ENV] = str(threads)
+    else:
+        os.environ.pop(THREADS_ENV, None)
+    try:
+        yield
+    finally:
+        if before is None:
+            os.environ.pop(THREADS_ENV, None)
+        else:
+            os.environ[THREADS_ENV] = before
+
+
+def fold_times(upload: dict[str, np.ndarray], repeats: int) -> tuple[float, float]:
+    """Median seconds to fold one upload into a warm float64 accumulator (its pages already
+    touched), with the kernel and with numpy: per element, the upload read and the
+    accumulator read and written (20 bytes for a float32 model)."""
+    from fedcore.protocols._kernels import fold_into
+
+    accs = {name: np.zeros(value.size) for name, value in upload.items()}
+    times: dict[bool, list[float]] = {True: [], False: []}
+    for _ in range(repeats):
+        for enabled in (True, False):
+            with fold_kernel(enabled):
+                t0 = time.perf_counter()
+                for name, value in upload.items():
+                    fold_into(accs[name], value, 1.5)
+                times[enabled].append(time.perf_counter() - t0)
+    return statistics.median(times[True]), statistics.median(times[False])
+
+
+def numba_import_seconds() -> float:
+    """Seconds to import numba in a fresh interpreter that already imported numpy (what the
+    first large fold of a process pays before compiling)."""
+    code = (
+        "import time, numpy; t = time.perf_counter(); import numba; print(time.perf_counter() - t)"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=300
+    )
+    return float(done.stdout.strip())
+
+
 def aggregation(repeats: int, clients: int = 10, size: int = 100 * MB) -> dict[str, Any]:
-    """weighted_mean of ``clients`` float32 uploads of ``size`` bytes: bytes moved per second."""
+    """weighted_mean of ``clients`` float32 uploads of ``size`` bytes: bytes moved per second,
+    with the compiled kernel and with the numpy path (alternating), and a checked server round.
+    """
+    from fedcore.protocols._kernels import kernel_info, usable_cores
     from fedcore.protocols._maths import weighted_mean
     from fedcore.protocols.fedavg.protocol import ModelAveragingServer
     from fedcore.transport import Payload
@@ -127,23 +240,54 @@ def aggregation(repeats: int, clients: int = 10, size: int = 100 * MB) -> dict[s
             server.check_upload(1, k, payload)
         server.combine(1, payloads, failures=[])
 
-    weighted_mean(uploads, sizes)
+    def timed(step: Callable[[], object]) -> float:
+        t0 = time.perf_counter()
+        step()
+        return time.perf_counter() - t0
+
+    with fold_kernel(False):
+        weighted_mean(uploads, sizes)  # the numpy path, warm
+    first = timed(lambda: weighted_mean(uploads, sizes))  # numba imported and compiled here
+    info = kernel_info()
+    steady = timed(lambda: weighted_mean(uploads, sizes))
     checked_round()
-    rates, checked = [], []
+    rates, all_core_rates, numpy_rates, checked = [], [], [], []
+    cores = usable_cores()
     for _ in range(repeats):
-        t0 = time.perf_counter()
-        weighted_mean(uploads, sizes)
-        rates.append(moved / (time.perf_counter() - t0))
-        t0 = time.perf_counter()
-        checked_round()
-        checked.append(moved / (time.perf_counter() - t0))
+        rates.append(moved / timed(lambda: weighted_mean(uploads, sizes)))
+        with fold_kernel(True, threads=cores):
+            all_core_rates.append(moved / timed(lambda: weighted_mean(uploads, sizes)))
+        with fold_kernel(False):
+            numpy_rates.append(moved / timed(lambda: weighted_mean(uploads, sizes)))
+        checked.append(moved / timed(checked_round))
+    if info.get("state") != "loaded":
+        raise RuntimeError(f"The fold's kernel did not run: {info}")
+    fold_seconds, numpy_fold_seconds = fold_times(uploads[0], max(repeats, 5))
     return {
         "clients": clients,
         "model_bytes": size,
         "best": max(rates),
         "median": statistics.median(rates),
+        "cores": cores,
+        "all_cores_best": max(all_core_rates),
+        "all_cores_median": statistics.median(all_core_rates),
+        "numpy_best": max(numpy_rates),
+        "numpy_median": statistics.median(numpy_rates),
         "checked_best": max(checked),
         "checked_median": statistics.median(checked),
+        "kernel": {
+            "threading_layer": kernel_info().get("threading_layer"),
+            "threads": kernel_info().get("threads"),
+            "first_call_seconds": first,
+            "steady_call_seconds": steady,
+            "median_call_seconds": moved / statistics.median(rates),
+            "fold_seconds": fold_seconds,
+            "numpy_fold_seconds": numpy_fold_seconds,
+            "fold_traffic_rate": 20 * sum(v.size for v in uploads[0].values()) / fold_seconds,
+            "load_seconds": info.get("import_seconds"),
+            "compile_seconds": info.get("compile_seconds"),
+            "numba_import_seconds": numba_import_seconds(),
+        },
     }
 
 
@@ -400,8 +544,6 @@ def _encoded_lengths(payload: Any) -> Iterator[bytes]:
 
 def render(data: dict[str, Any]) -> str:
     """The docs/benchmarks.md section."""
-    bw, agg = data["memory"], data["aggregation"]
-    agg_share = agg["median"] / bw["copy_median"]
     lines = [
         BEGIN,
         "## Limits: aggregation against memory bandwidth, transport against raw loopback",
@@ -410,21 +552,7 @@ def render(data: dict[str, Any]) -> str:
         f"{data['repeats']} repeats, sides alternating; medians (best in brackets). Load average "
         f"(1/5/15 min) {data['load_start']} at the start, {data['load_end']} at the end.",
         "",
-        "| aggregation | GB/s | share of copy bandwidth |",
-        "|---|---|---|",
-        f"| memory copy, numpy, 1 GiB (read + write) | {bw['copy_median'] / 1e9:.2f} "
-        f"({bw['copy_best'] / 1e9:.2f}) | 100% |",
-        f"| fedcore weighted_mean, {agg['clients']} x {agg['model_bytes'] // MB} MB float32 "
-        f"(inputs read + result written) | {agg['median'] / 1e9:.2f} ({agg['best'] / 1e9:.2f}) "
-        f"| **{agg_share:.0%}** |",
-        f"| fedcore server round: {agg['clients']} upload checks (shape, finiteness, example "
-        f"count, step norm; docs/security.md) + weighted_mean + aggregate check, same bytes "
-        f"counted | {agg['checked_median'] / 1e9:.2f} ({agg['checked_best'] / 1e9:.2f}) "
-        f"| {agg['checked_median'] / bw['copy_median']:.0%} |",
-        "",
-        f"Aggregation target (at least 50% of memory bandwidth): "
-        f"**{'met' if agg_share >= 0.5 else 'missed'}** ({agg_share:.0%}). "
-        + aggregation_cause(data),
+        *render_aggregation(data),
         "",
         "| transport, one way, client process to server process | "
         + " | ".join(f"{int(s) // MB} MB: MB/s" for s in data["transport"])
@@ -460,31 +588,142 @@ def render(data: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+AGG_BEGIN = "<!-- limits-aggregation:begin -->"
+AGG_END = "<!-- limits-aggregation:end -->"
+"""Inside the limits section: the aggregation's rows and paragraph (``--only aggregation``
+replaces only these)."""
+
+
+def aggregation_share(data: dict[str, Any]) -> float:
+    """fedcore's weighted_mean (with the kernel) as a share of the one-thread copy."""
+    return float(data["aggregation"]["median"] / data["memory"]["copy_median"])
+
+
+def render_aggregation(data: dict[str, Any], *, provenance: bool = False) -> list[str]:
+    """The aggregation's rows and paragraph, between their markers; with ``provenance``
+    (an aggregation-only run), a line saying where and when they were measured."""
+    bw, agg = data["memory"], data["aggregation"]
+    kernel = agg["kernel"]
+    copy = bw["copy_median"]
+    share = aggregation_share(data)
+    numpy_share = agg["numpy_median"] / copy
+    threads = kernel["threads"]
+    lines = [AGG_BEGIN]
+    if provenance:
+        lines += [
+            f"Aggregation rows measured by `python -m benchmarks.limits --only aggregation "
+            f"--write` ({data['machine']}); {data['repeats']} repeats, the kernel's and numpy's "
+            f"rows alternating; medians (best in brackets). Load average (1/5/15 min) "
+            f"{data['load_start']} at the start, {data['load_end']} at the end.",
+            "",
+        ]
+    lines += [
+        "| aggregation | GB/s | share of copy bandwidth |",
+        "|---|---|---|",
+        f"| memory copy, numpy, 1 GiB (read + write), one thread | {copy / 1e9:.2f} "
+        f"({bw['copy_best'] / 1e9:.2f}) | 100% |",
+        f"| memory copy, numpy, 1 GiB, split over {bw['threads']} threads | "
+        f"{bw['copy_threads_median'] / 1e9:.2f} ({bw['copy_threads_best'] / 1e9:.2f}) | "
+        f"{bw['copy_threads_median'] / copy:.0%} |",
+        f"| fedcore weighted_mean, {agg['clients']} x {agg['model_bytes'] // MB} MB float32 "
+        f"(inputs read + result written), compiled kernel (numba, {threads} "
+        f"thread{'' if threads == 1 else 's'}, "
+        f"{kernel['threading_layer']} layer) | {agg['median'] / 1e9:.2f} "
+        f"({agg['best'] / 1e9:.2f}) | **{share:.0%}** |",
+        f"| the same, compiled kernel on all {agg['cores']} cores "
+        f"(`FEDCORE_FOLD_THREADS={agg['cores']}`) | "
+        f"{agg['all_cores_median'] / 1e9:.2f} ({agg['all_cores_best'] / 1e9:.2f}) | "
+        f"{agg['all_cores_median'] / copy:.0%} |",
+        f"| the same, numpy path (kernel off, `FEDCORE_FOLD_THREADS=0`) | "
+        f"{agg['numpy_median'] / 1e9:.2f} ({agg['numpy_best'] / 1e9:.2f}) | {numpy_share:.0%} |",
+        f"| fedcore server round: {agg['clients']} upload checks (shape, finiteness, example "
+        f"count, step norm; docs/security.md) + weighted_mean + aggregate check, same bytes "
+        f"counted, kernel | {agg['checked_median'] / 1e9:.2f} ({agg['checked_best'] / 1e9:.2f}) "
+        f"| {agg['checked_median'] / copy:.0%} |",
+        "",
+        f"Aggregation target (at least 50% of memory bandwidth): "
+        f"**{'met' if share >= 0.5 else 'missed'}** ({share:.0%} of the one-thread copy, "
+        f"{agg['median'] / bw['copy_threads_median']:.0%} of the {bw['threads']}-thread one; "
+        f"the numpy path {numpy_share:.0%}, the kernel {agg['median'] / agg['numpy_median']:.1f}x "
+        "it). " + aggregation_cause(data),
+        AGG_END,
+    ]
+    return lines
+
+
+def splice_aggregation(text: str, block: list[str]) -> str:
+    """``text`` (docs/benchmarks.md) with the limits section's aggregation block replaced by
+    ``block``: between its markers, or (a section written before the markers) from its
+    aggregation table to the transport table.
+
+    Raises:
+        ValueError: the limits section or its aggregation part is not there.
+    """
+    if BEGIN not in text or END not in text:
+        raise ValueError("docs/benchmarks.md has no limits section: run without --only first.")
+    head, rest = text.split(BEGIN, 1)
+    section, tail = rest.split(END, 1)
+    if AGG_BEGIN in section and AGG_END in section:
+        before, after = section.split(AGG_BEGIN, 1)
+        after = after.split(AGG_END, 1)[1]
+    else:
+        start = section.find("| aggregation |")
+        stop = section.find("| transport")
+        if start < 0 or stop < start:
+            raise ValueError("The limits section has no aggregation table to replace.")
+        before, after = section[:start], "\n\n" + section[stop:]
+    return head + BEGIN + before + "\n".join(block) + after + END + tail
+
+
 def tls_share(rates: dict[str, float]) -> float:
     """fedcore's throughput as a share of the raw TLS socket's (the transport target)."""
     return rates["fedcore RpcClient.call"] / rates["raw TLS socket"]
 
 
 def aggregation_cause(data: dict[str, Any]) -> str:
-    """What bounds the aggregation, from the in-cache timings of its steps."""
+    """What bounds the aggregation, from the in-cache timings and the one-upload folds."""
     ns = data["per_element"]
-    clients = data["aggregation"]["clients"]
-    step = ns["widen and scale"] + ns["add float64"]
-    # Bytes that must move per element of the model: K float32 inputs read, one result written.
-    bound = (clients + 1) * 4 / (clients * step)
+    agg = data["aggregation"]
+    kernel = agg["kernel"]
+    clients = agg["clients"]
+    copy = data["memory"]["copy_median"]
+    numpy_step = ns["widen and scale"] + ns["add float64"]
+    traffic = kernel["fold_traffic_rate"]
+    # Bytes per model element: counted, K x 4 in + 4 out; moved by a fold per upload, K x
+    # (4 in + 8 + 8 accumulator) + the mean's 8 in and 4 out.
+    cap = (clients + 1) * 4 / (20 * clients + 12) * traffic / copy
+    folds = clients * kernel["fold_seconds"]
+    compile_total = sum((kernel["compile_seconds"] or {}).values())
     return (
-        "What bounds it is arithmetic, not memory: the spec accumulates in float64, so each "
-        "float32 element of each upload is widened, scaled and added. In cache (no memory "
-        f"traffic at all) numpy takes {ns['widen and scale']:.2f} ns per element to widen and "
-        f"scale (of which {ns['widen float32 to float64']:.2f} ns is the widening alone) and "
-        f"{ns['add float64']:.2f} ns to add, against {ns['copy float32']:.2f} ns to copy a "
-        f"float32 element; that caps weighted_mean at about {bound:.1f} GB/s on this core, "
-        "whatever the memory. weighted_mean now works in cache-sized blocks (inputs read once, "
-        "result written once; bit-identical results), which doubled it against the "
-        "whole-tensor version that made float64 temporaries of every upload. Reaching 50% "
-        "would need the widening vectorised (numpy's float32-to-float64 cast is several times "
-        "slower than its float64 arithmetic here), a compiled fused kernel, or float32 "
-        "accumulation, which the spec rules out."
+        "What bounded numpy's path is arithmetic: in cache numpy takes "
+        f"{numpy_step:.2f} ns per float32 element to widen, scale and add (three passes over "
+        f"a block), the compiled kernel {ns['kernel fold, one thread']:.2f} ns on one thread "
+        f"plus {ns['kernel call overhead (us)']:.0f} us per call (one pass, the same two IEEE "
+        "operations per element, bit-identical results; fedcore/protocols/_kernels.py). What "
+        "bounds the kernel is memory: folding one upload "
+        f"into a warm accumulator takes {kernel['fold_seconds'] * 1e3:.1f} ms "
+        f"(numpy {kernel['numpy_fold_seconds'] * 1e3:.1f} ms), and it must read the upload "
+        "(4 bytes per element) and read and write the float64 accumulator (16 bytes): "
+        f"{traffic / 1e9:.1f} GB/s of memory traffic, against the copy's "
+        f"{copy / 1e9:.1f}. The fold takes each upload as it arrives so that it can be let "
+        "go (bounded memory, docs/architecture.md), so the accumulator crosses memory once "
+        "per upload: about 5 bytes move for each one the accounting counts, which caps the "
+        f"row near {cap:.0%} of the copy at this traffic rate. Of the median call's "
+        f"{kernel['median_call_seconds'] * 1e3:.0f} ms, the {clients} folds take about "
+        f"{folds * 1e3:.0f} ms at that rate; the rest is the mean and the first touch of the "
+        "fresh accumulator's and result's pages (a new sum each call, as each round). The "
+        f"kernel runs on {kernel['threads']} of the {agg['cores']} cores by default (half, "
+        "the rest receiving and checking uploads); on all of them the call reaches "
+        f"{agg['all_cores_median'] / 1e9:.1f} GB/s ({agg['all_cores_median'] / copy:.0%}): "
+        "a warm fold is memory-bound on one core already, and more threads touch fresh "
+        "pages more slowly here. Reaching 50% would need several uploads "
+        "folded per pass where they are all at hand (the batch path, uploads held for their "
+        "turn), so that the accumulator stays in cache, or float32 accumulation, which the "
+        "spec rules out. A process's first large fold imports numba and compiles the kernel: "
+        f"that call took {kernel['first_call_seconds']:.2f} s here against "
+        f"{kernel['median_call_seconds']:.2f} s after it (numba's import "
+        f"{kernel['numba_import_seconds']:.2f} s in a fresh interpreter; compiling and first "
+        f"runs {compile_total:.2f} s)."
     )
 
 
@@ -512,20 +751,47 @@ def transport_cause(data: dict[str, Any]) -> str:
     )
 
 
-def run(repeats: int = 3, sizes: tuple[int, ...] = (100 * MB, 1000 * MB)) -> dict[str, Any]:
-    """Measures everything; returns the numbers."""
+def run(
+    repeats: int = 3, sizes: tuple[int, ...] = (100 * MB, 1000 * MB), only: str | None = None
+) -> dict[str, Any]:
+    """Measures everything (``only="aggregation"``: the aggregation alone); returns the
+    numbers."""
+    from fedcore.protocols._kernels import usable_cores
+
     data: dict[str, Any] = {"machine": machine(), "repeats": repeats, "load_start": load()}
-    data["memory"] = memory_bandwidth(max(repeats, 5))
+    data["memory"] = memory_bandwidth(max(repeats, 5), threads=usable_cores())
     data["aggregation"] = aggregation(max(repeats, 5))
     data["per_element"] = per_element()
     print(
         f"memory copy {data['memory']['copy_median'] / 1e9:.2f} GB/s, aggregation "
-        f"{data['aggregation']['median'] / 1e9:.2f} GB/s",
+        f"{data['aggregation']['median'] / 1e9:.2f} GB/s (numpy path "
+        f"{data['aggregation']['numpy_median'] / 1e9:.2f} GB/s); load {data['load_start']}",
         file=sys.stderr,
     )
-    data["transport"] = transport(repeats, sizes)
+    if only != "aggregation":
+        data["transport"] = transport(repeats, sizes)
     data["load_end"] = load()
     return data
+
+
+def write_aggregation(data: dict[str, Any]) -> None:
+    """Replaces the aggregation's rows and paragraph in docs/benchmarks.md and its numbers in
+    docs/benchmarks/limits.json, keeping the transport's."""
+    import json
+
+    from benchmarks.measure import DOC_ASSETS
+    from benchmarks.spine import DOC
+
+    block = render_aggregation(data, provenance=True)
+    DOC.write_text(splice_aggregation(DOC.read_text(encoding="utf-8"), block), encoding="utf-8")
+    path = DOC_ASSETS / "limits.json"
+    saved = json.loads(path.read_text()) if path.exists() else {}
+    keys = ("memory", "aggregation", "per_element")
+    saved.update({key: data[key] for key in keys})
+    saved["aggregation_measured"] = {
+        key: data[key] for key in ("machine", "repeats", "load_start", "load_end")
+    }
+    save_data("limits", saved)
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
@@ -535,10 +801,18 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     )
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--sizes-mb", default="100,1000", help="model sizes in MB")
+    parser.add_argument(
+        "--only", choices=["aggregation"], default=None, help="measure only this part"
+    )
     parser.add_argument("--write", action="store_true", help="update docs/benchmarks.md")
     args = parser.parse_args(argv)
     sizes = tuple(int(s) * MB for s in args.sizes_mb.split(","))
-    data = run(args.repeats, sizes)
+    data = run(args.repeats, sizes, only=args.only)
+    if args.only == "aggregation":
+        print("\n".join(render_aggregation(data, provenance=True)))
+        if args.write:
+            write_aggregation(data)
+        return data
     section = render(data)
     print(section)
     if args.write:

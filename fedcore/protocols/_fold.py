@@ -13,7 +13,10 @@ they came in: ``weighted_sum`` is exactly that batch path, and the tests check t
 
 Each element is widened to float64, multiplied by the client's weight and added (a float32
 value times an integer weight below 2**29 is exact in float64, so only the additions round).
-The work goes block by block so that the scratch stays in the CPU's cache.
+That arithmetic lives in ``fedcore.protocols._kernels``: a compiled kernel, spread over the usable
+cores, for tensors of at least ``_kernels.KERNEL_ELEMENTS`` elements, numpy block by block
+(the scratch stays in the CPU's cache) for the rest, with the same bits either way; so is the
+mean's division, which writes the model's dtype directly (no float64 temporary of the model).
 """
 
 from __future__ import annotations
@@ -25,12 +28,10 @@ from pathlib import Path
 import numpy as np
 
 from fedcore.errors import ProtocolError
+from fedcore.protocols._kernels import BLOCK_ELEMENTS, divide_into, fold_into
 from fedcore.protocols._spill import HOLD_BYTES, SpillFolder
 
 Tensors = Mapping[str, np.ndarray]
-
-BLOCK_ELEMENTS = 1 << 15
-"""Elements per block: 2 x 256 KiB of float64 scratch, well inside L2."""
 
 
 def scratch_elements(arrays: Iterable[np.ndarray]) -> int:
@@ -160,7 +161,8 @@ class OrderedFold:
         return {name: self._acc[name].reshape(shape) for name, (shape, _) in self._layout.items()}
 
     def mean(self) -> dict[str, np.ndarray]:
-        """The weighted mean, each tensor in the reference's dtype: sums / total weight.
+        """The weighted mean, each tensor in the reference's dtype: sums / total weight,
+        rounded once to that dtype (new arrays; a 0-d tensor's mean is a 0-d array).
 
         Raises:
             ProtocolError: the sum is not complete, or the weights sum to 0 (nothing to average).
@@ -170,10 +172,14 @@ class OrderedFold:
             raise ProtocolError(
                 f"The averaging weights sum to {self.weight_total}; a positive sum is needed."
             )
-        return {
-            name: (sums[name] / self.weight_total).astype(dtype, copy=False)
-            for name, (_, dtype) in self._layout.items()
-        }
+        means = {}
+        for name, (shape, dtype) in self._layout.items():
+            # (sums / total).astype(dtype), bit for bit, written straight into the result.
+            mean = np.empty(shape, dtype=dtype)
+            flat = sums[name].reshape(-1)
+            divide_into(mean.reshape(-1), flat, self.weight_total, scratch=self._term)
+            means[name] = mean
+        return means
 
     def close(self) -> None:
         """Removes the files of early uploads, if any (idempotent)."""
@@ -213,16 +219,10 @@ class OrderedFold:
         return flats
 
     def _fold(self, flats: Mapping[str, np.ndarray], weight: float) -> None:
-        """acc += weight * widen(flat), block by block (the same operations per element as
-        a whole-tensor float64 temporary, so the same result)."""
+        """acc += weight * widen(flat) per tensor (``_kernels.fold_into``: the same operations
+        per element as a whole-tensor float64 temporary, so the same result)."""
         for name, acc in self._acc.items():
-            flat = flats[name]
-            for start in range(0, flat.size, self._term.size):
-                stop = min(start + self._term.size, flat.size)
-                term = self._term[: stop - start]
-                np.copyto(term, flat[start:stop], casting="unsafe")
-                np.multiply(term, weight, out=term)
-                np.add(acc[start:stop], term, out=acc[start:stop])
+            fold_into(acc, flats[name], weight, scratch=self._term)
         self.weight_total += weight
 
     def _advance(self) -> None:

@@ -207,6 +207,42 @@ class UploadStore:
 
     # --------------------------------------------------------------------------- reading
 
+    def tensors(self, client: int) -> dict[str, np.ndarray]:
+        """``client``'s upload as tensors shaped as the reference: views of the kept vectors
+        (a spilled upload's are memory-mapped), each in its part's dtype (the widest float
+        dtype, or float64 for the others), which holds every value exactly.
+
+        Raises:
+            ProtocolError: the upload is not kept, or a spilled file cannot be read back.
+        """
+        lent = self._lent.get(client)
+        if lent is not None:
+            return {name: lent[name].reshape(shape) for name, (shape, _) in self._layout.items()}
+        parts = self._parts(client)
+        out: dict[str, np.ndarray] = {}
+        for name, (shape, _) in self._layout.items():
+            piece = next((p for p in self._pieces if p.name == name), None)
+            if piece is None:  # an empty tensor
+                out[name] = np.empty(shape, dtype=self._part_dtypes[0])
+                continue
+            size = piece.stop - piece.start
+            out[name] = parts[piece.part][piece.offset : piece.offset + size].reshape(shape)
+        return out
+
+    def release(self, client: int) -> None:
+        """Forgets ``client``'s upload: its memory, or its mapping and files (a caller that
+        reads uploads one at a time so holds one at a time)."""
+        if client in self._held:
+            del self._held[client]
+            self.held_bytes -= self.upload_bytes
+        self._lent.pop(client, None)
+        self._maps.pop(client, None)
+        if client in self._spilled:
+            self._spilled.discard(client)
+            for part in range(2):
+                if self._folder.path is not None:
+                    (self._folder.path / self._file_name(client, part)).unlink(missing_ok=True)
+
     def rows(
         self, start: int, stop: int, clients: Sequence[int], out: np.ndarray | None = None
     ) -> np.ndarray:

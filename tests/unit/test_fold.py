@@ -14,6 +14,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from fedcore.errors import ProtocolError
+from fedcore.protocols import _kernels
 from fedcore.protocols._bounds import UploadBounds
 from fedcore.protocols._fold import OrderedFold, weighted_sum
 from fedcore.protocols.dp_fedavg import DpFedAvgServer
@@ -59,6 +60,19 @@ def test_any_arrival_order_gives_the_batch_sum_bit_for_bit(
 ) -> None:
     with tempfile.TemporaryDirectory() as folder:
         _check_arrival_order(seed, clients, dtype, hold, Path(folder))
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float64"])
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_the_compiled_kernel_gives_the_same_sums(
+    seed: int, dtype: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """With the kernel's threshold lowered, the big tensor (80,000 elements) is folded by
+    the compiled kernel: the sums still equal the independent whole-tensor expression."""
+    monkeypatch.setattr(_kernels, "KERNEL_ELEMENTS", 1 << 12)
+    monkeypatch.delenv(_kernels.THREADS_ENV, raising=False)
+    _check_arrival_order(seed, 6, dtype, 400_000, tmp_path)
+    assert _kernels.kernel_info()["state"] == "loaded"
 
 
 def _check_arrival_order(seed: int, clients: int, dtype: str, hold: int, tmp_path: Path) -> None:
@@ -224,19 +238,35 @@ def test_a_server_that_sums_on_arrival_equals_one_that_sums_at_combine(weighting
         assert streaming.global_weights()[name].dtype == np.float32
 
 
-def test_uploads_are_held_where_the_weight_needs_the_whole_round() -> None:
+@pytest.mark.parametrize("hold_bytes", [0, 1 << 20])
+def test_uploads_wait_in_a_store_where_the_weight_needs_the_whole_round(hold_bytes: int) -> None:
     """Without shard sizes or a cap, a claim is capped at a multiple of the round's median:
-    the server keeps the uploads whole and sums them at combine."""
+    each upload waits in a store (in memory, or on disk past hold_bytes) and the runtime keeps
+    its meta only; combine then sums them in client order, bit for bit the batch mean."""
     rng = np.random.default_rng(4)
-    uploads = _model_uploads(rng, 3)
+    uploads = _model_uploads(rng, 5)
+    uploads[3] = Payload(
+        meta={**uploads[3].meta, "num_examples": 10**6}, tensors=uploads[3].tensors
+    )
     server = _server(None)
-    server.plan_round(1, [0, 1, 2])
-    assert server.take_upload(1, 0, uploads[0]) is None
-    server.combine(1, uploads, [])
+    server.hold_bytes = hold_bytes
+    server.plan_round(1, list(range(5)))
+    kept = {}
+    for k in [4, 1, 3, 0]:  # client 2 drops out
+        stand_in = server.take_upload(1, k, uploads[k])
+        assert stand_in is not None and not stand_in.tensors and stand_in.meta == uploads[k].meta
+        kept[k] = stand_in
+    store = server._deferred
+    assert store is not None and store.clients == [0, 1, 3, 4]
+    assert store.spilled_count == (4 if hold_bytes == 0 else 0)
+    folder = store.folder
+    result = server.combine(1, kept, [2])
     reference = _server(None)
-    reference.combine(1, uploads, [])  # no plan: sums afresh
+    expected = reference.combine(1, {k: uploads[k] for k in kept}, [2])  # no plan: sums afresh
+    assert result == expected
     for name, value in reference.global_weights().items():
         assert np.array_equal(server.global_weights()[name], value)
+    assert folder is None or not folder.exists()  # the spilled uploads are gone
 
 
 def test_a_redo_starts_a_fresh_sum() -> None:

@@ -32,6 +32,7 @@ from fedcore.protocols._maths import (
     mean_loss,
     restore_weights,
 )
+from fedcore.protocols._spill import UploadStore
 from fedcore.spec import FederatedRunSpec
 from fedcore.transport import Payload
 
@@ -46,7 +47,8 @@ class ModelAveragingServer(BoundedServer, ServerProtocol):
     order, whatever order they come in, so the server never holds a round's uploads at once
     and the mean is bit-identical to the batch one of the simulation. Where a weight depends
     on the whole round (shard-size weights capped at the round's median claim, when the
-    server does not know the shard sizes) the uploads are held and summed at ``combine``.
+    server does not know the shard sizes) each upload is kept in an ``UploadStore`` (in
+    memory up to ``hold_bytes``, beyond on disk) and summed at ``combine``, one at a time.
 
     Args:
         initial: the initial global model.
@@ -64,6 +66,7 @@ class ModelAveragingServer(BoundedServer, ServerProtocol):
         self._weighting = weighting
         self._bounds = bounds or UploadBounds(default_update_norm(initial))
         self._fold: OrderedFold | None = None
+        self._deferred: UploadStore | None = None
         self.hold_bytes = HOLD_BYTES
         """Bytes of early uploads a fold holds in memory before it writes them to disk."""
         self.spill_dir: str | None = None
@@ -83,6 +86,9 @@ class ModelAveragingServer(BoundedServer, ServerProtocol):
         if self._fold is not None:
             self._fold.close()
             self._fold = None
+        if self._deferred is not None:
+            self._deferred.close()
+            self._deferred = None
         if not self.streams_uploads:
             return
         self._fold = OrderedFold(
@@ -91,10 +97,17 @@ class ModelAveragingServer(BoundedServer, ServerProtocol):
 
     def take_upload(self, round: int, client: int, upload: Payload) -> Payload | None:
         """Adds a checked upload into the attempt's sum; keeps its meta only."""
-        weight = self._known_weight(client, upload)
-        if not self.streams_uploads or self._fold is None or weight is None:
+        if not self.streams_uploads or self._fold is None:
             return None
-        self._fold.add(client, upload.tensors, weight)
+        weight = self._known_weight(client, upload)
+        if weight is None:  # it waits for the round's claims, in bounded memory
+            if self._deferred is None:
+                self._deferred = UploadStore(
+                    self._weights, budget_bytes=self.hold_bytes, spill_dir=self.spill_dir
+                )
+            self._deferred.add(client, upload.tensors)
+        else:
+            self._fold.add(client, upload.tensors, weight)
         return Payload(meta=upload.meta)
 
     def _known_weight(self, client: int, upload: Payload) -> float | None:
@@ -135,6 +148,20 @@ class ModelAveragingServer(BoundedServer, ServerProtocol):
                 the previous model is kept.
         """
         fold, self._fold = self._fold, None
+        deferred, self._deferred = self._deferred, None
+        try:
+            return self._combine(round, uploads, fold, deferred)
+        finally:
+            if deferred is not None:
+                deferred.close()
+
+    def _combine(
+        self,
+        round: int,
+        uploads: Mapping[int, Payload],
+        fold: OrderedFold | None,
+        deferred: UploadStore | None,
+    ) -> RoundResult | None:
         if not uploads:
             if fold is not None:
                 fold.close()
@@ -153,7 +180,11 @@ class ModelAveragingServer(BoundedServer, ServerProtocol):
         with fold:
             for client in fold.planned:
                 if client in uploads and not fold.taken(client):
-                    fold.add(client, uploads[client].tensors, weights[client])
+                    if deferred is not None and client in deferred:
+                        fold.add(client, deferred.tensors(client), weights[client])
+                        deferred.release(client)  # one kept upload read at a time
+                    else:
+                        fold.add(client, uploads[client].tensors, weights[client])
                 elif client not in uploads:
                     fold.skip(client)
             mean = fold.mean()

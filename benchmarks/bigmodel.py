@@ -1,0 +1,259 @@
+"""Large models: transformers of 100 million and 1 billion parameters, 4 clients, processes.
+
+The job is fedavg with the example's user model (examples/models/big_transformer.py, built by
+``spec.model.importPath``): ``digits_transformer`` (width 1024, 8 layers: about 101 million
+parameters, 404 MB in float32) and ``transformer_1b`` (width 2048, 20 layers: about 1.0 billion,
+4.0 GB). The data are a few digits per client (an NpzFolder the benchmark writes: 8 training
+examples each, 16 held out on the server, one local step of batch 8), so that a round's time is
+the data path's (broadcast, upload, checks, aggregation, evaluation) more than training's.
+``fedcore run`` starts a server and one process per client over mutual TLS on loopback, with
+checkpoints off and the final model released.
+
+Reported per size: the server's bytes per round (its own counters), start-up and the median
+round, and every process's peak memory (PSS, sampled every 0.25 s), also as a multiple of the
+model's bytes. A memory guard stops a run whose processes pass 21 GiB together
+(``--guard-gib``) or that leaves the machine under 1.5 GiB available, and the table says so.
+
+Run: ``python benchmarks/bigmodel.py [--sizes 100m,1b] [--write]``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import yaml
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from benchmarks.measure import TreeSampler, load, machine, stop_group  # noqa: E402
+from benchmarks.spine import publish  # noqa: E402
+
+BEGIN = "<!-- bigmodel:begin -->"
+END = "<!-- bigmodel:end -->"
+MODELS = ROOT / "examples" / "models"
+SIZES = {
+    "100m": ("big_transformer:digits_transformer", 2),
+    "1b": ("big_transformer:transformer_1b", 1),
+}
+"""Size name: (importPath, rounds)."""
+CLIENTS, PER_CLIENT, HELD_OUT = 4, 8, 16
+GUARD_BYTES, MIN_AVAILABLE = 21 * 2**30, 3 * 2**29
+
+
+def write_data(folder: Path) -> Path:
+    """Digits (8x8, features /16) for CLIENTS clients and a held-out file, as an NpzFolder."""
+    from fedcore.learning.data import load_split
+    from fedcore.spec import DataSpec
+
+    train, test = load_split(DataSpec())
+    data = folder / "data"
+    data.mkdir(parents=True, exist_ok=True)
+    for index in range(CLIENTS):
+        rows = np.arange(index * PER_CLIENT, (index + 1) * PER_CLIENT)
+        np.savez(data / f"client-{index}.npz", x=train.x[rows], y=train.y[rows])
+    np.savez(data / "test.npz", x=test.x[:HELD_OUT], y=test.y[:HELD_OUT])
+    return data
+
+
+def manifest(folder: Path, size: str, data: Path) -> Path:
+    """The job for ``size``: fedavg of the user model over the written data."""
+    import_path, rounds = SIZES[size]
+    document = {
+        "apiVersion": "fedcore.dev/v1alpha1",
+        "kind": "FederatedRun",
+        "metadata": {"name": f"bigmodel-{size}"},
+        "spec": {
+            "protocol": {"name": "fedavg"},
+            "model": {"kind": "Import", "importPath": import_path},
+            "data": {
+                "source": {"kind": "NpzFolder", "path": str(data)},
+                "partition": {"kind": "ByFile"},
+            },
+            "clients": {"count": CLIENTS},
+            "rounds": rounds,
+            "training": {
+                "batchSize": PER_CLIENT,
+                "optimizer": {"kind": "SGD", "learningRate": 0.01},
+            },
+            "checkpoint": {"everyRounds": 0},
+            "seed": 0,
+        },
+    }
+    path = folder / f"{size}.yaml"
+    path.write_text(yaml.safe_dump(document))
+    return path
+
+
+def parameters(size: str) -> int:
+    """The model's parameter count, built on the meta device (no memory)."""
+    import torch
+
+    sys.path.insert(0, str(MODELS))
+    import big_transformer
+
+    factory = getattr(big_transformer, SIZES[size][0].split(":")[1])
+    with torch.device("meta"):
+        model = factory((1, 8, 8), 10)
+    return sum(int(t.numel()) for t in model.state_dict().values())
+
+
+def _role(output: str | None) -> str:
+    """A process's role from the log file its output goes to."""
+    if output is None:
+        return "other"
+    name = Path(output).name
+    return name[: -len(".log")] if name.endswith(".log") else "command"
+
+
+def run_one(size: str, folder: Path, guard_bytes: int = GUARD_BYTES) -> dict[str, Any]:
+    """One ``fedcore run`` of ``size``, sampled; its results and every process's peak."""
+    data = write_data(folder)
+    path = manifest(folder, size, data)
+    work = folder / f"work-{size}"
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(MODELS), str(ROOT)])}
+    command = [sys.executable, "-m", "fedcore", "run", str(path), "--json", "--quiet"]
+    command += ["--workdir", str(work), "--clients-per-process", "1"]
+    sampler = TreeSampler(interval=0.25, max_bytes=guard_bytes, min_available=MIN_AVAILABLE)
+    started = time.monotonic()
+    process = subprocess.Popen(
+        command, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True
+    )
+    sampler.add(process.pid)
+    sampler.start()
+    tripped = None
+    while process.poll() is None:
+        if sampler.tripped is not None:
+            tripped = sampler.tripped
+            stop_group(process, grace=5)
+            break
+        time.sleep(0.25)
+    stdout, stderr = process.communicate()
+    wall = time.monotonic() - started
+    total = sampler.stop()
+    peaks: dict[str, int] = {}
+    for pid, peak in sampler.peaks.items():
+        role = _role(sampler.outputs.get(pid))
+        peaks[role] = max(peaks.get(role, 0), peak)
+    result: dict[str, Any] = {}
+    lines = stdout.decode().strip().splitlines()
+    if lines:
+        try:
+            result = json.loads(lines[-1])
+        except json.JSONDecodeError:
+            result = {}
+    return {
+        "size": size,
+        "parameters": parameters(size),
+        "rounds": SIZES[size][1],
+        "wall": wall,
+        "peak_total": total,
+        "peaks": peaks,
+        "tripped": tripped,
+        "phase": result.get("phase"),
+        "reason": result.get("reason"),
+        "startup": result.get("startup_seconds"),
+        "median_round": result.get("median_round_seconds"),
+        "sent": result.get("server_bytes_sent"),
+        "received": result.get("server_bytes_received"),
+        "stderr": stderr.decode()[-2000:] if process.returncode else "",
+    }
+
+
+def run(sizes: list[str], guard_bytes: int = GUARD_BYTES) -> dict[str, Any]:
+    data: dict[str, Any] = {"machine": machine(), "load_start": load(), "runs": []}
+    for size in sizes:
+        with tempfile.TemporaryDirectory(prefix=f"fedcore-bigmodel-{size}-") as folder:
+            data["runs"].append(run_one(size, Path(folder), guard_bytes))
+            print(json.dumps(data["runs"][-1], default=str)[:1500], file=sys.stderr)
+    data["load_end"] = load()
+    return data
+
+
+def _gb(value: float | None) -> str:
+    return "-" if value is None else f"{value / 1e9:.2f}"
+
+
+def render(data: dict[str, Any]) -> str:
+    lines = [
+        BEGIN,
+        "## Large models: 100 million and 1 billion parameters",
+        "",
+        f"`python benchmarks/bigmodel.py --write` ({data['machine']}). Load average (1/5/15 "
+        f"min) {data['load_start']} at the start, {data['load_end']} at the end. fedavg of "
+        "examples/models/big_transformer.py (a user model by `spec.model.importPath`) with "
+        f"{CLIENTS} clients, a process each, over mutual TLS on loopback; {PER_CLIENT} digits "
+        f"per client (one local step), {HELD_OUT} held out on the server, checkpoints off. "
+        "Bytes are the server's counters per round; memory is each process's peak PSS, and "
+        "*x model* divides it by the model's float32 bytes.",
+        "",
+        "| model | parameters | model (GB) | outcome | start-up (s) | median round (s) "
+        "| server sent / received per round (GB) | server peak (GB) | x model "
+        "| client peak, largest (GB) | x model | all processes (GB) |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for item in data["runs"]:
+        model_bytes = 4 * item["parameters"]
+        peaks = item["peaks"]
+        clients = [v for k, v in peaks.items() if k.startswith("client-")]
+        client = max(clients) if clients else None
+        server = peaks.get("server")
+        rounds = item["rounds"]
+        sent = None if item["sent"] is None else item["sent"] / rounds
+        received = None if item["received"] is None else item["received"] / rounds
+        outcome = item["tripped"] or f"{item['phase']} ({item['reason']})"
+        lines.append(
+            f"| {item['size']} | {item['parameters']:,} | {model_bytes / 1e9:.2f} | {outcome} "
+            f"| {item['startup'] or '-'} | {item['median_round'] or '-'} "
+            f"| {_gb(sent)} / {_gb(received)} | {_gb(server)} "
+            f"| {'-' if server is None else f'{server / model_bytes:.1f}x'} | {_gb(client)} "
+            f"| {'-' if client is None else f'{client / model_bytes:.1f}x'} "
+            f"| {_gb(item['peak_total'])} |"
+        )
+    lines += [
+        "",
+        "Every process's peak (GB): "
+        + "; ".join(
+            f"{item['size']}: "
+            + ", ".join(f"{role} {peak / 1e9:.2f}" for role, peak in sorted(item["peaks"].items()))
+            for item in data["runs"]
+        )
+        + ".",
+        END,
+    ]
+    return "\n".join(lines)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--sizes", default="100m,1b", help="comma list of: " + ", ".join(SIZES))
+    parser.add_argument(
+        "--guard-gib", type=float, default=GUARD_BYTES / 2**30, help="memory guard, all processes"
+    )
+    parser.add_argument("--json-out", type=Path, help="also write the numbers to this file")
+    parser.add_argument("--write", action="store_true", help="update docs/benchmarks.md")
+    args = parser.parse_args()
+    sizes = [size for size in args.sizes.split(",") if size]
+    data = run(sizes, int(args.guard_gib * 2**30))
+    if args.json_out is not None:
+        args.json_out.write_text(json.dumps(data, indent=1, default=str))
+    publish(render(data), data, "bigmodel", begin=BEGIN, end=END, write=args.write)
+    medians = [r["median_round"] for r in data["runs"] if r["median_round"]]
+    if medians:
+        print(f"median of the median rounds: {statistics.median(medians):.2f} s", file=sys.stderr)
+
+
+if __name__ == "__main__":
+    main()
