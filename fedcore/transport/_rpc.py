@@ -61,6 +61,9 @@ SPARE_WORKERS = 4
 """Workers a server keeps beyond every party's share (see ``Limits.workers``)."""
 
 
+STREAM_WINDOW_BYTES = 8 * 1024 * 1024
+"""The HTTP/2 window of each stream, both ways (two 4 MiB chunks)."""
+
 RECEIVE_BYTES = 256 * 1024 * 1024
 """The default room for large session messages on a server (``Limits.receive_bytes``): every
 upload of a small model at once, a large model's one at a time, so that a server's memory for
@@ -146,11 +149,14 @@ class Limits:
             ("grpc.http2.max_pings_without_data", 0),
             ("grpc.http2.min_ping_interval_without_data_ms", self.keepalive_ms // 2),
             ("grpc.http2.max_frame_size", MAX_FRAME_BYTES),
-            # No bandwidth-delay probing: with it, a receiver's HTTP/2 windows grew until a
-            # server held ~170 MiB of the uploads waiting for Limits.receive_bytes' room
-            # (tests/integration/test_receive_room.py); off, a 240 MB session message moved
-            # as fast on loopback.
+            # A fixed window of two chunks per stream instead of bandwidth-delay probing:
+            # with probing, a receiver's HTTP/2 windows grew until a server held tens of MiB
+            # of each upload waiting for Limits.receive_bytes' room; without it and with
+            # gRPC's default 64 KiB window, 1 GB moved 25-30% slower. With 8 MiB, a waiting
+            # sender costs the server about 20 MiB and 1 GB moves as fast as with probing
+            # (tests/integration/test_receive_room.py; docs/benchmarks.md, Limits).
             ("grpc.http2.bdp_probe", 0),
+            ("grpc.http2.lookahead_bytes", STREAM_WINDOW_BYTES),
             ("grpc.initial_reconnect_backoff_ms", RECONNECT_BACKOFF_MS[0]),
             ("grpc.max_reconnect_backoff_ms", RECONNECT_BACKOFF_MS[1]),
         ]

@@ -10,7 +10,7 @@ import sys
 import textwrap
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import grpc
@@ -78,7 +78,12 @@ def bundles() -> dict[str, TlsBundle]:
     return issue_run_bundles("room", num_clients=4)[1]
 
 
-def _server(bundles: dict[str, TlsBundle], limits: Limits, handler: SessionHandler) -> RpcServer:
+def _server(
+    bundles: dict[str, TlsBundle],
+    limits: Limits,
+    handler: SessionHandler,
+    on_rejected: Callable[[str, str, str | None], None] | None = None,
+) -> RpcServer:
     server = RpcServer(
         "127.0.0.1:0",
         bundles["server"],
@@ -87,6 +92,7 @@ def _server(bundles: dict[str, TlsBundle], limits: Limits, handler: SessionHandl
         limits=limits,
         sessions={"Session": handler},
         max_workers=limits.workers(4),
+        on_rejected=on_rejected,
     )
     server.start()
     return server
@@ -200,17 +206,12 @@ def test_a_stalled_message_loses_the_room_others_wait_for(bundles: dict[str, Tls
     )
     rejected: list[tuple[str, str, str | None]] = []
     handler = HoldingSessions(hold=0.0)
-    server = RpcServer(
-        "127.0.0.1:0",
-        bundles["server"],
-        {},
-        service=SERVICE,
-        limits=limits,
-        sessions={"Session": handler},
-        max_workers=limits.workers(4),
+    server = _server(
+        bundles,
+        limits,
+        handler,
         on_rejected=lambda method, reason, sender: rejected.append((method, reason, sender)),
     )
-    server.start()
     handler.server = server
     stalled = _message(0, 0, MiB)
     first_chunk = next(iter(encode_chunks(stalled, chunk_bytes=256 << 10)))
@@ -296,16 +297,12 @@ SERVER_SCRIPT = textwrap.dedent(
 )
 
 
-def test_a_server_holds_one_large_upload_at_a_time_whatever_the_clients(
-    bundles: dict[str, TlsBundle], tmp_path: Path
-) -> None:
-    """Four clients send a 48 MiB message each at once to a server (a process of its own)
-    whose room is 64 MiB: its peak resident memory grows by about one message, not four."""
-    for name in ("server", "client-0", "client-1", "client-2", "client-3"):
-        bundles[name].write(tmp_path / name)
+def _grown_by_four_uploads(bundles: dict[str, TlsBundle], folder: Path, room: int) -> int:
+    """Four clients send a 48 MiB message each at once to a server in a process of its own
+    whose room is ``room``; returns how much the server's peak resident memory grew."""
     elements = 12 * MiB  # 48 MiB of float32
     process = subprocess.Popen(
-        [sys.executable, "-c", SERVER_SCRIPT, str(tmp_path), str(64 * MiB)],
+        [sys.executable, "-c", SERVER_SCRIPT, str(folder), str(room)],
         stdin=subprocess.PIPE,
         stdout=subprocess.PIPE,
         text=True,
@@ -325,12 +322,23 @@ def test_a_server_holds_one_large_upload_at_a_time_whatever_the_clients(
     assert [a.meta["sum"] if a else None for a in answers] == [
         _expected_sum(messages[i][0]) for i in messages
     ]
-    peak = max(a.meta["hwm"] for a in answers if a is not None)
-    grown = peak - started["hwm"]
-    message_bytes = elements * 4
-    # Measured: about 80 MiB for one client alone (one message, a chunk in gRPC's buffers and
-    # one in the decoder, TLS and threads), about 106 MiB with three more waiting (a chunk or
-    # two of each: gRPC's flow control holds the rest back); all four held at once: 250 MiB.
-    allowance = 2 * message_bytes + 32 * MiB
-    assert grown < allowance, f"the server grew by {grown / MiB:.0f} MiB"
-    assert grown >= message_bytes // 2  # the measure does see a message
+    return int(max(a.meta["hwm"] for a in answers if a is not None) - started["hwm"])
+
+
+def test_a_server_holds_one_large_upload_at_a_time_whatever_the_clients(
+    bundles: dict[str, TlsBundle], tmp_path: Path
+) -> None:
+    """With a room of 64 MiB a server receiving four 48 MiB uploads at once grows by about one
+    upload and what each waiting sender's HTTP/2 window holds; with a room for all four
+    (1 GiB) it grows by the four, side by side in one test."""
+    for name in ("server", "client-0", "client-1", "client-2", "client-3"):
+        bundles[name].write(tmp_path / name)
+    message_bytes = 48 * MiB
+    bounded = _grown_by_four_uploads(bundles, tmp_path, 64 * MiB)
+    unbounded = _grown_by_four_uploads(bundles, tmp_path, 1 << 30)
+    # Measured: 150-195 MiB with the room (about 80 MiB for one upload alone: the message, a
+    # chunk in gRPC's buffers and one in the decoder, TLS and threads; each waiting sender
+    # about 20-30 MiB: its 8 MiB window, its first chunk, TLS records), 250-270 MiB without.
+    assert unbounded >= 4 * message_bytes, f"without the room: {unbounded / MiB:.0f} MiB"
+    assert bounded < message_bytes + 32 * MiB + 3 * 40 * MiB, f"{bounded / MiB:.0f} MiB"
+    assert unbounded - bounded >= message_bytes, (bounded / MiB, unbounded / MiB)
