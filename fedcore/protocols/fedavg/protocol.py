@@ -96,7 +96,8 @@ class ModelAveragingServer(BoundedServer, ServerProtocol):
         )
 
     def take_upload(self, round: int, client: int, upload: Payload) -> Payload | None:
-        """Adds a checked upload into the attempt's sum; keeps its meta only."""
+        """Adds a checked upload into the attempt's sum, or, where its weight waits for the
+        round's claims, into the attempt's store; the runtime keeps its meta only."""
         if not self.streams_uploads or self._fold is None:
             return None
         weight = self._known_weight(client, upload)
