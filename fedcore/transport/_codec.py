@@ -22,8 +22,6 @@ MAX_HEADER_BYTES = 1 << 20
 """The largest JSON header a decoder accepts by default."""
 
 _PREFIX = struct.Struct("<4sI")
-
-
 _ALLOWED_DTYPES: frozenset[str] = frozenset(
     {
         "bool",
@@ -208,14 +206,13 @@ class PayloadDecoder:
         self._head_needed = _PREFIX.size
         self._header: dict[str, Any] | None = None
         self._body = bytearray()
-        self._filled = 0  # body bytes arrived so far
         self._body_bytes = 0
         self._closed = False
 
     @property
     def complete(self) -> bool:
         """Whether the header and every announced body byte have arrived."""
-        return self._header is not None and self._filled == self._body_bytes
+        return self._header is not None and len(self._body) == self._body_bytes
 
     @property
     def announced(self) -> int | None:
@@ -225,7 +222,7 @@ class PayloadDecoder:
     @property
     def buffered(self) -> int:
         """How many bytes this decoder holds now (prefix, header and body so far)."""
-        return len(self._head) + self._filled
+        return len(self._head) + len(self._body)
 
     def feed(self, chunk: bytes) -> None:
         """Add the next chunk of the message.
@@ -263,10 +260,10 @@ class PayloadDecoder:
                 "before its header was complete."
             )
         body_bytes = self._body_bytes
-        if self._filled < body_bytes:
+        if len(self._body) < body_bytes:
             raise MessageRejected(
                 f"The message is truncated: its header announced {body_bytes} body bytes but "
-                f"only {self._filled} arrived."
+                f"only {len(self._body)} arrived."
             )
         tensors: dict[str, np.ndarray] = {}
         for entry in header["tensors"]:
@@ -291,14 +288,13 @@ class PayloadDecoder:
         size = len(view)
         if not size:
             return
-        end = self._filled + size
+        end = len(self._body) + size
         if end > self._body_bytes:
             raise MessageRejected(
                 f"The message is longer than announced: its header announced "
                 f"{self._body_bytes} body bytes but at least {end} arrived."
             )
         self._body += view
-        self._filled = end
 
     def _feed_head(self, view: memoryview) -> memoryview:
         """Consume prefix and header bytes from ``view``; return what is left of it."""
