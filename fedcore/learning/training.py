@@ -252,7 +252,7 @@ class LocalLearner:
                 permutation = torch.from_numpy(order.permutation(n)).to(self._device)
                 for start in range(0, n, batch_size):
                     rows = permutation[start : start + batch_size]
-                    optimizer.zero_grad(set_to_none=True)
+                    _drop_gradients(optimizer)
                     x, y, targets = self.batch(rows)
                     loss = self._loss(self._model(x), y, targets)
                     loss.backward()
@@ -262,7 +262,7 @@ class LocalLearner:
                     steps += 1
         # The gradients and the optimizer's state (Adam's: twice the model) are let go before
         # the weights are copied out: a client holds its model's bytes a few times, not more.
-        optimizer.zero_grad(set_to_none=True)
+        _drop_gradients(optimizer)
         optimizer.state.clear()
         per_step = torch.stack(losses).to("cpu", torch.float64).numpy()
         mean_loss = float(np.dot(per_step, np.asarray(sizes, dtype=np.float64))) / (epochs * n)
@@ -527,6 +527,14 @@ def _as_tensors(
     y = torch.tensor(data.y, dtype=torch.int64, device=device)
     targets = F.one_hot(y, num_classes=data.num_classes).to(dtype)
     return x, y, targets
+
+
+def _drop_gradients(optimizer: torch.optim.Optimizer) -> None:
+    """What ``optimizer.zero_grad(set_to_none=True)`` does, without its profiler scope: with a
+    small model that scope cost more than a tenth of a client's whole step."""
+    for group in optimizer.param_groups:
+        for parameter in group["params"]:
+            parameter.grad = None
 
 
 def _optimizer(model: nn.Module, training: TrainingSpec) -> torch.optim.Optimizer:

@@ -70,6 +70,11 @@ upload of a small model at once, a large model's one at a time, so that a server
 uploads in flight does not grow with the number of clients."""
 
 
+MIN_RECEIVE_RATE = 1024 * 1024
+"""The default of ``Limits.min_receive_rate``: 1 MiB/s (about 8 Mbit/s), below any link a
+site would train a large model over; a 4 GB upload at that rate takes about an hour."""
+
+
 @dataclass(frozen=True)
 class Limits:
     """Message limits shared by both ends of a link, and what one party may hold of a server.
@@ -91,6 +96,11 @@ class Limits:
         stall_seconds: how long a large message that holds room others wait for may go
             without a byte arriving before its session is ended (a stalled sender cannot hold
             the server's room).
+        min_receive_rate: bytes per second a large message that holds room others wait for
+            must average, from when it took the room, after a grace of ``stall_seconds``;
+            one slower is ended like a stalled one (a trickling sender cannot hold the room
+            either). 0: no rate is asked. Alone (nobody waiting), a sender may be as slow
+            as it likes.
     """
 
     chunk_bytes: int = 4 * 1024 * 1024
@@ -101,6 +111,7 @@ class Limits:
     bytes_in_flight: int | None = None
     receive_bytes: int | None = None
     stall_seconds: float = 60.0
+    min_receive_rate: int = MIN_RECEIVE_RATE
 
     @property
     def room_bytes(self) -> int:

@@ -21,6 +21,7 @@ import time
 from abc import ABC, abstractmethod
 from collections.abc import AsyncIterator, Callable, Collection, Coroutine, Iterable, Mapping
 from concurrent import futures
+from dataclasses import dataclass
 from typing import Any, NoReturn, TypeVar
 
 import grpc
@@ -230,7 +231,47 @@ class _ReceiveRoom:
 
 
 class _Stalled(Exception):
-    """A large message held room that others waited for, and no byte of it came in time."""
+    """A large message held room that others waited for, and its bytes did not come in time
+    (none for ``stall_seconds``, or too few for ``min_receive_rate``)."""
+
+
+@dataclass
+class _Hold:
+    """Room held by the message being read: how much, since when, what of it has arrived
+    since, and when its last chunk did (monotonic seconds)."""
+
+    size: int
+    since: float
+    received: int = 0
+    last: float = 0.0
+
+    def __post_init__(self) -> None:
+        self.last = self.last or self.since
+
+    def arrived(self, chunk: int) -> None:
+        """Counts a chunk of ``chunk`` bytes that has just arrived."""
+        self.received += chunk
+        self.last = time.monotonic()
+
+    def due(self, limits: Limits) -> float:
+        """When more bytes are due: ``stall_seconds`` after the last chunk, or earlier when
+        those so far only keep ``min_receive_rate`` (after a grace of ``stall_seconds``) up to
+        then."""
+        due = self.last + limits.stall_seconds
+        if limits.min_receive_rate > 0:
+            kept_until = self.since + limits.stall_seconds
+            due = min(due, kept_until + self.received / limits.min_receive_rate)
+        return due
+
+    def why(self, limits: Limits, waiting: int) -> str:
+        """Why the session is ended, for its sender and the log."""
+        held = time.monotonic() - self.since
+        return (
+            f"A {self.size}-byte message held the server's room for {held:.0f} s and sent "
+            f"{self.received} bytes of it (limits.stall_seconds {limits.stall_seconds} s, "
+            f"limits.min_receive_rate {limits.min_receive_rate} B/s) while {waiting} other "
+            "message(s) waited for that room; the session is closed."
+        )
 
 
 class _OverLimit(Exception):
@@ -792,23 +833,27 @@ class RpcServer:
         inbound = _Inbound(self._admission, who, limit)
         received = 0
         room = 0  # bytes of self.room the message being read holds
+        hold: _Hold | None = None
         chunks = aiter(requests)
         try:
             while True:
                 try:
-                    chunk = await self._next_chunk(chunks, holding=room > 0)
+                    chunk = await self._next_chunk(chunks, hold)
                 except StopAsyncIteration:
                     break
                 if not session.is_open:
                     return  # ended (replaced, late hello): drop what else arrives
                 received += len(chunk)
                 inbound.feed(chunk)
+                if hold is not None:
+                    hold.arrived(len(chunk))
                 announced = inbound.decoder.announced
                 if not room and announced is not None and announced > INLINE_BYTES:
                     # Room for the whole body before more of it is read: a server holds a
                     # bounded number of large messages however many clients send at once.
                     await self.room.take(announced)
                     room = announced
+                    hold = _Hold(announced, time.monotonic())
                 if not inbound.decoder.complete:
                     continue
                 message = inbound.finish()
@@ -831,12 +876,12 @@ class RpcServer:
                     finally:
                         del message  # the handler has kept what it keeps
                         self.room.give(room)
-                        room = 0
+                        room, hold = 0, None
                 else:
                     handler.received(session, message)
                     if room:  # announced large, decoded small (an empty body never is)
                         self.room.give(room)
-                        room = 0
+                        room, hold = 0, None
             if received:
                 inbound.finish()  # raises: the peer half-closed inside a message
         except MessageRejected as exc:
@@ -847,16 +892,10 @@ class RpcServer:
             self._rejected(name, "refused", who)
             log.warning("Closing the %s session of %s: %s", name, who, exc)
             session.abort(str(exc), code=grpc.StatusCode.RESOURCE_EXHAUSTED)
-        except _Stalled:
+        except _Stalled as exc:
             self._rejected(name, "refused", who)
-            message_text = (
-                f"No byte of a {room}-byte message arrived for "
-                f"{self._limits.stall_seconds} s (limits.stall_seconds) while "
-                f"{self.room.waiting} other message(s) waited for the room it held; "
-                "the session is closed."
-            )
-            log.warning("Closing the %s session of %s: %s", name, who, message_text)
-            session.abort(message_text, code=grpc.StatusCode.DEADLINE_EXCEEDED)
+            log.warning("Closing the %s session of %s: %s", name, who, exc)
+            session.abort(str(exc), code=grpc.StatusCode.DEADLINE_EXCEEDED)
         except (grpc.RpcError, asyncio.InvalidStateError):
             pass  # the peer went away; closed() tells the handler
         except asyncio.CancelledError:
@@ -870,23 +909,28 @@ class RpcServer:
             inbound.release()
             session.close()
 
-    async def _next_chunk(self, chunks: AsyncIterator[bytes], *, holding: bool) -> bytes:
-        """The next chunk of a session; while it holds room, a sender that sends nothing for
-        ``limits.stall_seconds`` as others wait for room raises ``_Stalled``.
+    async def _next_chunk(self, chunks: AsyncIterator[bytes], hold: _Hold | None) -> bytes:
+        """The next chunk of a session. While its message holds room (``hold``) and others
+        wait for room, a sender whose bytes are not in by when they are due (``_Hold.due``:
+        none for ``limits.stall_seconds``, or too few for ``limits.min_receive_rate``) raises
+        ``_Stalled``; with nobody waiting, it may take its time.
 
         Raises:
             StopAsyncIteration: the stream ended.
         """
-        if not holding:
+        if hold is None:
             return await anext(chunks)
         pending = asyncio.ensure_future(anext(chunks))
         try:
             while True:
-                done, _ = await asyncio.wait({pending}, timeout=self._limits.stall_seconds)
+                left = hold.due(self._limits) - time.monotonic()
+                if left <= 0:
+                    if self.room.waiting:
+                        raise _Stalled(hold.why(self._limits, self.room.waiting))
+                    left = self._limits.stall_seconds  # late, but nobody waits: look again
+                done, _ = await asyncio.wait({pending}, timeout=left)
                 if done:
                     return pending.result()
-                if self.room.waiting:
-                    raise _Stalled()
         finally:
             if not pending.done():
                 pending.cancel()

@@ -26,6 +26,7 @@ from fedcore.transport import (
     ServerSession,
     SessionHandler,
     TlsBundle,
+    decode_chunks,
     encode_chunks,
     issue_run_bundles,
 )
@@ -261,6 +262,124 @@ def test_a_stalled_message_loses_the_room_others_wait_for(bundles: dict[str, Tls
     assert reply is not None and reply.meta["sum"] == _expected_sum(waiting)
     assert waited >= 0.5  # it did wait for the room (about stall_seconds), not around it
     assert server.room.in_use == 0
+
+
+class _Trickle:
+    """Client-0 sends ``message`` over a raw gRPC session in ``chunk`` byte pieces, one every
+    ``every`` seconds (never silent for stall_seconds), and reads the server's reply."""
+
+    def __init__(
+        self, bundles: dict[str, TlsBundle], port: int, message: Payload, chunk: int, every: float
+    ) -> None:
+        self.pieces = list(encode_chunks(message, chunk_bytes=chunk))
+        self.every = every
+        self.sent = 0
+        self.code: grpc.StatusCode | None = None
+        self.reply: Payload | None = None
+        self._stop = threading.Event()
+        bundle = bundles["client-0"]
+        self._channel = grpc.secure_channel(
+            f"127.0.0.1:{port}",
+            grpc.ssl_channel_credentials(bundle.ca_pem, bundle.key_pem, bundle.cert_pem),
+            options=[("grpc.ssl_target_name_override", "server.fedcore.invalid")],
+        )
+        self._thread = threading.Thread(target=self._run)
+
+    def _chunks(self) -> Iterator[bytes]:
+        for piece in self.pieces:
+            yield piece
+            self.sent += 1
+            if self._stop.wait(self.every):
+                return
+        self._stop.wait(TIMEOUT)  # all sent: the stream stays open for the reply
+
+    def _run(self) -> None:
+        try:
+            for answer in self._channel.stream_stream(SESSION)(self._chunks(), timeout=TIMEOUT):
+                self.reply = decode_chunks([answer], max_message_bytes=MiB)
+                self._stop.set()
+        except grpc.RpcError as exc:
+            self.code = exc.code()
+
+    def __enter__(self) -> _Trickle:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join(TIMEOUT)
+        self._channel.close()
+
+
+TRICKLE_LIMITS = Limits(
+    chunk_bytes=64 << 10,
+    max_message_bytes=32 * MiB,
+    receive_bytes=4 * MiB,
+    stall_seconds=1.0,
+    min_receive_rate=MiB,
+)
+"""A chunk of 64 KiB every 0.1 s is 640 KiB/s: never silent for stall_seconds, but below
+min_receive_rate."""
+
+
+def test_a_trickling_message_loses_the_room_others_wait_for(
+    bundles: dict[str, TlsBundle],
+) -> None:
+    # Prepare: client-0 trickles a 4 MiB message (6.4 s at its pace) holding the whole room;
+    # client-1's message waits for that room.
+    rejected: list[tuple[str, str, str | None]] = []
+    handler = HoldingSessions(hold=0.0)
+    server = _server(
+        bundles,
+        TRICKLE_LIMITS,
+        handler,
+        on_rejected=lambda method, reason, sender: rejected.append((method, reason, sender)),
+    )
+    handler.server = server
+    trickled = _message(0, 0, MiB)
+    try:
+        with _Trickle(bundles, server.port, trickled, 64 << 10, 0.1) as trickle:
+            deadline = time.monotonic() + TIMEOUT
+            while server.room.in_use == 0 and time.monotonic() < deadline:
+                time.sleep(0.01)
+            assert server.room.in_use == 4 * MiB  # the trickle holds the whole room
+            waiting = _message(1, 0, MiB // 2)
+
+            # Execute
+            replies = _send_all(bundles, server.port, TRICKLE_LIMITS, {1: [waiting]})
+    finally:
+        server.stop(grace=1.0)
+
+    # Assert: the trickle was ended before it had sent its message, and counted with its
+    # sender; the waiting message was received whole
+    assert trickle.code == grpc.StatusCode.DEADLINE_EXCEEDED
+    assert trickle.reply is None and trickle.sent < len(trickle.pieces)
+    assert ("Session", "refused", "client-0") in rejected
+    reply = replies[1][0]
+    assert reply is not None and reply.meta["sum"] == _expected_sum(waiting)
+    assert server.room.in_use == 0
+
+
+def test_a_slow_message_alone_keeps_the_room(bundles: dict[str, TlsBundle]) -> None:
+    # Prepare: the same pace below min_receive_rate, but nobody waits for the room
+    handler = HoldingSessions(hold=0.0)
+    server = _server(bundles, TRICKLE_LIMITS, handler)
+    handler.server = server
+    slow = _message(0, 0, 3 * MiB // 8)  # 1.5 MiB: about 2.4 s at 640 KiB/s
+
+    # Execute
+    try:
+        with _Trickle(bundles, server.port, slow, 64 << 10, 0.1) as trickle:
+            deadline = time.monotonic() + TIMEOUT
+            while trickle.reply is None and trickle.code is None and time.monotonic() < deadline:
+                time.sleep(0.05)
+    finally:
+        server.stop(grace=1.0)
+
+    # Assert: received whole, the session not ended
+    assert trickle.code is None
+    assert trickle.sent == len(trickle.pieces)
+    assert trickle.reply is not None and trickle.reply.meta["sum"] == _expected_sum(slow)
 
 
 SERVER_SCRIPT = textwrap.dedent(
