@@ -129,9 +129,14 @@ class CanaryLearner(LocalLearner):
         return {name: sign * self.scale * d for name, d in self.direction.items()}
 
     def train(
-        self, weights: dict[str, np.ndarray], *, round: int, epochs: int | None = None
+        self,
+        weights: dict[str, np.ndarray],
+        *,
+        round: int,
+        epochs: int | None = None,
+        consume: bool = False,
     ) -> tuple[dict[str, np.ndarray], LocalStats]:
-        """``weights`` moved by ``scale·d`` (each array keeps its dtype)."""
+        """``weights`` moved by ``scale·d`` (each array keeps its dtype; never in place)."""
         moved = dict(weights)
         for name, step in self.update().items():
             moved[name] = (np.asarray(weights[name], np.float64) + step).astype(weights[name].dtype)

@@ -14,6 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from fedcore.learning._memory import trim
 from fedcore.learning.data import ArrayDataset
 from fedcore.learning.models import get_weights, set_weights
 from fedcore.spec import TrainingSpec
@@ -27,6 +28,11 @@ RESIDENT_BYTES = 1 << 30
 """A shard mapped from the data cache whose features take more bytes than this is streamed:
 each batch is read from the map when it is used, instead of the whole shard being copied into
 memory (and onto the device) once."""
+
+STEP_IN_BACKWARD_BYTES = 64 * 1024 * 1024
+"""Models of at least this many bytes step each parameter during the backward pass and drop
+its gradient there (``LocalLearner(step_in_backward=...)``): below it, a hook per parameter
+costs more than the gradients' memory is worth."""
 
 _TORCH_SEED_TAG = 0x7F
 """Appended to the shuffle's seed words to seed torch's RNG (dropout) apart from the shuffle."""
@@ -102,6 +108,15 @@ class LocalLearner:
         seed: the run's seed (``spec.seed``).
         client_index: the client's index, from 0.
         device: the torch device to train on.
+        in_place: the caller owns the weights it passes to ``train``: a call that says it is
+            done with them (``consume``) trains in those arrays instead of a copy (on the
+            CPU), so that a client holds its model's bytes twice while training (weights and
+            gradients), not three times. A client role's decoded task is its own; a
+            simulation's is the server's, shared by every client, and must not be lent.
+        step_in_backward: step each parameter as soon as its gradient is complete, during the
+            backward pass, and drop that gradient at once (one optimizer per parameter; the
+            same numbers, bit for bit), so that a large model's gradients are never all held
+            together. None: for models of at least ``STEP_IN_BACKWARD_BYTES``.
 
     Raises:
         ValueError: if ``data`` is empty or ``seed`` or ``client_index`` is negative.
@@ -116,6 +131,8 @@ class LocalLearner:
         seed: int,
         client_index: int,
         device: str = "cpu",
+        in_place: bool = False,
+        step_in_backward: bool | None = None,
     ) -> None:
         if len(data) == 0:
             raise ValueError(f"Client {client_index} has no training examples.")
@@ -125,6 +142,14 @@ class LocalLearner:
             )
         self._device = torch.device(device)
         self._model = model.to(self._device)
+        self._in_place = in_place and self._device.type == "cpu"
+        self._model_bytes = sum(t.numel() * t.element_size() for t in model.state_dict().values())
+        if step_in_backward is None:
+            step_in_backward = self._model_bytes >= STEP_IN_BACKWARD_BYTES
+        self._step_in_backward = step_in_backward
+        self._backward_steps: _BackwardSteps | None = None
+        self._lent = False
+        """Whether the model's tensors are views of arrays a caller lent (``consume``)."""
         self._training = training
         self._seed = seed
         self._client_index = client_index
@@ -211,7 +236,12 @@ class LocalLearner:
             self._targets = F.one_hot(self._y, num_classes=self._classes).to(self._dtype)
 
     def train(
-        self, weights: dict[str, np.ndarray], *, round: int, epochs: int | None = None
+        self,
+        weights: dict[str, np.ndarray],
+        *,
+        round: int,
+        epochs: int | None = None,
+        consume: bool = False,
     ) -> tuple[dict[str, np.ndarray], LocalStats]:
         """Trains from ``weights`` for some epochs of minibatch steps.
 
@@ -222,12 +252,16 @@ class LocalLearner:
 
         Args:
             weights: the starting weights, as :func:`fedcore.learning.models.get_weights` returns;
-                not changed.
+                not changed, unless ``consume``.
             round: the round number, from 0; it seeds the shuffle.
             epochs: the number of epochs; ``training.local_epochs`` when None.
+            consume: the caller does not read ``weights`` again: a learner made ``in_place``
+                then trains in those arrays (they change) and returns views of them; others
+                copy as always. The numbers are the same either way.
 
         Returns:
-            The trained weights and the round's statistics.
+            The trained weights (copies, or with ``consume`` on an ``in_place`` learner the
+            arrays passed in, trained) and the round's statistics.
 
         Raises:
             ValueError: if ``weights`` do not fit the model, ``round`` is negative or
@@ -237,10 +271,12 @@ class LocalLearner:
         if epochs < 1:
             raise ValueError(f"The number of local epochs must be at least 1, got {epochs}.")
         self._check_round(round)
-        state = set_weights(self._model, weights)
+        in_place = consume and self._in_place
+        state = self._load(weights, in_place=in_place)
         if not self._model.training:  # train() and eval() set every submodule
             self._model.train()
-        optimizer = self._fresh_optimizer()
+        stepper = self._fresh_backward_steps() if self._step_in_backward else None
+        optimizer = None if stepper is not None else self._fresh_optimizer()
         order = np.random.default_rng([self._seed, round, self._client_index])
         n = self.num_examples
         batch_size = self._training.batch_size
@@ -252,21 +288,34 @@ class LocalLearner:
                 permutation = torch.from_numpy(order.permutation(n)).to(self._device)
                 for start in range(0, n, batch_size):
                     rows = permutation[start : start + batch_size]
-                    _drop_gradients(optimizer)
                     x, y, targets = self.batch(rows)
-                    loss = self._loss(self._model(x), y, targets)
-                    loss.backward()
-                    optimizer.step()
+                    if optimizer is not None:
+                        _drop_gradients(optimizer)
+                        loss = self._loss(self._model(x), y, targets)
+                        loss.backward()
+                        optimizer.step()
+                    else:
+                        loss = self._loss(self._model(x), y, targets)
+                        assert stepper is not None
+                        with stepper.stepping():
+                            loss.backward()
                     losses.append(loss.detach())
                     sizes.append(len(rows))
                     steps += 1
         # The gradients and the optimizer's state (Adam's: twice the model) are let go before
         # the weights are copied out: a client holds its model's bytes a few times, not more.
-        _drop_gradients(optimizer)
-        optimizer.state.clear()
+        if optimizer is not None:
+            _drop_gradients(optimizer)
+            optimizer.state.clear()
+        else:
+            assert stepper is not None
+            stepper.clear()
+        if self._device.type == "cpu":
+            trim(self._model_bytes)  # the gradients' pages, before the next model arrives
         per_step = torch.stack(losses).to("cpu", torch.float64).numpy()
         mean_loss = float(np.dot(per_step, np.asarray(sizes, dtype=np.float64))) / (epochs * n)
-        return get_weights(self._model, state), LocalStats(n, mean_loss, steps)
+        trained = get_weights(self._model, state, copy=not in_place)
+        return trained, LocalStats(n, mean_loss, steps)
 
     def gradient(
         self, weights: dict[str, np.ndarray], *, round: int
@@ -289,7 +338,7 @@ class LocalLearner:
             ValueError: if ``weights`` do not fit the model or ``round`` is negative.
         """
         self._check_round(round)
-        set_weights(self._model, weights)
+        self._load(weights, in_place=False)
         self._model.train()
         self._model.zero_grad(set_to_none=True)
         with self._forked_rng(round):
@@ -322,6 +371,20 @@ class LocalLearner:
             return F.mse_loss(logits, targets)
         return F.cross_entropy(logits, labels)
 
+    def _load(self, weights: dict[str, np.ndarray], *, in_place: bool) -> dict[str, torch.Tensor]:
+        """Loads ``weights`` into the model (in place: the model then trains in them); returns
+        its state. A model that trained in lent arrays gets storage of its own again before
+        weights are copied in: the lent arrays went out as an upload."""
+        if in_place:
+            self._lent = True
+            return set_weights(self._model, weights, in_place=True)
+        if self._lent:
+            own = {k: v.copy() if isinstance(v, np.ndarray) else v for k, v in weights.items()}
+            state = set_weights(self._model, own, in_place=True)
+            self._lent = False
+            return state
+        return set_weights(self._model, weights)
+
     def _check_round(self, round: int) -> None:
         """Refuses a negative round, which cannot seed a generator."""
         if round < 0:
@@ -336,6 +399,14 @@ class LocalLearner:
         else:
             self._optimizer.state.clear()
         return self._optimizer
+
+    def _fresh_backward_steps(self) -> _BackwardSteps:
+        """The per-parameter optimizers of one call (``step_in_backward``), as freshly made."""
+        if self._backward_steps is None:
+            self._backward_steps = _BackwardSteps(self._model, self._training)
+        else:
+            self._backward_steps.clear()
+        return self._backward_steps
 
     @contextlib.contextmanager
     def _forked_rng(self, round: int) -> Iterator[None]:
@@ -537,10 +608,56 @@ def _drop_gradients(optimizer: torch.optim.Optimizer) -> None:
             parameter.grad = None
 
 
+class _BackwardSteps:
+    """One optimizer per trainable parameter, stepped by a hook the moment that parameter's
+    gradient is complete in a backward pass (``register_post_accumulate_grad_hook``), which
+    then drops the gradient: a model's gradients are never all held at once, only those of the
+    layers autograd is between. Each parameter's update reads only its own gradient and state
+    (SGD with momentum and weight decay, Adam), so the numbers are the whole-model optimizer's,
+    bit for bit; autograd computes every use of a parameter's value before its gradient is
+    complete (it raises, were a value it saved changed). The hooks act only inside
+    ``stepping``: other backward passes on the model (full-shard gradients) are left alone.
+    """
+
+    def __init__(self, model: nn.Module, training: TrainingSpec) -> None:
+        self._active = False
+        self._optimizers: dict[nn.Parameter, torch.optim.Optimizer] = {}
+        for parameter in model.parameters():
+            if parameter.requires_grad:
+                self._optimizers[parameter] = _optimizer_over([parameter], training)
+                parameter.register_post_accumulate_grad_hook(self._step)
+
+    def _step(self, parameter: torch.Tensor) -> None:
+        if self._active:
+            self._optimizers[parameter].step()  # type: ignore[index]
+            parameter.grad = None
+
+    @contextlib.contextmanager
+    def stepping(self) -> Iterator[None]:
+        """Steps the parameters during the backward passes run inside."""
+        self._active = True
+        try:
+            yield
+        finally:
+            self._active = False
+
+    def clear(self) -> None:
+        """Empties every optimizer's state (momenta, Adam's moments and step) and gradient."""
+        for parameter, optimizer in self._optimizers.items():
+            optimizer.state.clear()
+            parameter.grad = None
+
+
 def _optimizer(model: nn.Module, training: TrainingSpec) -> torch.optim.Optimizer:
     """A fresh optimizer over the model's trainable parameters."""
+    return _optimizer_over([p for p in model.parameters() if p.requires_grad], training)
+
+
+def _optimizer_over(
+    parameters: list[nn.Parameter], training: TrainingSpec
+) -> torch.optim.Optimizer:
+    """A fresh optimizer of the spec's kind over ``parameters``."""
     spec = training.optimizer
-    parameters = [p for p in model.parameters() if p.requires_grad]
     if spec.kind == "Adam":
         return torch.optim.Adam(parameters, lr=spec.learning_rate, weight_decay=spec.weight_decay)
     return torch.optim.SGD(

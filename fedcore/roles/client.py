@@ -131,6 +131,7 @@ class Client:
                 seed=spec.seed,
                 client_index=index,
                 device=device,
+                in_place=True,  # a task's decoded arrays are this client's own
             )
             # What the server asks it to score (spec.evaluation.where Clients or Both): the
             # models it holds anyway, on its own held-out examples.

@@ -427,6 +427,165 @@ def test_set_weights_borrowing_makes_the_module_a_view_of_the_weights() -> None:
         set_weights(module, {**weights, "1.weight": np.zeros((2, 2), np.float32)}, borrow=True)
 
 
+def _in_place_learner(training: TrainingSpec) -> LocalLearner:
+    """The same learner as ``_learner``, lent the weights its callers consume."""
+    return LocalLearner(
+        _model(seed=9), _shard(), training, seed=SEED, client_index=CLIENT, in_place=True
+    )
+
+
+@pytest.mark.parametrize(
+    "optimizer",
+    [
+        OptimizerSpec(learning_rate=0.05, momentum=0.9),
+        OptimizerSpec(kind="Adam", learning_rate=0.01),
+    ],
+)
+def test_a_consumed_call_trains_in_the_callers_arrays_to_the_very_same_weights(
+    optimizer: OptimizerSpec,
+) -> None:
+    # Prepare: the same three rounds on a copying learner and on one lent the task's arrays
+    training = _training(optimizer=optimizer)
+    copying, lent = _learner(training), _in_place_learner(training)
+    start = get_weights(_model(seed=1))
+
+    # Execute / Assert
+    weights = start
+    for round_ in range(3):
+        expected, expected_stats = copying.train(weights, round=round_)
+        task = {name: array.copy() for name, array in weights.items()}  # the decoded task
+        trained, stats = lent.train(task, round=round_, consume=True)
+        _assert_close(trained, expected, tol=0.0)  # bit for bit
+        assert stats == expected_stats
+        for name, array in trained.items():
+            assert np.shares_memory(array, task[name])  # trained in the task: no copy
+            np.testing.assert_array_equal(task[name], expected[name])
+        parameters = dict(lent._model.named_parameters())
+        for name, parameter in parameters.items():
+            assert parameter.data_ptr() == task[name].ctypes.data  # the model holds no other
+        weights = expected
+
+
+def test_a_lent_learner_copies_unless_the_call_consumes() -> None:
+    # Prepare
+    training = _training()
+    lent = _in_place_learner(training)
+    start = get_weights(_model(seed=1))
+    kept = {k: v.copy() for k, v in start.items()}
+    first = {k: v.copy() for k, v in start.items()}
+
+    # Execute: a consumed call, then calls that do not consume (train, gradient)
+    trained, _ = lent.train(first, round=0, consume=True)
+    uploaded = {k: v.copy() for k, v in trained.items()}
+    again, _ = lent.train(start, round=0)
+    gradient, _ = lent.gradient(start, round=1)
+
+    # Assert: what did not consume is kept; the first call's arrays (its upload) are not
+    # written by the later calls; the numbers are those of a copying learner
+    _assert_close(start, kept, tol=0.0)
+    _assert_close(first, uploaded, tol=0.0)
+    assert all(not np.shares_memory(again[k], start[k]) for k in again)
+    _assert_close(again, _learner(training).train(start, round=0)[0], tol=0.0)
+    _assert_close(gradient, _learner(training).gradient(start, round=1)[0], tol=0.0)
+
+
+def test_a_learner_not_lent_its_inputs_never_trains_in_them() -> None:
+    # A simulation's clients share the server's arrays: consume alone changes nothing
+    learner = _learner(_training())
+    start = get_weights(_model(seed=1))
+    kept = {k: v.copy() for k, v in start.items()}
+    trained, _ = learner.train(start, round=0, consume=True)
+    _assert_close(start, kept, tol=0.0)
+    assert all(not np.shares_memory(trained[k], start[k]) for k in trained)
+
+
+class _TinyTransformer(nn.Module):
+    """An image read as 8 tokens of 8 pixels through one pre-norm encoder layer (torch's
+    multi-head attention, layer norms, dropout): what a large model is built of, small."""
+
+    def __init__(self, seed: int) -> None:
+        super().__init__()
+        torch.manual_seed(seed)
+        self.embed = nn.Linear(8, 16)
+        self.layer = nn.TransformerEncoderLayer(
+            16, 2, 32, dropout=0.1, batch_first=True, norm_first=True
+        )
+        self.head = nn.Linear(16, 10)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.layer(self.embed(x.reshape(-1, 8, 8))).mean(dim=1))
+
+
+def _stepping_learner(
+    model: nn.Module, training: TrainingSpec, *, step_in_backward: bool
+) -> LocalLearner:
+    return LocalLearner(
+        model,
+        _shard(),
+        training,
+        seed=SEED,
+        client_index=CLIENT,
+        step_in_backward=step_in_backward,
+    )
+
+
+@pytest.mark.parametrize(
+    "optimizer",
+    [
+        OptimizerSpec(learning_rate=0.05, momentum=0.9, weight_decay=0.01),
+        OptimizerSpec(kind="Adam", learning_rate=0.01, weight_decay=0.01),
+    ],
+)
+@pytest.mark.parametrize("network", ["mlp", "transformer"])
+def test_stepping_in_backward_trains_to_the_very_same_weights(
+    optimizer: OptimizerSpec, network: str
+) -> None:
+    # Prepare: two epochs of several batches, from the same start, both ways
+    training = _training(optimizer=optimizer, local_epochs=2, batch_size=16)
+
+    def model() -> nn.Module:
+        return _model(seed=9) if network == "mlp" else _TinyTransformer(seed=9)
+
+    whole = _stepping_learner(model(), training, step_in_backward=False)
+    stepped = _stepping_learner(model(), training, step_in_backward=True)
+    start = get_weights(model())
+
+    # Execute / Assert: equal bit for bit, round after round (each call starts afresh)
+    weights = start
+    for round_ in range(3):
+        expected, expected_stats = whole.train(weights, round=round_)
+        trained, stats = stepped.train(weights, round=round_)
+        _assert_close(trained, expected, tol=0.0)
+        assert stats == expected_stats
+        weights = expected
+    assert all(p.grad is None for p in stepped.model.parameters())
+    # Other backward passes on the model are not stepped: the full-shard gradient is exact
+    gradient, _ = stepped.gradient(start, round=1)
+    _assert_close(gradient, whole.gradient(start, round=1)[0], tol=0.0)
+
+
+@pytest.mark.parametrize("step_in_backward", [False, True])
+def test_stepping_in_backward_holds_one_gradient_at_a_time(step_in_backward: bool) -> None:
+    # Prepare: a probe, hooked before the learner's own hooks, counts the parameters that
+    # hold a gradient each time one parameter's gradient is complete
+    model = _TinyTransformer(seed=3)
+    parameters = [p for p in model.parameters() if p.requires_grad]
+    held: list[int] = []
+    for parameter in parameters:
+        parameter.register_post_accumulate_grad_hook(
+            lambda _: held.append(sum(p.grad is not None for p in parameters))
+        )
+    learner = _stepping_learner(model, _training(), step_in_backward=step_in_backward)
+
+    # Execute
+    learner.train(get_weights(_TinyTransformer(seed=4)), round=0)
+
+    # Assert: stepped, each gradient is gone before the next is complete; otherwise all
+    # of them are held together at the end of each backward pass
+    assert held
+    assert max(held) == (1 if step_in_backward else len(parameters))
+
+
 def test_local_learner_train_lets_go_of_gradients_and_optimizer_state() -> None:
     learner = _learner(_training(optimizer=OptimizerSpec(kind="Adam", learning_rate=0.01)))
     trained, _ = learner.train(get_weights(_model(seed=9)), round=0)

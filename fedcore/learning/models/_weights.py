@@ -30,13 +30,17 @@ def get_weights(
 
 
 def set_weights(
-    module: nn.Module, weights: dict[str, np.ndarray], *, borrow: bool = False
+    module: nn.Module,
+    weights: dict[str, np.ndarray],
+    *,
+    borrow: bool = False,
+    in_place: bool = False,
 ) -> dict[str, torch.Tensor]:
     """Copies ``weights`` into a module's state in place; returns the ``state_dict()`` it
     copied into (views of the module's tensors).
 
     The names, shapes and dtypes must match ``module.state_dict()`` exactly; nothing is
-    copied unless all of them do. ``weights`` itself is not changed.
+    copied unless all of them do. ``weights`` itself is not changed (unless ``in_place``).
 
     Args:
         module: the module to load into.
@@ -44,6 +48,11 @@ def set_weights(
         borrow: make the module's tensors views of ``weights`` instead of copying them (a CPU
             module only; its own storage is let go). The caller must not change ``weights``
             while the module is used, nor train the module.
+        in_place: make the module's parameters and buffers views of ``weights`` (a CPU
+            module only), keeping the same parameter objects, so that an optimizer built over
+            them stays valid: training the module then changes ``weights``, and the module's
+            own storage is let go. For a caller that owns ``weights`` and is done with them.
+            An array torch cannot view (read-only, negatively strided) is copied.
 
     Raises:
         ValueError: naming the tensor, if a name is missing or unexpected, or a shape or
@@ -68,6 +77,13 @@ def set_weights(
             )
     if borrow:
         module.load_state_dict({name: _as_tensor(weights[name]) for name in state}, assign=True)
+        return module.state_dict()
+    if in_place:
+        own: dict[str, torch.Tensor] = dict(module.named_parameters(remove_duplicate=False))
+        own.update(module.named_buffers(remove_duplicate=False))
+        with torch.no_grad():
+            for name in state:
+                own[name].data = _as_tensor(weights[name])
         return module.state_dict()
     with torch.no_grad():
         for name, tensor in state.items():

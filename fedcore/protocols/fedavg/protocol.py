@@ -214,7 +214,9 @@ class LocalTrainingClient(ClientProtocol):
     def compute_upload(
         self, round: int, instruction: Payload, learner: LocalLearner, keys: Payload | None
     ) -> Payload:
-        weights, stats = learner.train(instruction.tensors, round=round)
+        # Nothing reads the task's weights after training: a client role's learner trains in
+        # them (consume), and uploads them.
+        weights, stats = learner.train(instruction.tensors, round=round, consume=True)
         return Payload(
             meta={"num_examples": stats.num_examples, "loss": stats.loss, "steps": stats.steps},
             tensors=weights,
