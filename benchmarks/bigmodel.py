@@ -116,15 +116,18 @@ def _role(output: str | None) -> str:
     return name[: -len(".log")] if name.endswith(".log") else "command"
 
 
-def run_one(size: str, folder: Path, guard_bytes: int = GUARD_BYTES) -> dict[str, Any]:
-    """One ``fedcore run`` of ``size``, sampled; its results and every process's peak."""
+def run_one(
+    size: str, folder: Path, guard_bytes: int = GUARD_BYTES, per_process: int = 1
+) -> dict[str, Any]:
+    """One ``fedcore run`` of ``size`` with ``per_process`` clients in a process, sampled; its
+    results and every process's peak."""
     data = write_data(folder)
     path = manifest(folder, size, data)
     work = folder / f"work-{size}"
     paths = [str(MODELS), str(ROOT), os.environ.get("PYTHONPATH", "")]
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in paths if p)}
     command = [sys.executable, "-m", "fedcore", "run", str(path), "--json", "--quiet"]
-    command += ["--workdir", str(work), "--clients-per-process", "1"]
+    command += ["--workdir", str(work), "--clients-per-process", str(per_process)]
     sampler = TreeSampler(interval=0.25, max_bytes=guard_bytes, min_available=MIN_AVAILABLE)
     started = time.monotonic()
     process = subprocess.Popen(
@@ -155,6 +158,7 @@ def run_one(size: str, folder: Path, guard_bytes: int = GUARD_BYTES) -> dict[str
             result = {}
     return {
         "size": size,
+        "per_process": per_process,
         "parameters": parameters(size),
         "rounds": SIZES[size][1],
         "wall": wall,
@@ -171,12 +175,16 @@ def run_one(size: str, folder: Path, guard_bytes: int = GUARD_BYTES) -> dict[str
     }
 
 
-def run(sizes: list[str], guard_bytes: int = GUARD_BYTES) -> dict[str, Any]:
+def run(
+    sizes: list[str], guard_bytes: int = GUARD_BYTES, per_process: tuple[int, ...] = (1,)
+) -> dict[str, Any]:
     data: dict[str, Any] = {"machine": machine(), "load_start": load(), "runs": []}
     for size in sizes:
-        with tempfile.TemporaryDirectory(prefix=f"fedcore-bigmodel-{size}-") as folder:
-            data["runs"].append({**run_one(size, Path(folder), guard_bytes), "machine": "A"})
-            print(json.dumps(data["runs"][-1], default=str)[:1500], file=sys.stderr)
+        for count in per_process:
+            with tempfile.TemporaryDirectory(prefix=f"fedcore-bigmodel-{size}-") as folder:
+                one = run_one(size, Path(folder), guard_bytes, count)
+                data["runs"].append({**one, "machine": "A"})
+                print(json.dumps(data["runs"][-1], default=str)[:1500], file=sys.stderr)
     data["load_end"] = load()
     return data
 
@@ -213,20 +221,22 @@ def render(data: dict[str, Any]) -> str:
         "",
         f"`python benchmarks/bigmodel.py --write` (machines {machines}). fedavg of "
         "examples/models/big_transformer.py (a user model by `spec.model.importPath`) with "
-        f"{CLIENTS} clients, a process each, over mutual TLS on loopback; {PER_CLIENT} digits "
+        f"{CLIENTS} clients (a process each, or all in one: *per process*) over mutual TLS on "
+        f"loopback; {PER_CLIENT} digits "
         f"per client (one local step), {HELD_OUT} held out on the server, checkpoints off. "
         "Bytes are the server's counters per round; memory is each process's peak PSS, and "
         "*x model* divides it by the model's float32 bytes.",
         "",
-        "| model | machine | parameters | model (GB) | outcome | start-up (s) | median round (s) "
-        "| server sent / received per round (GB) | server peak (GB) | x model "
-        "| client peak, largest (GB) | x model | all processes (GB) |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "| model | machine | parameters | model (GB) | clients per process | outcome "
+        "| start-up (s) | median round (s) | server sent / received per round (GB) "
+        "| server peak (GB) | x model | client process peak, largest (GB) | x model "
+        "| all processes (GB) |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for item in data["runs"]:
         model_bytes = 4 * item["parameters"]
         peaks = item["peaks"]
-        clients = [v for k, v in peaks.items() if k.startswith("client-")]
+        clients = [v for k, v in peaks.items() if k.startswith("client")]
         client = max(clients) if clients else None
         server = peaks.get("server")
         rounds = item["rounds"]
@@ -235,7 +245,7 @@ def render(data: dict[str, Any]) -> str:
         outcome = item["tripped"] or f"{item['phase']} ({item['reason']})"
         lines.append(
             f"| {item['size']} | {item.get('machine', 'A')} | {item['parameters']:,} "
-            f"| {model_bytes / 1e9:.2f} | {outcome} "
+            f"| {model_bytes / 1e9:.2f} | {item.get('per_process', 1)} | {outcome} "
             f"| {_seconds(item['startup'])} | {_seconds(item['median_round'])} "
             f"| {_gb(sent)} / {_gb(received)} | {_gb(server)} "
             f"| {'-' if server is None else f'{server / model_bytes:.1f}x'} | {_gb(client)} "
@@ -246,7 +256,8 @@ def render(data: dict[str, Any]) -> str:
         "",
         "Every process's peak (GB): "
         + "; ".join(
-            f"{item['size']} ({item.get('machine', 'A')}): "
+            f"{item['size']} ({item.get('machine', 'A')}, "
+            f"{item.get('per_process', 1)} per process): "
             + ", ".join(f"{role} {peak / 1e9:.2f}" for role, peak in sorted(item["peaks"].items()))
             for item in data["runs"]
         )
@@ -281,6 +292,11 @@ def main() -> None:
     parser.add_argument(
         "--guard-gib", type=float, default=GUARD_BYTES / 2**30, help="memory guard, all processes"
     )
+    parser.add_argument(
+        "--per-process",
+        default="1,4",
+        help="clients per process to run each size with, comma-separated (default 1,4)",
+    )
     parser.add_argument("--json-out", type=Path, help="also write the numbers to this file")
     parser.add_argument("--from-json", type=Path, help="no run: render this --json-out file")
     parser.add_argument(
@@ -292,7 +308,8 @@ def main() -> None:
     if args.from_json is not None:  # render an earlier invocation's numbers
         data = json.loads(args.from_json.read_text())
     else:
-        data = run(sizes, int(args.guard_gib * 2**30))
+        counts = tuple(int(count) for count in args.per_process.split(",") if count)
+        data = run(sizes, int(args.guard_gib * 2**30), counts)
     if args.json_out is not None:
         args.json_out.write_text(json.dumps(data, indent=1, default=str))
     if args.merge is not None:

@@ -16,7 +16,7 @@ from torch import nn
 
 from fedcore.learning._memory import trim
 from fedcore.learning.data import ArrayDataset
-from fedcore.learning.models import get_weights, set_weights
+from fedcore.learning.models import get_weights, release_storage, set_weights
 from fedcore.spec import TrainingSpec
 
 log = logging.getLogger(__name__)
@@ -29,10 +29,11 @@ RESIDENT_BYTES = 1 << 30
 each batch is read from the map when it is used, instead of the whole shard being copied into
 memory (and onto the device) once."""
 
-STEP_IN_BACKWARD_BYTES = 64 * 1024 * 1024
+LARGE_MODEL_BYTES = 64 * 1024 * 1024
 """Models of at least this many bytes step each parameter during the backward pass and drop
-its gradient there (``LocalLearner(step_in_backward=...)``): below it, a hook per parameter
-costs more than the gradients' memory is worth."""
+its gradient there (``LocalLearner(step_in_backward=...)``), and an ``in_place`` learner lets
+go of such a model's own memory at once (every call loads the weights it is given): below it,
+a hook per parameter costs more than the gradients' memory is worth."""
 
 _TORCH_SEED_TAG = 0x7F
 """Appended to the shuffle's seed words to seed torch's RNG (dropout) apart from the shuffle."""
@@ -112,11 +113,13 @@ class LocalLearner:
             done with them (``consume``) trains in those arrays instead of a copy (on the
             CPU), so that a client holds its model's bytes twice while training (weights and
             gradients), not three times. A client role's decoded task is its own; a
-            simulation's is the server's, shared by every client, and must not be lent.
+            simulation's is the server's, shared by every client, and must not be lent. A
+            large model's own memory is let go at once (``release_storage``): its first task
+            brings it.
         step_in_backward: step each parameter as soon as its gradient is complete, during the
             backward pass, and drop that gradient at once (one optimizer per parameter; the
             same numbers, bit for bit), so that a large model's gradients are never all held
-            together. None: for models of at least ``STEP_IN_BACKWARD_BYTES``.
+            together. None: for models of at least ``LARGE_MODEL_BYTES``.
 
     Raises:
         ValueError: if ``data`` is empty or ``seed`` or ``client_index`` is negative.
@@ -144,12 +147,13 @@ class LocalLearner:
         self._model = model.to(self._device)
         self._in_place = in_place and self._device.type == "cpu"
         self._model_bytes = sum(t.numel() * t.element_size() for t in model.state_dict().values())
+        large = self._model_bytes >= LARGE_MODEL_BYTES
+        if self._in_place and large:
+            release_storage(self._model)  # a large model's bytes come with its first task
         if step_in_backward is None:
-            step_in_backward = self._model_bytes >= STEP_IN_BACKWARD_BYTES
+            step_in_backward = large
         self._step_in_backward = step_in_backward
         self._backward_steps: _BackwardSteps | None = None
-        self._lent = False
-        """Whether the model's tensors are views of arrays a caller lent (``consume``)."""
         self._training = training
         self._seed = seed
         self._client_index = client_index
@@ -371,19 +375,21 @@ class LocalLearner:
             return F.mse_loss(logits, targets)
         return F.cross_entropy(logits, labels)
 
+    def views(self, buffer: bytearray) -> bool:
+        """Whether the model's parameters are views of ``buffer`` (it trained in a task
+        decoded there, ``consume``)."""
+        if not len(buffer):
+            return False
+        start = np.frombuffer(buffer, dtype=np.uint8).ctypes.data
+        end = start + len(buffer)
+        parameters = list(self._model.parameters())
+        return bool(parameters) and all(start <= p.data_ptr() < end for p in parameters)
+
     def _load(self, weights: dict[str, np.ndarray], *, in_place: bool) -> dict[str, torch.Tensor]:
         """Loads ``weights`` into the model (in place: the model then trains in them); returns
         its state. A model that trained in lent arrays gets storage of its own again before
-        weights are copied in: the lent arrays went out as an upload."""
-        if in_place:
-            self._lent = True
-            return set_weights(self._model, weights, in_place=True)
-        if self._lent:
-            own = {k: v.copy() if isinstance(v, np.ndarray) else v for k, v in weights.items()}
-            state = set_weights(self._model, own, in_place=True)
-            self._lent = False
-            return state
-        return set_weights(self._model, weights)
+        weights are copied in (``set_weights``): the lent arrays went out as an upload."""
+        return set_weights(self._model, weights, in_place=in_place)
 
     def _check_round(self, round: int) -> None:
         """Refuses a negative round, which cannot seed a generator."""

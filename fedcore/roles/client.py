@@ -11,6 +11,8 @@ from contextlib import AbstractContextManager
 from pathlib import Path
 from typing import Any
 
+from torch import nn
+
 from fedcore.errors import FedcoreError, MessageRejected, ProtocolError
 from fedcore.learning.data import client_dataset, client_test_dataset
 from fedcore.learning.evaluation import (
@@ -47,6 +49,7 @@ from fedcore.transport import (
     RemoteError,
     RpcClient,
     TlsBundle,
+    Turn,
 )
 
 log = logging.getLogger(__name__)
@@ -83,6 +86,13 @@ class Client:
         tls_dir: where ``tls`` was read from, re-read before each new session to the server
             (a site renews its clients' certificates at half their life, while they run);
             None: the bundle given is used to the end.
+        model: the network, built from this spec by another client of the same process
+            (``run_client_group``), which computes one at a time under the same
+            ``compute_lock``: every call loads the weights it is given, so clients can share
+            one model's memory. None: built here.
+        turn: shared by the clients of a group: one of them at a time reads a large message
+            and holds its decoded bytes until it has answered it, and the next large task is
+            written into the bytes of the last one trained in (``Turn``). None: one of its own.
     """
 
     def __init__(
@@ -98,8 +108,11 @@ class Client:
         compute_lock: AbstractContextManager[Any] | None = None,
         guard: RoundGuard | None = None,
         tls_dir: Path | None = None,
+        model: nn.Module | None = None,
+        turn: Turn | None = None,
     ) -> None:
         spec = run.spec
+        self.turn = turn or Turn()
         self.guard = guard
         self.tls = tls
         self.tls_dir = tls_dir
@@ -123,7 +136,8 @@ class Client:
         device = choose_device(spec.roles.clients)
         with self.compute_lock:
             data = client_dataset(spec, index)
-            model = build_model(spec.model, data.input_shape, data.num_classes, seed=spec.seed)
+            if model is None:
+                model = build_model(spec.model, data.input_shape, data.num_classes, seed=spec.seed)
             self.learner = LocalLearner(
                 model.to(device),
                 data,
@@ -245,12 +259,16 @@ class Client:
                 if self._refresh_identity():
                     await link.close()
                     link = self._server_link()
-                session = link.open_session("Session")
+                session = link.open_session("Session", turn=self.turn)
                 try:
                     await session.send(
                         Payload(meta={"kind": "hello", "round": last[0], "attempt": last[1]})
                     )
+                    done_with_bytes = False
                     while True:
+                        message = instruction = None  # a large task's bytes go before the next
+                        session.answered(done_with_bytes=done_with_bytes)
+                        done_with_bytes = False
                         message = await session.receive()
                         if message is None:
                             break
@@ -292,6 +310,10 @@ class Client:
                             await session.send(self._upload(last, instruction, keys))
                             rounds += 1
                             self.protocol.after_upload(last[0])
+                            # Trained in the task's bytes and sent them: the next task of the
+                            # same layout is written into them, not into new memory.
+                            large = session.last_large
+                            done_with_bytes = large is not None and self.learner.views(large[1])
                 except RemoteError as exc:
                     if exc.code not in RECONNECT_CODES:
                         raise

@@ -5,8 +5,11 @@ hundreds of clients on a few cores, a process each costs every client an interpr
 and the machine a context switch per client and round. A client group runs many clients in one
 process instead (``fedcore clients``, chosen by ``fedcore.local.groups``), and keeps what makes
 each one a participant of its own: its TLS key and certificate (so the server authenticates
-each as itself), its data shard, model, learner, protocol state, sessions and metrics
-endpoint. What they share is the interpreter, the loaded manifest and torch's thread pool.
+each as itself), its data shard, learner, protocol state, sessions and metrics endpoint. What
+they share is the interpreter, the loaded manifest, torch's thread pool and the model's
+memory: one network, which every training or scoring call loads with the weights it is given
+(a large model is held once per process, not once per client; a client that trained in its
+task's arrays uploads them, and the next client's load never writes them).
 
 Every client's session is a coroutine on one asyncio loop (``Client.serve_async``): a message
 costs a step of the loop, not a hand-off between a client's threads. Clients of a group
@@ -33,7 +36,7 @@ from fedcore.local.threads import limit_threads
 from fedcore.roles._common import RoleConfig
 from fedcore.roles.client import Client
 from fedcore.spec import load_manifest, protocol_facts
-from fedcore.transport import TlsBundle
+from fedcore.transport import TlsBundle, Turn
 
 log = logging.getLogger(__name__)
 
@@ -119,7 +122,9 @@ def run_client_group(
     limit_threads(config.threads)
     name_members_in_logs()
     lock = threading.Lock()
-    clients = []
+    clients: list[Client] = []
+    model = None  # one model for the group: the clients compute one at a time
+    turn = Turn()  # and one of them at a time holds a large task's bytes
     for member in members:
         own = replace(
             config,
@@ -129,9 +134,19 @@ def run_client_group(
         tls = TlsBundle.load(own.tls_dir)
         token = MEMBER.set(f"client-{member.index}")
         try:
-            clients.append(
-                Client(run, own, tls, index=member.index, server=server, kdc=kdc, compute_lock=lock)
+            client = Client(
+                run,
+                own,
+                tls,
+                index=member.index,
+                server=server,
+                kdc=kdc,
+                compute_lock=lock,
+                model=model,
+                turn=turn,
             )
+            clients.append(client)
+            model = client.learner.model
         finally:
             MEMBER.reset(token)
     results: dict[int, dict[str, Any]] = {}

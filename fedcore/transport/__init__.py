@@ -1,7 +1,7 @@
 """Moving Payloads between roles: the chunked wire codec, the per-run mutual-TLS PKI, and a
 hub's one endpoint (routing by TLS server name, relays for parties that only dial out)."""
 
-from fedcore.transport._aio import AsyncClientSession, AsyncRpcClient
+from fedcore.transport._aio import AsyncClientSession, AsyncRpcClient, Turn
 from fedcore.transport._codec import PayloadDecoder, decode_chunks, encode_chunks
 from fedcore.transport._payload import Payload
 from fedcore.transport._revocations import RevokedSites
@@ -52,6 +52,7 @@ __all__ = [
     "SniRouter",
     "TlsBundle",
     "TunnelBroker",
+    "Turn",
     "certificate_facts",
     "decode_chunks",
     "dial",

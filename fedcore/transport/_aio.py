@@ -24,10 +24,52 @@ from typing import Any
 import grpc
 
 from fedcore.errors import MessageRejected
-from fedcore.transport._codec import PayloadDecoder, encode_chunks
+from fedcore.transport._codec import Layout, PayloadDecoder, encode_chunks
 from fedcore.transport._payload import Payload
 from fedcore.transport._rpc import SERVICE_PREFIX, Limits, RemoteError, session_failed
+from fedcore.transport._server import INLINE_BYTES
 from fedcore.transport._tls import Identity, TlsBundle
+
+
+class Turn:
+    """One large inbound message at a time among the sessions that share it (the clients of a
+    group; a lone client has one of its own), and the bytes of the last one for the next.
+
+    A session takes the turn once a message's header announces a body over ``INLINE_BYTES``,
+    before it reads the body (gRPC's flow control holds the sender back meanwhile), and gives
+    it back when its owner has answered the message (``AsyncClientSession.answered``) or the
+    session ends. Waiters are served first come, first served. So a process decodes one large
+    model's task at a time, not one per client.
+
+    An owner done with a large message's bytes (a client whose model trained in its task and
+    whose upload of them has gone out) may ``offer`` them: the next large message of the same
+    layout is then written into them (``PayloadDecoder.land_in``), under the turn, instead of
+    into new memory. Used on one event loop.
+    """
+
+    def __init__(self) -> None:
+        self._lock = asyncio.Lock()
+        self._spare: tuple[Layout, bytearray] | None = None
+
+    def offer(self, layout: Layout, buffer: bytearray) -> None:
+        """Gives the bytes of a message of ``layout`` for the next one of that layout to be
+        written into; nothing else may read or write them from now on."""
+        self._spare = (layout, buffer)
+
+    def landing(self, layout: Layout) -> bytearray | None:
+        """The bytes offered, if they are for ``layout`` (they are handed out once)."""
+        spare, self._spare = self._spare, None
+        if spare is not None and spare[0] == layout:
+            return spare[1]
+        return None
+
+    async def take(self) -> None:
+        """Waits for the turn."""
+        await self._lock.acquire()
+
+    def give(self) -> None:
+        """Gives the turn back."""
+        self._lock.release()
 
 
 class AsyncRpcClient:
@@ -67,11 +109,17 @@ class AsyncRpcClient:
         self._on_bytes = on_bytes
         self._channel = grpc.aio.secure_channel(target, credentials, options=options)
 
-    def open_session(self, method: str) -> AsyncClientSession:
-        """Opens a long-lived two-way session on ``method`` (no deadline)."""
+    def open_session(self, method: str, *, turn: Turn | None = None) -> AsyncClientSession:
+        """Opens a long-lived two-way session on ``method`` (no deadline); ``turn``: shared
+        with other sessions, which then read one large message at a time."""
         stub = self._channel.stream_stream(f"{SERVICE_PREFIX}{self._service}/{method}")
         return AsyncClientSession(
-            stub(), self._limits, method=method, target=self._target, on_bytes=self._on_bytes
+            stub(),
+            self._limits,
+            method=method,
+            target=self._target,
+            on_bytes=self._on_bytes,
+            turn=turn,
         )
 
     async def close(self) -> None:
@@ -90,12 +138,17 @@ class AsyncClientSession:
         method: str,
         target: str,
         on_bytes: Callable[[int, int], None] | None = None,
+        turn: Turn | None = None,
     ) -> None:
         self._call = call
         self._limits = limits
         self._method = method
         self._target = target
         self._on_bytes = on_bytes
+        self._turn = turn
+        self._holding = False
+        self.last_large: tuple[Layout, bytearray] | None = None
+        """The layout and bytes of the last large message received under the turn."""
 
     def _failed(self, exc: grpc.RpcError) -> RemoteError:
         return session_failed(self._method, self._target, exc)
@@ -137,10 +190,27 @@ class AsyncClientSession:
                     break
                 received += len(chunk)
                 decoder.feed(chunk)
+                announced = decoder.announced
+                if (
+                    self._turn is not None
+                    and not self._holding
+                    and announced is not None
+                    and announced > INLINE_BYTES
+                ):
+                    await self._turn.take()  # the body waits, unread, for the turn
+                    self._holding = True
+                    assert decoder.layout is not None
+                    spare = self._turn.landing(decoder.layout)
+                    if spare is not None:
+                        decoder.land_in(spare)
                 if decoder.complete:
                     if self._on_bytes is not None:
                         self._on_bytes(0, received)
-                    return decoder.finish()
+                    payload = decoder.finish()
+                    if self._holding:
+                        assert decoder.layout is not None
+                        self.last_large = (decoder.layout, decoder.body)
+                    return payload
         except grpc.RpcError as exc:
             raise self._failed(exc) from exc
         if received:
@@ -170,6 +240,18 @@ class AsyncClientSession:
         finally:
             self._call.cancel()
 
+    def answered(self, *, done_with_bytes: bool = False) -> None:
+        """The message last received has been answered: the turn it took (a large one, on a
+        ``Turn``) goes to the next session waiting; ``done_with_bytes``: its bytes are offered
+        to the next large message of the same layout (nothing reads or writes them any more)."""
+        large, self.last_large = self.last_large, None
+        if self._holding and self._turn is not None:
+            if done_with_bytes and large is not None:
+                self._turn.offer(*large)
+            self._holding = False
+            self._turn.give()
+
     def close(self) -> None:
-        """Cancels the call (idempotent)."""
+        """Cancels the call (idempotent) and gives back a turn it holds."""
         self._call.cancel()
+        self.answered()

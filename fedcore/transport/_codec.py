@@ -174,6 +174,22 @@ def _cut(segments: list[memoryview], chunk_bytes: int) -> Iterator[bytes]:
         yield b"".join(pending)
 
 
+Layout = tuple[int, tuple[tuple[str, str, tuple[int, ...], int, int], ...]]
+"""A message body's size and each tensor's name, dtype, shape, offset and bytes: two messages
+of one layout put the same arrays at the same places of a body of the same size."""
+
+
+def layout_of(header: dict[str, Any]) -> Layout:
+    """The layout of a checked header."""
+    return (
+        int(header["body_bytes"]),
+        tuple(
+            (e["name"], e["dtype"], tuple(e["shape"]), int(e["offset"]), int(e["nbytes"]))
+            for e in header["tensors"]
+        ),
+    )
+
+
 class PayloadDecoder:
     """Reassemble one Payload from the chunks produced by :func:`encode_chunks`.
 
@@ -193,7 +209,12 @@ class PayloadDecoder:
         ValueError: a limit is negative or not an integer.
     """
 
-    def __init__(self, *, max_message_bytes: int, max_header_bytes: int = MAX_HEADER_BYTES) -> None:
+    def __init__(
+        self,
+        *,
+        max_message_bytes: int,
+        max_header_bytes: int = MAX_HEADER_BYTES,
+    ) -> None:
         for label, limit in (
             ("max_message_bytes", max_message_bytes),
             ("max_header_bytes", max_header_bytes),
@@ -207,12 +228,28 @@ class PayloadDecoder:
         self._header: dict[str, Any] | None = None
         self._body = bytearray()
         self._body_bytes = 0
+        self._landed: memoryview | None = None
+        """The buffer the body is written into, when ``land_in`` gave one."""
+        self._filled = 0
         self._closed = False
+        self.layout: Layout | None = None
+        """The message's layout, once its header is checked."""
 
     @property
     def complete(self) -> bool:
         """Whether the header and every announced body byte have arrived."""
-        return self._header is not None and len(self._body) == self._body_bytes
+        return self._header is not None and self._received == self._body_bytes
+
+    @property
+    def _received(self) -> int:
+        return self._filled if self._landed is not None else len(self._body)
+
+    @property
+    def body(self) -> bytearray:
+        """The buffer the body was written into (the arrays of ``finish`` view it)."""
+        if self._landed is not None:
+            return self._landed.obj  # type: ignore[return-value]
+        return self._body
 
     @property
     def announced(self) -> int | None:
@@ -222,7 +259,7 @@ class PayloadDecoder:
     @property
     def buffered(self) -> int:
         """How many bytes this decoder holds now (prefix, header and body so far)."""
-        return len(self._head) + len(self._body)
+        return len(self._head) + self._received
 
     def feed(self, chunk: bytes) -> None:
         """Add the next chunk of the message.
@@ -240,6 +277,25 @@ class PayloadDecoder:
         except MessageRejected:
             self._closed = True
             raise
+
+    def land_in(self, buffer: bytearray) -> bool:
+        """Writes the rest of the body into ``buffer`` (what arrived of it so far is copied
+        there) instead of a buffer of the decoder's own: the bytes of an earlier message of
+        the same layout, which their owner is done with, so that a large model costs its
+        receiver no second copy of itself. Returns False, and changes nothing, unless the
+        header is in, the body incomplete and ``buffer`` exactly the body's size."""
+        if (
+            self._header is None
+            or self.complete
+            or self._landed is not None
+            or len(buffer) != self._body_bytes
+        ):
+            return False
+        landed = memoryview(buffer).cast("B")
+        filled = len(self._body)
+        landed[:filled] = self._body
+        self._landed, self._filled, self._body = landed, filled, bytearray()
+        return True
 
     def finish(self) -> Payload:
         """Check that the whole message arrived and return the payload.
@@ -260,16 +316,17 @@ class PayloadDecoder:
                 "before its header was complete."
             )
         body_bytes = self._body_bytes
-        if len(self._body) < body_bytes:
+        if self._received < body_bytes:
             raise MessageRejected(
                 f"The message is truncated: its header announced {body_bytes} body bytes but "
-                f"only {len(self._body)} arrived."
+                f"only {self._received} arrived."
             )
+        body = self.body
         tensors: dict[str, np.ndarray] = {}
         for entry in header["tensors"]:
             dtype = _WIRE_DTYPES[entry["dtype"]]
             count = entry["nbytes"] // dtype.itemsize
-            array = np.frombuffer(self._body, dtype=dtype, count=count, offset=entry["offset"])
+            array = np.frombuffer(body, dtype=dtype, count=count, offset=entry["offset"])
             tensors[entry["name"]] = array.reshape(entry["shape"])
         return Payload(meta=header["meta"], tensors=tensors)
 
@@ -288,13 +345,17 @@ class PayloadDecoder:
         size = len(view)
         if not size:
             return
-        end = len(self._body) + size
+        end = self._received + size
         if end > self._body_bytes:
             raise MessageRejected(
                 f"The message is longer than announced: its header announced "
                 f"{self._body_bytes} body bytes but at least {end} arrived."
             )
-        self._body += view
+        if self._landed is not None:
+            self._landed[self._filled : end] = view
+            self._filled = end
+        else:
+            self._body += view
 
     def _feed_head(self, view: memoryview) -> memoryview:
         """Consume prefix and header bytes from ``view``; return what is left of it."""
@@ -324,6 +385,7 @@ class PayloadDecoder:
             self._body_bytes = header["body_bytes"]
             self._head = bytearray()
             self._header = header
+            self.layout = layout_of(header)
         return view
 
 

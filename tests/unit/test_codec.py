@@ -648,3 +648,52 @@ def test_codec_decoder_grows_its_body_as_chunks_arrive() -> None:
     assert np.array_equal(decoded.tensors["w"], payload.tensors["w"])
     decoded.tensors["w"][0] = -1.0  # writable
     assert decoded.tensors["w"][0] == -1.0
+
+
+def test_codec_decoder_lands_the_body_in_the_bytes_of_an_earlier_message() -> None:
+    # Prepare: two messages of one layout; the first decoded as usual, its owner done with it
+    first = Payload(meta={"round": 1}, tensors={"a": np.arange(700.0), "b": np.ones((9, 4))})
+    second = Payload(meta={"round": 2}, tensors={"a": -np.arange(700.0), "b": np.zeros((9, 4))})
+    one = PayloadDecoder(max_message_bytes=LIMIT)
+    for chunk in encode_chunks(first, chunk_bytes=1000):
+        one.feed(chunk)
+    old = one.finish()
+    spare = one.body
+    chunks = list(encode_chunks(second, chunk_bytes=1000))
+    two = PayloadDecoder(max_message_bytes=LIMIT)
+
+    # Execute: the header and the body's first bytes arrive, then the rest lands in the spare
+    two.feed(chunks[0])
+    assert two.layout == one.layout
+    landed = two.land_in(spare)
+    for chunk in chunks[1:]:
+        two.feed(chunk)
+    new = two.finish()
+
+    # Assert: the second message is exact, in the spare's very bytes (no body of its own)
+    assert landed and two.body is spare
+    for name, array in second.tensors.items():
+        np.testing.assert_array_equal(new.tensors[name], array)
+        assert np.shares_memory(new.tensors[name], old.tensors[name])
+    assert new.meta == {"round": 2}
+
+
+def test_codec_decoder_lands_only_in_a_buffer_of_the_body_size_while_it_arrives() -> None:
+    payload = Payload(tensors={"w": np.arange(512, dtype=np.float32)})
+    chunks = list(encode_chunks(payload, chunk_bytes=256))
+    decoder = PayloadDecoder(max_message_bytes=LIMIT)
+    assert not decoder.land_in(bytearray(2048))  # no header yet
+    decoder.feed(chunks[0])
+    assert not decoder.land_in(bytearray(2047))  # not the body's size
+    assert decoder.land_in(bytearray(2048))
+    assert not decoder.land_in(bytearray(2048))  # once
+    for chunk in chunks[1:]:
+        decoder.feed(chunk)
+    assert not decoder.land_in(bytearray(2048))  # complete
+    np.testing.assert_array_equal(decoder.finish().tensors["w"], payload.tensors["w"])
+    longer = PayloadDecoder(max_message_bytes=LIMIT)
+    longer.feed(chunks[0])
+    longer.land_in(bytearray(2048))
+    with pytest.raises(MessageRejected, match="longer than announced"):
+        for chunk in [*chunks[1:], b"\x00"]:
+            longer.feed(chunk)

@@ -11,8 +11,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from fedcore.learning import training as training_module
 from fedcore.learning.data import ArrayDataset, load_split
-from fedcore.learning.models import build_model, get_weights, set_weights
+from fedcore.learning.models import build_model, get_weights, release_storage, set_weights
 from fedcore.learning.training import (
     RESIDENT_BYTES_ENV,
     EvalResult,
@@ -489,6 +490,28 @@ def test_a_lent_learner_copies_unless_the_call_consumes() -> None:
     _assert_close(gradient, _learner(training).gradient(start, round=1)[0], tol=0.0)
 
 
+def test_a_model_shared_by_learners_never_writes_an_upload_it_was_lent() -> None:
+    # Prepare: two clients' learners over one model (a client group shares one); the first
+    # trains in its task and uploads it, the second copies weights in and trains
+    training = _training()
+    model = _model(seed=9)
+    first = LocalLearner(model, _shard(), training, seed=SEED, client_index=0, in_place=True)
+    second = LocalLearner(model, _shard(40), training, seed=SEED, client_index=1)
+    task = get_weights(_model(seed=1))
+    other = get_weights(_model(seed=2))
+
+    # Execute
+    upload, _ = first.train(task, round=0, consume=True)
+    sent = {k: v.copy() for k, v in upload.items()}
+    trained, _ = second.train(other, round=0)
+    set_weights(model, other)  # an evaluation of the same model, copying
+
+    # Assert: the first upload is untouched; the second learner's numbers are its own
+    _assert_close(upload, sent, tol=0.0)
+    alone = LocalLearner(_model(seed=9), _shard(40), training, seed=SEED, client_index=1)
+    _assert_close(trained, alone.train(other, round=0)[0], tol=0.0)
+
+
 def test_a_learner_not_lent_its_inputs_never_trains_in_them() -> None:
     # A simulation's clients share the server's arrays: consume alone changes nothing
     learner = _learner(_training())
@@ -639,3 +662,36 @@ def test_a_streamed_shard_trains_to_the_very_weights_of_a_held_one(
     # A protocol that needs the whole matrix gets it (read from the map once).
     assert torch.equal(streamed.features, held.features)
     assert torch.equal(streamed.targets, held.targets)
+
+
+def test_release_storage_keeps_the_shapes_and_the_next_load_gives_memory_back() -> None:
+    # Prepare
+    module = _model(seed=1)
+    weights = get_weights(_model(seed=2))
+    shapes = {name: tuple(t.shape) for name, t in module.state_dict().items()}
+    parameters = list(module.parameters())
+
+    # Execute / Assert: one element of memory each, the same shapes and parameter objects
+    release_storage(module)
+    assert {name: tuple(t.shape) for name, t in module.state_dict().items()} == shapes
+    assert all(t.untyped_storage().nbytes() <= 8 for t in module.state_dict().values())
+    assert list(module.parameters()) == parameters
+    copied = {k: v.copy() for k, v in weights.items()}
+    set_weights(module, copied)  # a copying load: fresh storage, the arrays not lent
+    for name, tensor in module.state_dict().items():
+        np.testing.assert_array_equal(tensor.numpy(), weights[name])
+        assert tensor.untyped_storage().nbytes() == weights[name].nbytes
+        assert not np.shares_memory(tensor.numpy(), copied[name])
+
+
+def test_an_in_place_learner_of_a_large_model_lets_go_of_its_own_memory(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # A "large" model here: any (the threshold lowered); its first task brings its memory
+    monkeypatch.setattr(training_module, "LARGE_MODEL_BYTES", 1)
+    lent = _in_place_learner(_training())
+    assert all(p.untyped_storage().nbytes() <= 8 for p in lent.model.parameters())
+    task = get_weights(_model(seed=1))
+    expected, _ = _learner(_training()).train(task, round=0)
+    trained, _ = lent.train({k: v.copy() for k, v in task.items()}, round=0, consume=True)
+    _assert_close(trained, expected, tol=0.0)

@@ -52,7 +52,10 @@ def set_weights(
             module only), keeping the same parameter objects, so that an optimizer built over
             them stays valid: training the module then changes ``weights``, and the module's
             own storage is let go. For a caller that owns ``weights`` and is done with them.
-            An array torch cannot view (read-only, negatively strided) is copied.
+            An array torch cannot view (read-only, negatively strided) is copied. Until it is
+            loaded in place again (or borrows), the module then never writes those arrays: a
+            later copying load gives it fresh storage (they may be an upload still being
+            sent, by another user of the same module).
 
     Raises:
         ValueError: naming the tensor, if a name is missing or unexpected, or a shape or
@@ -77,18 +80,46 @@ def set_weights(
             )
     if borrow:
         module.load_state_dict({name: _as_tensor(weights[name]) for name in state}, assign=True)
+        module.__dict__[_LENT] = False
         return module.state_dict()
-    if in_place:
+    if in_place or module.__dict__.get(_LENT, False):
+        # A module that views lent arrays (an upload, maybe still being sent) is never
+        # written: weights copied in go to fresh storage of its own.
+        lent = in_place
+        if not in_place:
+            weights = {name: np.array(weights[name], copy=True) for name in state}
         own: dict[str, torch.Tensor] = dict(module.named_parameters(remove_duplicate=False))
         own.update(module.named_buffers(remove_duplicate=False))
         with torch.no_grad():
             for name in state:
                 own[name].data = _as_tensor(weights[name])
+        module.__dict__[_LENT] = lent
         return module.state_dict()
     with torch.no_grad():
         for name, tensor in state.items():
             tensor.copy_(_as_tensor(weights[name]))
     return state
+
+
+_LENT = "_fedcore_views_lent_weights"
+"""Set on a module whose tensors are not its own to write: views of arrays lent to
+``set_weights(in_place=True)``, or storage let go (``release_storage``)."""
+
+
+def release_storage(module: nn.Module) -> None:
+    """Lets go of a CPU module's parameter and buffer memory, keeping every shape, dtype and
+    parameter object: each becomes a broadcast zero (one element). The module must be loaded
+    (``set_weights``, which then gives it storage again) before it is used: a client whose
+    model is always loaded with a task it trains in never needs its own copy of a large model.
+    """
+    own: dict[str, torch.Tensor] = dict(module.named_parameters(remove_duplicate=False))
+    own.update(module.named_buffers(remove_duplicate=False))
+    with torch.no_grad():
+        for tensor in own.values():
+            tensor.data = torch.zeros((), dtype=tensor.dtype, device=tensor.device).expand(
+                tensor.shape
+            )
+    module.__dict__[_LENT] = True
 
 
 def _as_tensor(array: np.ndarray) -> torch.Tensor:
