@@ -43,6 +43,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from benchmarks.bigmodel import RESULTS as BIGMODEL_RESULTS
+from benchmarks.bigmodel import target_rows as bigmodel_target_rows
 from benchmarks.limits import tls_share as limits_tls_share
 from benchmarks.many_clients import target_rows as many_clients_rows
 from benchmarks.measure import DOC_ASSETS, ROOT, load, machine
@@ -348,6 +350,8 @@ def targets(done: dict[str, Step]) -> list[str]:
                 f"| transport of a {int(size) // 10**6} MB model at least 50% of a raw loopback "
                 f"TLS socket | {share:.0%} | {'met' if share >= 0.5 else 'missed'} |"
             )
+    if BIGMODEL_RESULTS.exists():
+        rows += bigmodel_target_rows(json.loads(BIGMODEL_RESULTS.read_text(encoding="utf-8")))
     if PROTOCOL_RESULTS.exists():
         rows += protocol_target_rows(json.loads(PROTOCOL_RESULTS.read_text(encoding="utf-8")))
     return rows
@@ -372,9 +376,11 @@ def render_intro(all_steps: list[Step], started: str, total: float, images: list
         "Each benchmark also runs alone (`python -m benchmarks.flower --write`, `limits`, "
         "`scale`; `python benchmarks/spine.py --write`, `protocols.py`, `checkpoint.py`, "
         "`python -m benchmarks.operator_scale --write`). Outside run_all: `python "
-        "benchmarks/data_sources.py --write`, `sites.py`, `compression.py`, `secagg.py`. Flower "
-        "is installed by the benchmark into its own virtual environment under "
-        "~/.cache/fedcore-bench, never into fedcore's.",
+        "benchmarks/data_sources.py --write`, `sites.py`, `compression.py`, `secagg.py`, "
+        "`bigmodel.py` (its 1-billion-parameter round needs about 22 GB with the clients in "
+        "one process: `--sizes 100m` on a smaller machine, `--merge` to add another machine's "
+        "`--json-out`). Flower is installed by the benchmark into its own virtual environment "
+        "under ~/.cache/fedcore-bench, never into fedcore's.",
         "",
         f"Last invocation: started {started}, {total / 60:.0f} min for the steps it ran (a "
         f"step it did not run keeps its section, and its row below, from the invocation that "
