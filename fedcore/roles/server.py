@@ -700,6 +700,7 @@ class Server:
                 )
             )
             times["settled"] = time.monotonic()
+            self.rpc.drop_spare()  # the bytes kept for the next upload: not through combine
             report = AttemptReport(dict(attempt.uploads), dict(attempt.failed))
             if report.failed:
                 self.metrics.dropouts.inc(len(report.failed))

@@ -190,6 +190,18 @@ def layout_of(header: dict[str, Any]) -> Layout:
     )
 
 
+def unviewed(buffer: bytearray) -> bool:
+    """Whether nothing views ``buffer`` any more: no array decoded from it, no memoryview of it
+    (CPython refuses to resize a bytearray while anything holds an export of its bytes; the
+    probe grows it by one byte and takes the byte back)."""
+    try:
+        buffer.append(0)
+    except BufferError:
+        return False
+    del buffer[-1]
+    return True
+
+
 class PayloadDecoder:
     """Reassemble one Payload from the chunks produced by :func:`encode_chunks`.
 
@@ -243,6 +255,11 @@ class PayloadDecoder:
     @property
     def _received(self) -> int:
         return self._filled if self._landed is not None else len(self._body)
+
+    @property
+    def landed(self) -> bool:
+        """Whether the body goes into a buffer given by ``land_in``."""
+        return self._landed is not None
 
     @property
     def body(self) -> bytearray:

@@ -382,6 +382,58 @@ def test_a_slow_message_alone_keeps_the_room(bundles: dict[str, TlsBundle]) -> N
     assert trickle.reply is not None and trickle.reply.meta["sum"] == _expected_sum(slow)
 
 
+class RecordingSessions(SessionHandler):
+    """Answers each message with its checksum; records where its tensor's bytes were, and,
+    with ``keep``, keeps every message (its arrays view the bytes it arrived in)."""
+
+    def __init__(self, keep: bool) -> None:
+        self.keep = keep
+        self.kept: list[Payload] = []
+        self.addresses: list[int] = []
+
+    def opened(self, session: ServerSession) -> None:
+        pass
+
+    def received(self, session: ServerSession, message: Payload) -> None:
+        self.addresses.append(message.tensors["w"].ctypes.data)
+        if self.keep:
+            self.kept.append(message)
+        session.send(Payload(meta={"sum": _expected_sum(message), **message.meta}))
+
+    def closed(self, session: ServerSession) -> None:
+        pass
+
+
+@pytest.mark.parametrize("keep", [False, True])
+def test_a_large_message_lands_in_the_bytes_of_one_nothing_views(
+    bundles: dict[str, TlsBundle], keep: bool
+) -> None:
+    # Prepare: a client sends two 8 MiB messages of one size, one after the other; the
+    # handler lets go of each (or keeps them)
+    limits = Limits(max_message_bytes=32 * MiB)
+    handler = RecordingSessions(keep=keep)
+    server = _server(bundles, limits, handler)
+    messages = [_message(0, number, 2 * MiB) for number in range(2)]
+
+    # Execute
+    try:
+        replies = _send_all(bundles, server.port, limits, {0: messages})
+    finally:
+        server.stop(grace=1.0)
+
+    # Assert: both arrived exact; the second landed in the first's bytes, unless the first
+    # was kept: then it has bytes of its own and the first is intact
+    sums = [reply.meta["sum"] if reply is not None else None for reply in replies[0]]
+    assert sums == [_expected_sum(message) for message in messages]
+    first, second = handler.addresses
+    if keep:
+        assert second != first
+        for message, kept in zip(messages, handler.kept, strict=True):
+            np.testing.assert_array_equal(kept.tensors["w"], message.tensors["w"])
+    else:
+        assert second == first
+
+
 SERVER_SCRIPT = textwrap.dedent(
     """
     import sys, time, json, pathlib

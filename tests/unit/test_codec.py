@@ -16,6 +16,7 @@ from hypothesis.extra import numpy as hnp
 
 from fedcore.errors import MessageRejected, TransportError
 from fedcore.transport import Payload, PayloadDecoder, decode_chunks, encode_chunks
+from fedcore.transport._codec import unviewed
 
 ALLOWED_DTYPES = [
     "bool",
@@ -697,3 +698,43 @@ def test_codec_decoder_lands_only_in_a_buffer_of_the_body_size_while_it_arrives(
     with pytest.raises(MessageRejected, match="longer than announced"):
         for chunk in [*chunks[1:], b"\x00"]:
             longer.feed(chunk)
+
+
+def test_unviewed_says_whether_any_array_or_view_still_holds_the_bytes() -> None:
+    payload = Payload(tensors={"w": np.arange(64, dtype=np.float32)})
+    decoder = PayloadDecoder(max_message_bytes=LIMIT)
+    for chunk in encode_chunks(payload, chunk_bytes=64):
+        decoder.feed(chunk)
+    decoded = decoder.finish()
+    body = decoder.body
+    view = decoded.tensors["w"][3:9]
+    del decoded
+    assert not unviewed(body)  # a slice of a decoded array still views it
+    del view
+    assert unviewed(body) and len(body) == 256  # the probe leaves it as it was
+    window = memoryview(body)
+    assert not unviewed(body)
+    window.release()
+    assert unviewed(body)
+
+
+def test_a_servers_spare_bytes_are_kept_only_unviewed_handed_out_once_and_dropped() -> None:
+    from fedcore.transport._server import _Spare
+
+    spare = _Spare()
+    viewed = bytearray(100)
+    array = np.frombuffer(viewed, dtype=np.uint8)
+    spare.keep(viewed)
+    assert spare.take(100) is None  # an array still views it: not kept
+    del array
+    free = bytearray(100)
+    spare.keep(free)
+    assert spare.take(99) is None  # only for a body of its size
+    assert spare.take(100) is free
+    assert spare.take(100) is None  # once
+    spare.keep(free)
+    spare.drop()
+    spare.keep(free)  # let go of just after a drop: not kept through what follows it
+    assert spare.take(100) is None  # (a large message arrives: keeping again)
+    spare.keep(free)
+    assert spare.take(100) is free
