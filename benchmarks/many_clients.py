@@ -374,7 +374,19 @@ def bounds(data: dict[str, Any]) -> list[str]:
         "which took the K=50 round from 47 to 33 ms and the K=200 round from 219 to 129 ms "
         f"measured side by side; before, most of a round was thread hand-offs. {grouping(data)}; "
         "what remains is gRPC's own per-message cost and fedcore's checks, not the bytes (a "
-        "digits model is 36 KB).",
+        "digits model is 36 KB). Timed per call inside a K=50 run (2026-11-27, thread CPU "
+        "time, 4 client processes of 12-13 clients and the server on 2 cores), the same work "
+        "costs 1.5-3x what it costs alone in a warm loop: a client's training step 0.50 ms "
+        "against 0.31 ms (0.36 ms with four such processes side by side), loading the weights "
+        "56 us against 16-29 us, encoding an upload 42 us against 15 us, decoding a task "
+        "47 us against 15 us. The machine switches contexts about 25,000 times a second in "
+        "such a run (each message wakes gRPC's poller thread and then the event loop, in 5 "
+        "processes), so each of them starts on cold caches. The whole run's CPU was 54-58 ms "
+        "per round at K=50 (the server's event loop 8 ms, its other threads 5 ms; the clients "
+        "0.8 ms per client), against the 45 ms that two cores have in the 22.5 ms a round may "
+        "take: the K=50 target would need the CPU per client and round cut by a third. "
+        "Neither pinning the processes to cores (31-32 ms against 33 ms) nor fewer, larger "
+        "client processes (2: 34 ms, 1: 37.5 ms, against 4: 33 ms) shortened it.",
         "",
         "**Start-up** is bounded by the forkserver's imports on one core (torch, torch._dynamo "
         "for the optimizer, fedcore's roles and its spec's pydantic models: about 1.4 s here, "
