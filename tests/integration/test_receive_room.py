@@ -99,6 +99,23 @@ def _server(
     return server
 
 
+def _counting_server(
+    bundles: dict[str, TlsBundle], limits: Limits
+) -> tuple[RpcServer, list[tuple[str, str, str | None]]]:
+    """A server whose sessions answer at once, and the refusals it counts (method, reason,
+    sender)."""
+    rejected: list[tuple[str, str, str | None]] = []
+    handler = HoldingSessions(hold=0.0)
+    server = _server(
+        bundles,
+        limits,
+        handler,
+        on_rejected=lambda method, reason, sender: rejected.append((method, reason, sender)),
+    )
+    handler.server = server
+    return server, rejected
+
+
 def _send_all(
     bundles: dict[str, TlsBundle], port: int, limits: Limits, messages: dict[int, list[Payload]]
 ) -> dict[int, list[Payload | None]]:
@@ -205,15 +222,7 @@ def test_a_stalled_message_loses_the_room_others_wait_for(bundles: dict[str, Tls
         receive_bytes=4 * MiB,
         stall_seconds=1.0,
     )
-    rejected: list[tuple[str, str, str | None]] = []
-    handler = HoldingSessions(hold=0.0)
-    server = _server(
-        bundles,
-        limits,
-        handler,
-        on_rejected=lambda method, reason, sender: rejected.append((method, reason, sender)),
-    )
-    handler.server = server
+    server, rejected = _counting_server(bundles, limits)
     stalled = _message(0, 0, MiB)
     first_chunk = next(iter(encode_chunks(stalled, chunk_bytes=256 << 10)))
     release = threading.Event()
@@ -327,15 +336,7 @@ def test_a_trickling_message_loses_the_room_others_wait_for(
 ) -> None:
     # Prepare: client-0 trickles a 4 MiB message (6.4 s at its pace) holding the whole room;
     # client-1's message waits for that room.
-    rejected: list[tuple[str, str, str | None]] = []
-    handler = HoldingSessions(hold=0.0)
-    server = _server(
-        bundles,
-        TRICKLE_LIMITS,
-        handler,
-        on_rejected=lambda method, reason, sender: rejected.append((method, reason, sender)),
-    )
-    handler.server = server
+    server, rejected = _counting_server(bundles, TRICKLE_LIMITS)
     trickled = _message(0, 0, MiB)
     try:
         with _Trickle(bundles, server.port, trickled, 64 << 10, 0.1) as trickle:
