@@ -769,12 +769,14 @@ def transport_cause(data: dict[str, Any]) -> str:
         "each HTTP/2 stream's window is fixed at 8 MiB (bandwidth-delay probing off, so "
         "that uploads waiting for a server's room do not grow their buffers), which measured "
         "the same at 1 GB as probing and about 8% slower at 100 MB, alternating alone. "
-        "fedcore's rate moves more between runs than the raw sides': alone, or with only the "
-        "raw sockets beside it, it moved 1 GB at 900-1075 MB/s on the same day; its receiver "
-        "allocates a fresh buffer per message (the raw sides reuse theirs), and this VM's "
-        "fresh pages are slower the more memory the machine holds (the raw sides now share "
-        "one encoding, which alone lifted fedcore's 1 GB row from 500 to 910 MB/s in one "
-        "comparison)."
+        "Since 2026-11-27 fedcore's receiver writes a large message into the bytes of the "
+        "last one of its size that nothing views any more, as the raw sides write into one "
+        "buffer they reuse: a fresh buffer's pages are faulted in and zeroed at about 2.8 GB/s "
+        "on this VM (0.38 s per GB), which had kept fedcore at 38-40% of raw TLS (693 and 699 "
+        "MB/s in the run before). The first message of a size still pays for fresh pages (a "
+        "run's first upload of each round: the server lets go of the kept bytes before it "
+        "combines a round; a client's first task), and so does the first repeat of each size "
+        "here, which the medians leave out."
     )
 
 
