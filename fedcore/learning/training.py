@@ -109,10 +109,11 @@ class LocalLearner:
         seed: the run's seed (``spec.seed``).
         client_index: the client's index, from 0.
         device: the torch device to train on.
-        in_place: the caller owns the weights it passes to ``train``: a call that says it is
-            done with them (``consume``) trains in those arrays instead of a copy (on the
-            CPU), so that a client holds its model's bytes twice while training (weights and
-            gradients), not three times. A client role's decoded task is its own; a
+        in_place: the caller owns the weights it passes to ``train``: for a large model (at
+            least ``LARGE_MODEL_BYTES``, on the CPU) a call that says it is done with them
+            (``consume``) trains in those arrays instead of a copy, so that a client holds
+            its model's bytes once, not twice or three times (a small model copies: cheaper
+            per call than re-pointing its tensors). A client role's decoded task is its own; a
             simulation's is the server's, shared by every client, and must not be lent. A
             large model's own memory is let go at once (``release_storage``): its first task
             brings it.
@@ -145,10 +146,11 @@ class LocalLearner:
             )
         self._device = torch.device(device)
         self._model = model.to(self._device)
-        self._in_place = in_place and self._device.type == "cpu"
         self._model_bytes = sum(t.numel() * t.element_size() for t in model.state_dict().values())
         large = self._model_bytes >= LARGE_MODEL_BYTES
-        if self._in_place and large:
+        # A small model copies: re-pointing its tensors costs more per call than the copy.
+        self._in_place = in_place and large and self._device.type == "cpu"
+        if self._in_place:
             release_storage(self._model)  # a large model's bytes come with its first task
         if step_in_backward is None:
             step_in_backward = large

@@ -428,6 +428,13 @@ def test_set_weights_borrowing_makes_the_module_a_view_of_the_weights() -> None:
         set_weights(module, {**weights, "1.weight": np.zeros((2, 2), np.float32)}, borrow=True)
 
 
+@pytest.fixture
+def every_model_large(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Treats the small test models as large ones (``LARGE_MODEL_BYTES``): trained in place,
+    stepped in the backward pass, their own memory let go."""
+    monkeypatch.setattr(training_module, "LARGE_MODEL_BYTES", 1)
+
+
 def _in_place_learner(training: TrainingSpec) -> LocalLearner:
     """The same learner as ``_learner``, lent the weights its callers consume."""
     return LocalLearner(
@@ -443,7 +450,7 @@ def _in_place_learner(training: TrainingSpec) -> LocalLearner:
     ],
 )
 def test_a_consumed_call_trains_in_the_callers_arrays_to_the_very_same_weights(
-    optimizer: OptimizerSpec,
+    optimizer: OptimizerSpec, every_model_large: None
 ) -> None:
     # Prepare: the same three rounds on a copying learner and on one lent the task's arrays
     training = _training(optimizer=optimizer)
@@ -467,7 +474,7 @@ def test_a_consumed_call_trains_in_the_callers_arrays_to_the_very_same_weights(
         weights = expected
 
 
-def test_a_lent_learner_copies_unless_the_call_consumes() -> None:
+def test_a_lent_learner_copies_unless_the_call_consumes(every_model_large: None) -> None:
     # Prepare
     training = _training()
     lent = _in_place_learner(training)
@@ -490,7 +497,9 @@ def test_a_lent_learner_copies_unless_the_call_consumes() -> None:
     _assert_close(gradient, _learner(training).gradient(start, round=1)[0], tol=0.0)
 
 
-def test_a_model_shared_by_learners_never_writes_an_upload_it_was_lent() -> None:
+def test_a_model_shared_by_learners_never_writes_an_upload_it_was_lent(
+    every_model_large: None,
+) -> None:
     # Prepare: two clients' learners over one model (a client group shares one); the first
     # trains in its task and uploads it, the second copies weights in and trains
     training = _training()
@@ -512,9 +521,11 @@ def test_a_model_shared_by_learners_never_writes_an_upload_it_was_lent() -> None
     _assert_close(trained, alone.train(other, round=0)[0], tol=0.0)
 
 
-def test_a_learner_not_lent_its_inputs_never_trains_in_them() -> None:
-    # A simulation's clients share the server's arrays: consume alone changes nothing
-    learner = _learner(_training())
+@pytest.mark.parametrize("lent", [False, True])
+def test_a_learner_not_lent_its_inputs_never_trains_in_them(lent: bool) -> None:
+    # A simulation's clients share the server's arrays: consume alone changes nothing; nor
+    # does a lent small model (it copies, which is cheaper for it)
+    learner = _in_place_learner(_training()) if lent else _learner(_training())
     start = get_weights(_model(seed=1))
     kept = {k: v.copy() for k, v in start.items()}
     trained, _ = learner.train(start, round=0, consume=True)
@@ -685,10 +696,9 @@ def test_release_storage_keeps_the_shapes_and_the_next_load_gives_memory_back() 
 
 
 def test_an_in_place_learner_of_a_large_model_lets_go_of_its_own_memory(
-    monkeypatch: pytest.MonkeyPatch,
+    every_model_large: None,
 ) -> None:
     # A "large" model here: any (the threshold lowered); its first task brings its memory
-    monkeypatch.setattr(training_module, "LARGE_MODEL_BYTES", 1)
     lent = _in_place_learner(_training())
     assert all(p.untyped_storage().nbytes() <= 8 for p in lent.model.parameters())
     task = get_weights(_model(seed=1))
