@@ -199,8 +199,9 @@ class AsyncClientSession:
                 ):
                     await self._turn.take()  # the body waits, unread, for the turn
                     self._holding = True
-                    assert decoder.layout is not None
-                    spare = self._turn.landing(decoder.layout)
+                    layout = decoder.layout
+                    assert layout is not None
+                    spare = self._turn.landing(layout)
                     if spare is not None:
                         decoder.land_in(spare)
                 if decoder.complete:
@@ -208,8 +209,9 @@ class AsyncClientSession:
                         self._on_bytes(0, received)
                     payload = decoder.finish()
                     if self._holding:
-                        assert decoder.layout is not None
-                        self.last_large = (decoder.layout, decoder.body)
+                        layout = decoder.layout
+                        assert layout is not None
+                        self.last_large = (layout, decoder.body)
                     return payload
         except grpc.RpcError as exc:
             raise self._failed(exc) from exc

@@ -244,8 +244,6 @@ class PayloadDecoder:
         """The buffer the body is written into, when ``land_in`` gave one."""
         self._filled = 0
         self._closed = False
-        self.layout: Layout | None = None
-        """The message's layout, once its header is checked."""
 
     @property
     def complete(self) -> bool:
@@ -255,6 +253,11 @@ class PayloadDecoder:
     @property
     def _received(self) -> int:
         return self._filled if self._landed is not None else len(self._body)
+
+    @property
+    def layout(self) -> Layout | None:
+        """The message's layout, once its header is checked (None before)."""
+        return None if self._header is None else layout_of(self._header)
 
     @property
     def landed(self) -> bool:
@@ -402,7 +405,6 @@ class PayloadDecoder:
             self._body_bytes = header["body_bytes"]
             self._head = bytearray()
             self._header = header
-            self.layout = layout_of(header)
         return view
 
 

@@ -943,7 +943,7 @@ class RpcServer:
                     log.warning("Closing the %s session of %s: %s", name, who, barred)
                     session.abort(barred, code=grpc.StatusCode.PERMISSION_DENIED)
                     return
-                if message.tensor_bytes > INLINE_BYTES:
+                if announced is not None and announced > INLINE_BYTES:  # its tensors' bytes
                     try:
                         await self._loop.run_in_executor(
                             self._workers, _handing_over(handler.received, session, message)

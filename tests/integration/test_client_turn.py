@@ -31,13 +31,13 @@ pytestmark = pytest.mark.integration
 MiB = 1 << 20
 CLIENTS = 4
 ROUNDS = 2
-TASK_ELEMENTS = 12 * MiB  # 48 MiB of float32
+TASK_ELEMENTS = 24 * MiB  # 96 MiB of float32: the bound stands well clear of the noise
 TIMEOUT = 120.0
 LIMITS = Limits(max_message_bytes=256 * MiB)
 
 
 def _task(round_: int) -> Payload:
-    """Round ``round_``'s task, the same layout every round: two tensors, 48 MiB in all."""
+    """Round ``round_``'s task, the same layout every round: two tensors, 96 MiB in all."""
     weights = np.arange(TASK_ELEMENTS - 1024, dtype=np.float32) * np.float32(1e-6)
     bias = np.full(1024, round_, dtype=np.float32)
     return Payload(
@@ -142,7 +142,7 @@ def bundles(tmp_path_factory: pytest.TempPathFactory) -> tuple[dict[str, TlsBund
 
 def _run_clients(bundles: tuple[dict[str, TlsBundle], Path], shared: bool) -> dict:
     """Four clients in one process, with one shared Turn or a Turn each, against a server
-    that sends each of them two 48 MiB tasks; returns the process's growth and where each
+    that sends each of them two 96 MiB tasks; returns the process's growth and where each
     task's weights were."""
     issued, folder = bundles
     handler = Rounds()
@@ -199,10 +199,11 @@ def test_clients_sharing_a_turn_hold_one_large_task_at_a_time_in_one_buffer(
     own = alone["addresses"]
     assert all(len(set(found)) == 1 for found in own.values())
     assert len({found[0] for found in own.values()}) == CLIENTS
-    # ... and the process grew by about one task and what each waiting session holds (its
-    # first chunk, its 8 MiB window), against the four tasks at once with a turn each.
-    # Measured: 175-180 MiB shared, 320-330 MiB with a turn each.
+    # ... and the process grew by less than two tasks and what the three waiting sessions
+    # hold (a first chunk and an 8 MiB window each), against the four tasks at once with a
+    # turn each. Measured: 225-270 MiB shared, 530-550 MiB with a turn each (the rest is the
+    # uploads' 4 MiB chunks on their way out, and the heap they leave).
     grown, apart = shared["grown"], alone["grown"]
     assert apart >= CLIENTS * message_bytes, f"a turn each: {apart / MiB:.0f} MiB"
-    assert grown < message_bytes + 32 * MiB + 3 * 40 * MiB, f"shared: {grown / MiB:.0f} MiB"
+    assert grown < 2 * message_bytes + 3 * 40 * MiB, f"shared: {grown / MiB:.0f} MiB"
     assert apart - grown >= 2 * message_bytes, (grown / MiB, apart / MiB)
