@@ -698,6 +698,10 @@ def tls_share(rates: dict[str, float]) -> float:
     return rates["fedcore RpcClient.call"] / rates["raw TLS socket"]
 
 
+FUSED = 8
+"""The most uploads the fold adds in one pass (fedcore.protocols._kernels.FUSED_UPLOADS)."""
+
+
 def aggregation_cause(data: dict[str, Any]) -> str:
     """What bounds the aggregation, from the in-cache timings and the one-upload folds."""
     ns = data["per_element"]
@@ -710,7 +714,6 @@ def aggregation_cause(data: dict[str, Any]) -> str:
     # Bytes per model element: counted, K x 4 in + 4 out; moved by a fold per upload, K x
     # (4 in + 8 + 8 accumulator) + the mean's 8 in and 4 out.
     cap = (clients + 1) * 4 / (20 * clients + 12) * traffic / copy
-    folds = clients * kernel["fold_seconds"]
     compile_total = sum((kernel["compile_seconds"] or {}).values())
     return (
         "What bounded numpy's path is arithmetic: in cache numpy takes "
@@ -723,20 +726,24 @@ def aggregation_cause(data: dict[str, Any]) -> str:
         f"(numpy {kernel['numpy_fold_seconds'] * 1e3:.1f} ms), and it must read the upload "
         "(4 bytes per element) and read and write the float64 accumulator (16 bytes): "
         f"{traffic / 1e9:.1f} GB/s of memory traffic, against the copy's "
-        f"{copy / 1e9:.1f}. The fold takes each upload as it arrives so that it can be let "
-        "go (bounded memory, docs/architecture.md), so the accumulator crosses memory once "
-        "per upload: about 5 bytes move for each one the accounting counts, which caps the "
-        f"row near {cap:.0%} of the copy at this traffic rate. Of the median call's "
-        f"{kernel['median_call_seconds'] * 1e3:.0f} ms, the {clients} folds take about "
-        f"{folds * 1e3:.0f} ms at that rate; the rest is the mean and the first touch of the "
-        "fresh accumulator's and result's pages (a new sum each call, as each round). The "
-        f"kernel runs on {kernel['threads']} of the {agg['cores']} cores by default (half, "
-        "the rest receiving and checking uploads); on all of them the call reaches "
-        f"{agg['all_cores_median'] / 1e9:.1f} GB/s ({agg['all_cores_median'] / copy:.0%}): "
-        "a warm fold is memory-bound on one core already, and more threads touch fresh "
-        "pages more slowly here. Reaching 50% would need several uploads "
-        "folded per pass where they are all at hand (the batch path, uploads held for their "
-        "turn), so that the accumulator stays in cache, or float32 accumulation, which the "
+        f"{copy / 1e9:.1f}. So a server folding each upload as it arrives, one pass over the "
+        "accumulator per upload (bounded memory, docs/architecture.md), moves about 5 bytes "
+        f"for each one the accounting counts: near {cap:.0%} of the copy at this traffic "
+        "rate, which is where this row stood before 2026-11-27. Since then, uploads that are "
+        f"at hand together (this row's {clients}; a run's uploads held for their turn in the "
+        "fold, or kept for a weight that needs the whole round) are added up to "
+        f"{FUSED} at a time in one pass (`fold_many_into`: the sum stays in a register "
+        "through the same rounded operations in the same order, so the same bits), which "
+        "moves about 1.5 bytes per byte counted. The median call took "
+        f"{kernel['median_call_seconds'] * 1e3:.0f} ms; besides the passes, the mean's and "
+        "the first touch of the fresh accumulator's and result's pages (a new sum each call, "
+        f"as each round). The kernel runs on {kernel['threads']} of the {agg['cores']} cores "
+        "by default (half, the rest receiving and checking uploads); on all of them the call "
+        f"reaches {agg['all_cores_median'] / 1e9:.1f} GB/s "
+        f"({agg['all_cores_median'] / copy:.0%}): memory-bound on one core already, and more "
+        "threads touch fresh pages more slowly here. A server that streams its uploads in "
+        "client order still folds them one pass each; 50% there would need float32 "
+        "accumulation, which the "
         "spec rules out. A process's first large fold imports numba and compiles the kernel: "
         f"that call took {kernel['first_call_seconds']:.2f} s here against "
         f"{kernel['median_call_seconds']:.2f} s after it (numba's import "

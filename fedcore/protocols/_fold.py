@@ -28,7 +28,7 @@ from pathlib import Path
 import numpy as np
 
 from fedcore.errors import ProtocolError
-from fedcore.protocols._kernels import BLOCK_ELEMENTS, divide_into, fold_into
+from fedcore.protocols._kernels import BLOCK_ELEMENTS, divide_into, fold_into, fold_many_into
 from fedcore.protocols._spill import HOLD_BYTES, SpillFolder
 
 Tensors = Mapping[str, np.ndarray]
@@ -102,15 +102,41 @@ class OrderedFold:
             ProtocolError: the client was not planned, was already resolved, the weight is not
                 a finite number >= 0, or the tensors do not have the reference's layout.
         """
+        group: list[tuple[dict[str, np.ndarray], float]] = []
+        self._take(client, tensors, weight, group)
+        self._advance(group)
+
+    def add_all(self, uploads: Mapping[int, Tensors], weights: Mapping[int, float]) -> None:
+        """``add`` for each client of ``uploads`` in client order; those whose turns come in
+        a row are summed together, a few per pass over the sums (``fold_many_into``: the same
+        bits as one at a time).
+
+        Raises:
+            ProtocolError: as ``add``.
+        """
+        group: list[tuple[dict[str, np.ndarray], float]] = []
+        for client in sorted(uploads):
+            self._take(client, uploads[client], weights[client], group)
+            self._advance(group, fold=False)
+        self._advance(group)
+
+    def _take(
+        self,
+        client: int,
+        tensors: Tensors,
+        weight: float,
+        group: list[tuple[dict[str, np.ndarray], float]],
+    ) -> None:
+        """Checks an upload; puts it in ``group`` (to be summed) if its turn has come, else
+        holds it (in memory, or on disk) until it does."""
         self._check_open(client)
         if not (isinstance(weight, int | float) and np.isfinite(weight) and weight >= 0):
             raise ProtocolError(f"Client {client}'s weight {weight!r} is not a finite number >= 0.")
         flats = self._flats(client, tensors)
         if self._position[client] == self._next:
-            self._fold(flats, float(weight))
+            group.append((flats, float(weight)))
             self._added.add(client)
             self._next += 1
-            self._advance()
             return
         size = sum(flat.nbytes for flat in flats.values())
         if self.held_bytes + size <= self._hold_bytes:
@@ -225,8 +251,28 @@ class OrderedFold:
             fold_into(acc, flats[name], weight, scratch=self._term)
         self.weight_total += weight
 
-    def _advance(self) -> None:
-        """Sums the waiting uploads whose turn has come."""
+    def _fold_group(self, group: list[tuple[dict[str, np.ndarray], float]]) -> None:
+        """``_fold`` of each upload of ``group`` in order, several per pass over the sums
+        (each tensor's sum is its own: per element the operations and their order are those
+        of one upload at a time)."""
+        if len(group) == 1:
+            self._fold(*group[0])
+        elif group:
+            weights = [weight for _, weight in group]
+            for name, acc in self._acc.items():
+                flats = [flats[name] for flats, _ in group]
+                fold_many_into(acc, flats, weights, scratch=self._term)
+            for weight in weights:
+                self.weight_total += weight
+        group.clear()
+
+    def _advance(
+        self, group: list[tuple[dict[str, np.ndarray], float]] | None = None, *, fold: bool = True
+    ) -> None:
+        """Sums the uploads of ``group`` and the waiting ones whose turn has come after them,
+        in order (those in memory together); ``fold`` False leaves ``group`` to be summed with
+        what may follow."""
+        group = [] if group is None else group
         while self._next < len(self._order):
             client = self._order[self._next]
             if client in self._skipped:
@@ -234,9 +280,10 @@ class OrderedFold:
             elif client in self._held:
                 flats, weight = self._held.pop(client)
                 self.held_bytes -= sum(flat.nbytes for flat in flats.values())
-                self._fold(flats, weight)
+                group.append((flats, weight))
                 self._added.add(client)
             elif client in self._spilled:
+                self._fold_group(group)  # in order: what comes before it first
                 weight = self._spilled.pop(client)
                 path = self._spill_file(client)
                 with np.load(path, allow_pickle=False) as stored:
@@ -246,8 +293,10 @@ class OrderedFold:
                 path.unlink()
                 self._added.add(client)
             else:
-                return
+                break
             self._next += 1
+        if fold:
+            self._fold_group(group)
 
     def _spill_file(self, client: int) -> Path:
         return self._spill.file(f"client-{client}.npz")
@@ -259,8 +308,7 @@ def weighted_sum(
     """The batch path: a fold of every upload at once, in client order (the result a fold
     of the same uploads arriving in any order equals, bit for bit)."""
     fold = OrderedFold(reference, uploads, hold_bytes=0)
-    for client in sorted(uploads):
-        fold.add(client, uploads[client], weights[client])
+    fold.add_all(uploads, weights)
     return fold
 
 

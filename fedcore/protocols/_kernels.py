@@ -130,6 +130,56 @@ def fold_into(
     _fold_numpy(acc, flat, weight, _scratch(scratch, acc.size))
 
 
+FUSED_UPLOADS = 8
+"""The most uploads ``fold_many_into`` adds in one pass over the accumulator."""
+
+
+def fold_many_into(
+    acc: np.ndarray,
+    flats: list[np.ndarray],
+    weights: list[float],
+    *,
+    scratch: np.ndarray | None = None,
+) -> None:
+    """``fold_into(acc, flat, weight)`` for each pair in order, bit for bit, in one pass over
+    ``acc`` per ``FUSED_UPLOADS`` uploads: per element the float64 sum stays in a register
+    through the same rounded multiplications and additions, in the same order, instead of
+    crossing memory once per upload (16 bytes read and written per element and upload, against
+    the upload's own 4 in float32).
+
+    Raises:
+        ValueError: as ``fold_into``, or as many weights as arrays were not given.
+    """
+    if len(flats) != len(weights):
+        raise ValueError(f"{len(flats)} arrays but {len(weights)} weights were given.")
+    _check_acc(acc, "acc")
+    for flat in flats:
+        if flat.ndim != 1 or flat.size != acc.size:
+            raise ValueError(f"flat has shape {flat.shape}; {acc.shape} was expected.")
+        if np.may_share_memory(acc, flat):
+            raise ValueError("flat overlaps acc in memory.")
+    start = 0
+    fused = (
+        acc.size >= KERNEL_ELEMENTS
+        and len(flats) > 1
+        and len({flat.dtype for flat in flats}) == 1
+        and flats[0].dtype in _FOLD_DTYPES
+        and _kernel_ready(*flats)
+    )
+    if fused:
+        kernels = _loader.get()
+        while kernels is not None and len(flats) - start >= 2:
+            left = len(flats) - start
+            count = max(size for size in (2, 4, 8) if size <= min(left, FUSED_UPLOADS))
+            group = flats[start : start + count]
+            factors = [float(w) for w in weights[start : start + count]]
+            if not kernels.run(f"fold{count}", acc, *group, *factors):
+                break
+            start += count
+    for flat, weight in zip(flats[start:], weights[start:], strict=True):
+        fold_into(acc, flat, weight, scratch=scratch)
+
+
 def divide_into(
     out: np.ndarray, acc: np.ndarray, total: float, *, scratch: np.ndarray | None = None
 ) -> None:
@@ -261,11 +311,73 @@ def _compile(numba: Any) -> dict[str, Callable[..., None]]:
             acc[i] += weight * np.float64(x[i])
 
     @numba.njit(**options)
+    def fold2(
+        acc: np.ndarray, x0: np.ndarray, x1: np.ndarray, w0: float, w1: float
+    ) -> None:  # pragma: no cover
+        for i in numba.prange(acc.size):
+            a = acc[i]
+            a += w0 * np.float64(x0[i])
+            a += w1 * np.float64(x1[i])
+            acc[i] = a
+
+    @numba.njit(**options)
+    def fold4(
+        acc: np.ndarray,
+        x0: np.ndarray,
+        x1: np.ndarray,
+        x2: np.ndarray,
+        x3: np.ndarray,
+        w0: float,
+        w1: float,
+        w2: float,
+        w3: float,
+    ) -> None:  # pragma: no cover
+        for i in numba.prange(acc.size):
+            a = acc[i]
+            a += w0 * np.float64(x0[i])
+            a += w1 * np.float64(x1[i])
+            a += w2 * np.float64(x2[i])
+            a += w3 * np.float64(x3[i])
+            acc[i] = a
+
+    @numba.njit(**options)
+    def fold8(
+        acc: np.ndarray,
+        x0: np.ndarray,
+        x1: np.ndarray,
+        x2: np.ndarray,
+        x3: np.ndarray,
+        x4: np.ndarray,
+        x5: np.ndarray,
+        x6: np.ndarray,
+        x7: np.ndarray,
+        w0: float,
+        w1: float,
+        w2: float,
+        w3: float,
+        w4: float,
+        w5: float,
+        w6: float,
+        w7: float,
+    ) -> None:  # pragma: no cover
+        for i in numba.prange(acc.size):
+            a = acc[i]
+            a += w0 * np.float64(x0[i])
+            a += w1 * np.float64(x1[i])
+            a += w2 * np.float64(x2[i])
+            a += w3 * np.float64(x3[i])
+            a += w4 * np.float64(x4[i])
+            a += w5 * np.float64(x5[i])
+            a += w6 * np.float64(x6[i])
+            a += w7 * np.float64(x7[i])
+            acc[i] = a
+
+    @numba.njit(**options)
     def divide(out: np.ndarray, acc: np.ndarray, total: float) -> None:  # pragma: no cover
         for i in numba.prange(acc.size):
             out[i] = acc[i] / total
 
-    return {"fold": fold, "divide": divide}
+    return {"fold": fold, "fold2": fold2, "fold4": fold4, "fold8": fold8, "divide": divide}
 
 
 class _Kernels:

@@ -137,6 +137,77 @@ def test_the_kernel_folds_bit_for_bit(kernel: None, dtype: str, size: int) -> No
 
 
 @pytest.mark.parametrize("dtype", ["float32", "float64"])
+@pytest.mark.parametrize("count", [2, 3, 4, 5, 9])
+@pytest.mark.parametrize("fused", [True, False])
+def test_several_uploads_fold_in_one_pass_bit_for_bit(
+    request: pytest.FixtureRequest,
+    monkeypatch: pytest.MonkeyPatch,
+    dtype: str,
+    count: int,
+    fused: bool,
+) -> None:
+    # Prepare: uploads over the dtype's whole range (NaN, infinities, subnormals), the fused
+    # kernels (numpy may not fold any of them), or with the kernels off numpy one at a time
+    if fused:
+        request.getfixturevalue("kernel")
+    else:
+        monkeypatch.setenv(_kernels.THREADS_ENV, "0")
+    rng = np.random.default_rng(count)
+    size = 3 * SMALL + 5
+    acc = rng.standard_normal(size) * 1e3
+    expected = acc.copy()
+    flats = [_values(rng, size, dtype) for _ in range(count)]
+    weights = [WEIGHTS[k % len(WEIGHTS)] + k for k in range(count)]
+
+    # Execute
+    with np.errstate(all="ignore"):
+        _kernels.fold_many_into(acc, flats, weights)
+        for flat, weight in zip(flats, weights, strict=True):
+            _reference_fold(expected, flat, weight)
+
+    # Assert: the same bits as the uploads folded one after another
+    assert_same_bits(acc, expected)
+
+
+def test_uploads_held_for_their_turn_are_summed_together_to_the_same_bits(kernel: None) -> None:
+    # Prepare: five uploads (a float32 tensor taking the kernel, a small float64 one that
+    # does not); clients 1-4 arrive before client 0, so they wait, and client 0's arrival
+    # sums all five, several per pass
+    rng = np.random.default_rng(8)
+    reference = {"w": np.zeros(4 * SMALL, np.float32), "b": np.zeros(9, np.float64)}
+    uploads = {
+        k: {n: (rng.standard_normal(v.shape) * 10).astype(v.dtype) for n, v in reference.items()}
+        for k in range(5)
+    }
+    weights = {k: 1.0 + k / 3 for k in range(5)}
+    streamed = OrderedFold(reference, range(5))
+
+    # Execute
+    for k in (4, 2, 3, 1, 0):
+        streamed.add(k, uploads[k], weights[k])
+    one_by_one = {n: np.zeros(v.size) for n, v in reference.items()}
+    for k in range(5):
+        for n, value in uploads[k].items():
+            _reference_fold(one_by_one[n], value.reshape(-1), weights[k])
+
+    # Assert
+    for name in reference:
+        assert_same_bits(streamed.sums()[name], one_by_one[name])
+    assert streamed.weight_total == sum(weights[k] for k in range(5))
+    compiled = _kernels.kernel_info()["compile_seconds"]
+    assert any(label.startswith("fold4(") for label in compiled), compiled
+    streamed.close()
+
+
+def test_fold_many_refuses_mismatched_arguments() -> None:
+    acc = np.zeros(8)
+    with pytest.raises(ValueError, match="2 arrays but 1 weights"):
+        _kernels.fold_many_into(acc, [np.ones(8), np.ones(8)], [1.0])
+    with pytest.raises(ValueError, match="shape"):
+        _kernels.fold_many_into(acc, [np.ones(8), np.ones(7)], [1.0, 1.0])
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float64"])
 @pytest.mark.parametrize("size", SIZES)
 def test_the_numpy_path_folds_bit_for_bit(dtype: str, size: int) -> None:
     assert size < _kernels.KERNEL_ELEMENTS
