@@ -303,13 +303,8 @@ def target_rows(data: dict[str, Any]) -> list[str]:
             "(fedavg, 4 clients; constant: a server with a tiny model, 0.55 GB at most) | "
             f"{measured} | {'met' if worst <= 2.0 else 'missed'} |"
         )
-    done = [
-        r
-        for r in data["runs"]
-        if r["size"] == "1b" and r.get("machine", "A") == "A" and r["phase"] == "Succeeded"
-    ]
-    if done:
-        best = min(done, key=lambda r: r["peak_total"])
+    best = best_billion_run(data)
+    if best is not None:
         rows.append(
             "| a round with 4 clients at 1B parameters (4 GB in float32) within this machine's "
             f"24 GB | {best['peak_total'] / 1e9:.1f} GB, all processes "
@@ -319,20 +314,31 @@ def target_rows(data: dict[str, Any]) -> list[str]:
     return rows
 
 
+def best_billion_run(data: dict[str, Any]) -> dict[str, Any] | None:
+    """The succeeded 1-billion-parameter run on this machine (A) with the least memory."""
+    done = [
+        r
+        for r in data["runs"]
+        if r["size"] == "1b"
+        and r.get("machine", "A") == "A"
+        and r["phase"] == "Succeeded"
+        and r["peak_total"]
+    ]
+    return min(done, key=lambda r: r["peak_total"]) if done else None
+
+
 TARGET_BYTES = 24 * 10**9
 """Issue 29's bound for a 1-billion-parameter round with 4 clients: this machine's 24 GB."""
 
 
 def target_sentence(data: dict[str, Any]) -> str:
     """Whether a 1-billion-parameter round of this invocation fitted in ``TARGET_BYTES``."""
-    runs = [r for r in data["runs"] if r["size"] == "1b" and r.get("machine", "A") == "A"]
-    done = [r for r in runs if r["phase"] == "Succeeded" and r["peak_total"]]
-    if not done:
+    best = best_billion_run(data)
+    if best is None:
         return (
             "The target (a round with 4 clients at 1B parameters within this machine's 24 GB) "
             "was not measured on this machine in this invocation."
         )
-    best = min(done, key=lambda r: r["peak_total"])
     verdict = "met" if best["peak_total"] <= TARGET_BYTES else "missed"
     return (
         f"The target (a round with 4 clients at 1B parameters within this machine's 24 GB) "

@@ -698,12 +698,10 @@ def tls_share(rates: dict[str, float]) -> float:
     return rates["fedcore RpcClient.call"] / rates["raw TLS socket"]
 
 
-FUSED = 8
-"""The most uploads the fold adds in one pass (fedcore.protocols._kernels.FUSED_UPLOADS)."""
-
-
 def aggregation_cause(data: dict[str, Any]) -> str:
     """What bounds the aggregation, from the in-cache timings and the one-upload folds."""
+    from fedcore.protocols._kernels import FUSED_UPLOADS
+
     ns = data["per_element"]
     agg = data["aggregation"]
     kernel = agg["kernel"]
@@ -732,7 +730,7 @@ def aggregation_cause(data: dict[str, Any]) -> str:
         "rate, which is where this row stood before 2026-11-27. Since then, uploads that are "
         f"at hand together (this row's {clients}; in a run, those held in memory for their "
         "turn in the fold, added with the one whose arrival makes it come) are added up to "
-        f"{FUSED} at a time in one pass (`fold_many_into`: the sum stays in a register "
+        f"{FUSED_UPLOADS} at a time in one pass (`fold_many_into`: the sum stays in a register "
         "through the same rounded operations in the same order, so the same bits), which "
         "moves about 1.5 bytes per byte counted. The median call took "
         f"{kernel['median_call_seconds'] * 1e3:.0f} ms; besides the passes, the mean's and "

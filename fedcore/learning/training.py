@@ -278,7 +278,7 @@ class LocalLearner:
             raise ValueError(f"The number of local epochs must be at least 1, got {epochs}.")
         self._check_round(round)
         in_place = consume and self._in_place
-        state = self._load(weights, in_place=in_place)
+        state = set_weights(self._model, weights, in_place=in_place)
         if not self._model.training:  # train() and eval() set every submodule
             self._model.train()
         stepper = self._fresh_backward_steps() if self._step_in_backward else None
@@ -344,7 +344,7 @@ class LocalLearner:
             ValueError: if ``weights`` do not fit the model or ``round`` is negative.
         """
         self._check_round(round)
-        self._load(weights, in_place=False)
+        set_weights(self._model, weights)  # a model that viewed lent arrays gets its own
         self._model.train()
         self._model.zero_grad(set_to_none=True)
         with self._forked_rng(round):
@@ -386,12 +386,6 @@ class LocalLearner:
         end = start + len(buffer)
         parameters = list(self._model.parameters())
         return bool(parameters) and all(start <= p.data_ptr() < end for p in parameters)
-
-    def _load(self, weights: dict[str, np.ndarray], *, in_place: bool) -> dict[str, torch.Tensor]:
-        """Loads ``weights`` into the model (in place: the model then trains in them); returns
-        its state. A model that trained in lent arrays gets storage of its own again before
-        weights are copied in (``set_weights``): the lent arrays went out as an upload."""
-        return set_weights(self._model, weights, in_place=in_place)
 
     def _check_round(self, round: int) -> None:
         """Refuses a negative round, which cannot seed a generator."""
