@@ -117,10 +117,11 @@ def _role(output: str | None) -> str:
 
 
 def run_one(
-    size: str, folder: Path, guard_bytes: int = GUARD_BYTES, per_process: int = 1
+    size: str, folder: Path, guard_bytes: int = GUARD_BYTES, per_process: int | str = 1
 ) -> dict[str, Any]:
-    """One ``fedcore run`` of ``size`` with ``per_process`` clients in a process, sampled; its
-    results and every process's peak."""
+    """One ``fedcore run`` of ``size`` with ``per_process`` clients in a process (a number, or
+    ``auto``: as the runner picks, recorded from its start event), sampled; its results and
+    every process's peak."""
     data = write_data(folder)
     path = manifest(folder, size, data)
     work = folder / f"work-{size}"
@@ -156,9 +157,10 @@ def run_one(
             result = json.loads(lines[-1])
         except json.JSONDecodeError:
             result = {}
+    picked = _picked_per_process(work / "events.jsonl") if per_process == "auto" else None
     return {
         "size": size,
-        "per_process": per_process,
+        "per_process": per_process if picked is None else f"{picked} (auto)",
         "parameters": parameters(size),
         "rounds": SIZES[size][1],
         "wall": wall,
@@ -175,8 +177,19 @@ def run_one(
     }
 
 
+def _picked_per_process(events: Path) -> int | None:
+    """Clients per process as the runner's ``starting`` event of its clients says (auto)."""
+    if not events.exists():
+        return None
+    for line in events.read_text().splitlines():
+        event = json.loads(line)
+        if event.get("event") == "starting" and event.get("phase") == "clients":
+            return -(-int(event["clients"]) // int(event["processes"]))
+    return None
+
+
 def run(
-    sizes: list[str], guard_bytes: int = GUARD_BYTES, per_process: tuple[int, ...] = (1,)
+    sizes: list[str], guard_bytes: int = GUARD_BYTES, per_process: tuple[int | str, ...] = (1,)
 ) -> dict[str, Any]:
     data: dict[str, Any] = {"machine": machine(), "load_start": load(), "runs": []}
     for size in sizes:
@@ -362,8 +375,9 @@ def main() -> None:
     )
     parser.add_argument(
         "--per-process",
-        default="1,4",
-        help="clients per process to run each size with, comma-separated (default 1,4)",
+        default="1,auto",
+        help="clients per process to run each size with, comma-separated: numbers, or auto "
+        "as fedcore run picks by default (default 1,auto)",
     )
     parser.add_argument("--json-out", type=Path, help="also write the numbers to this file")
     parser.add_argument("--from-json", type=Path, help="no run: render this --json-out file")
@@ -376,7 +390,8 @@ def main() -> None:
     if args.from_json is not None:  # render an earlier invocation's numbers
         data = json.loads(args.from_json.read_text())
     else:
-        counts = tuple(int(count) for count in args.per_process.split(",") if count)
+        named = [count for count in args.per_process.split(",") if count]
+        counts = tuple(count if count == "auto" else int(count) for count in named)
         data = run(sizes, int(args.guard_gib * 2**30), counts)
     if args.json_out is not None:
         args.json_out.write_text(json.dumps(data, indent=1, default=str))

@@ -32,8 +32,14 @@ def phase_text(event: dict[str, Any]) -> str | None:
         if phase == "clients":
             clients = event.get("clients", "?")
             processes = event.get("processes", clients)
-            where = "" if processes == clients else f" in {processes} processes"
-            return f"starting {clients} clients{where} (each loads its data): 0/{clients} connected"
+            where = ""
+            if processes != clients:
+                where = f" in {processes} process{'' if processes == 1 else 'es'}"
+            why = "each loads its data"
+            model, memory = event.get("model_bytes"), event.get("memory_bytes")
+            if isinstance(model, int) and isinstance(memory, int):
+                why += f"; a {_gigabytes(model)} model, {_gigabytes(memory)} of memory available"
+            return f"starting {clients} clients{where} ({why}): 0/{clients} connected"
         return f"starting: {phase}"
     if kind == "connected":
         return (
@@ -43,6 +49,11 @@ def phase_text(event: dict[str, Any]) -> str | None:
     if kind == "joined":
         return f"{event.get('clients', '?')} clients joined; the rounds begin"
     return None
+
+
+def _gigabytes(count: int) -> str:
+    """Bytes in GB, as a person reads them: ``4.03 GB``."""
+    return f"{count / 1e9:.3g} GB"
 
 
 def incident_text(event: dict[str, Any], missing_before: frozenset[int]) -> str | None:

@@ -7,6 +7,12 @@ costs an interpreter's private memory and a wake-up per round, and the scheduler
 cores among more processes than it can run. Then clients are grouped (``fedcore clients``,
 ``fedcore.roles.client_group``), as evenly as possible, into about ``GROUPS_PER_CORE``
 processes per core. Decentralized protocols keep a process per client (each serves peer links).
+
+Memory can group them too: a large model is held once by each process of clients (they share
+it, ``fedcore.transport.Turn``) and about four times by the server (the model, the float64 sum
+of the uploads and the upload being checked). When the machine's available memory would not
+hold the server and a process per group, auto puts more clients in each process, down to one
+process of clients.
 """
 
 from __future__ import annotations
@@ -18,18 +24,58 @@ PROCESS_CLIENTS_PER_CORE = 8
 """Up to this many clients per core, each client has a process of its own (auto)."""
 GROUPS_PER_CORE = 2
 """Beyond that, clients share this many processes per core (auto)."""
+PROCESS_BYTES = 300 * 2**20
+"""A role process's memory besides its model: the interpreter, torch, gRPC (measured about
+0.26 GB for a client, up to 0.55 GB for a server with a tiny model; docs/benchmarks.md)."""
+SERVER_MODEL_COPIES = 4.0
+"""Model-sized buffers a server holds: the model, the float64 sum (two), the upload it checks."""
+CLIENT_PROCESS_MODEL_COPIES = 1.3
+"""Model-sized buffers a process of clients holds: the model once, plus its activations and a
+layer's gradients (measured 1.16x at 1 billion parameters, 1.26x at 101 million)."""
+MEMORY_FRACTION = 0.9
+"""The share of the available memory auto plans to fill."""
 
 
 def clients_per_process(
-    clients: int, *, cores: int | None = None, decentralized: bool = False
+    clients: int,
+    *,
+    cores: int | None = None,
+    decentralized: bool = False,
+    model_bytes: int = 0,
+    memory_bytes: int | None = None,
 ) -> int:
     """How many clients share one process when the user does not say (``--clients-per-process
     auto``): 1 up to ``PROCESS_CLIENTS_PER_CORE`` clients per core, else enough to make about
-    ``GROUPS_PER_CORE`` processes per core."""
+    ``GROUPS_PER_CORE`` processes per core; more where ``memory_bytes`` (None: unknown) would
+    not hold the server and every process of clients for a model of ``model_bytes``
+    (``planned_bytes``), down to all clients in one process. Decentralized protocols: 1."""
     cores = max(1, cores or os.cpu_count() or 1)
-    if decentralized or clients <= PROCESS_CLIENTS_PER_CORE * cores:
+    if decentralized:
         return 1
-    return math.ceil(clients / (GROUPS_PER_CORE * cores))
+    per_process = 1
+    if clients > PROCESS_CLIENTS_PER_CORE * cores:
+        per_process = math.ceil(clients / (GROUPS_PER_CORE * cores))
+    if memory_bytes is None or clients < 1:
+        return per_process
+    room = MEMORY_FRACTION * memory_bytes - server_bytes(model_bytes)
+    fitting = max(1, int(room // client_process_bytes(model_bytes)))
+    return max(per_process, math.ceil(clients / fitting))
+
+
+def server_bytes(model_bytes: int) -> float:
+    """What auto plans for the server's memory, for a model of ``model_bytes``."""
+    return PROCESS_BYTES + SERVER_MODEL_COPIES * model_bytes
+
+
+def client_process_bytes(model_bytes: int) -> float:
+    """What auto plans for one process of clients (one or many), for a model of ``model_bytes``."""
+    return PROCESS_BYTES + CLIENT_PROCESS_MODEL_COPIES * model_bytes
+
+
+def planned_bytes(clients: int, per_process: int, model_bytes: int) -> float:
+    """The memory auto plans for the server and the processes of ``clients`` clients."""
+    processes = math.ceil(clients / per_process) if clients > 0 else 0
+    return server_bytes(model_bytes) + processes * client_process_bytes(model_bytes)
 
 
 def client_groups(clients: int, per_process: int) -> list[list[int]]:

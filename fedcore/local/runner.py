@@ -58,6 +58,7 @@ from fedcore.local.launch import (
     warm_up,
 )
 from fedcore.local.ports import LOOPBACK, free_port
+from fedcore.local.probe import ModelSizeProbe, available_memory_bytes
 from fedcore.local.threads import ROLE_THREADS
 from fedcore.observe.events import EventLog, read_events
 from fedcore.spec import FederatedRun, FederatedRunSpec, peer_graph, protocol_facts
@@ -67,6 +68,8 @@ READY_SECONDS = 120.0
 """How long a role may take to start (imports included) before the run fails."""
 STOP_SECONDS = 10.0
 """How long children get after SIGTERM before SIGKILL."""
+PROBE_SECONDS = 60.0
+"""How long the clients' start waits for a user model's measured size (``_settle_groups``)."""
 
 ProgressCallback = Callable[[dict[str, Any]], None]
 
@@ -220,6 +223,8 @@ class LocalRun:
         role_args: more arguments for the server and the KDC (e.g. ``--revoked-sites``).
         check: called while the run starts and runs (until its clients joined); it raises
             to stop the run (e.g. a site that refused it, or whose process died).
+        memory_bytes: the memory auto fits the processes into (None: what the machine, or
+            its container, has available now).
     """
 
     def __init__(
@@ -238,6 +243,7 @@ class LocalRun:
         with_clients: bool = True,
         role_args: tuple[str, ...] = (),
         check: Callable[[], None] | None = None,
+        memory_bytes: int | None = None,
     ) -> None:
         self.with_clients = with_clients
         self.role_args = list(role_args)
@@ -252,10 +258,14 @@ class LocalRun:
         self.spawn: SpawnMode = spawn
         self.entry = entry
         decentralized = protocol_facts(run.spec.protocol.name).decentralized
+        self.memory_bytes = available_memory_bytes() if memory_bytes is None else memory_bytes
+        """The memory auto plans to fit (the machine's available memory unless given)."""
+        self.model_bytes = 0
+        """The model's bytes as auto planned with them (0 until a user model is measured)."""
+        self._probe: ModelSizeProbe | None = None
+        self._auto = clients_per_process is None
         if clients_per_process is None:
-            clients_per_process = groups.clients_per_process(
-                run.spec.clients.count, decentralized=decentralized
-            )
+            clients_per_process = self._auto_per_process()
         elif clients_per_process > 1 and decentralized:
             raise RunAborted(
                 f"Protocol {run.spec.protocol.name!r} is decentralized: each client serves "
@@ -263,7 +273,8 @@ class LocalRun:
                 reason="InvalidOptions",
             )
         self.client_groups = groups.client_groups(run.spec.clients.count, clients_per_process)
-        """The clients of each client process (one each, unless grouped)."""
+        """The clients of each client process (one each, unless grouped). With auto and a
+        user's model, settled when the clients start, once the model is measured."""
         self.children: dict[str, Child] = {}
         self.events_path = workdir / "events.jsonl"
         self.kdc_events_path = workdir / "kdc-events.jsonl"
@@ -285,6 +296,10 @@ class LocalRun:
         self._started = time.monotonic()
         self._started_wall = time.time()
         warm_up(spawn, entry)
+        if self._auto and with_clients and run.spec.model.kind == "Import" and not decentralized:
+            # A user's model may be large: measure it beside the start (certificates, the
+            # server) and settle the groups before the clients start (_settle_groups).
+            self._probe = ModelSizeProbe(manifest, timeout=PROBE_SECONDS)
 
     # ------------------------------------------------------------------------- set-up
 
@@ -481,8 +496,16 @@ class LocalRun:
         """Starts every client process (a client or a group of them each)."""
         spec = self.run.spec
         peers = peer_arguments(spec) if protocol_facts(spec.protocol.name).decentralized else {}
+        self._settle_groups()
+        planned = {}
+        if self.model_bytes:
+            planned = {"model_bytes": self.model_bytes, "memory_bytes": self.memory_bytes}
         self._announce(
-            on_event, "clients", clients=spec.clients.count, processes=len(self.client_groups)
+            on_event,
+            "clients",
+            clients=spec.clients.count,
+            processes=len(self.client_groups),
+            **planned,
         )
         for group in self.client_groups:
             if len(group) == 1:
@@ -496,6 +519,30 @@ class LocalRun:
             if kdc_address:
                 args += ["--kdc", kdc_address]
             self._spawn(groups.group_name(group), args, port)
+
+    def _auto_per_process(self) -> int:
+        """``--clients-per-process auto`` for this run, with what is known of its model."""
+        spec = self.run.spec
+        return groups.clients_per_process(
+            spec.clients.count,
+            decentralized=protocol_facts(spec.protocol.name).decentralized,
+            model_bytes=self.model_bytes,
+            memory_bytes=self.memory_bytes,
+        )
+
+    def _settle_groups(self) -> None:
+        """With auto and a user's model: waits for its measured size (``PROBE_SECONDS`` at
+        most) and regroups the clients if their processes would not fit the memory."""
+        probe, self._probe = self._probe, None
+        if probe is None:
+            return
+        measured = probe.result(PROBE_SECONDS)
+        if measured is None:
+            return  # unknown: the groups by cores stand, and the roles report a broken model
+        self.model_bytes = measured
+        self.client_groups = groups.client_groups(
+            self.run.spec.clients.count, self._auto_per_process()
+        )
 
     def _group_args(self, group: list[int]) -> tuple[list[str], int]:
         """``fedcore clients`` arguments for ``group``: each member's bundle and metrics port

@@ -97,3 +97,60 @@ def test_the_data_source_is_parsed_once_however_many_processes_start(runs: dict,
     # Assert
     assert len(logs) == 1 + (3 if mode == "grouped" else CLIENTS + 1)
     assert parses == 1
+
+
+def test_auto_groups_the_clients_of_a_user_model_to_fit_the_memory(tmp_path: Path) -> None:
+    # Prepare: a user's model by import path, and one byte less memory than the server and a
+    # process per client need with this model (but enough without it): auto must measure the
+    # model to find that 4 processes do not fit, and then puts 2 clients in each of 2.
+    import json
+    import math
+
+    from fedcore.learning.data import dataset_info
+    from fedcore.learning.models import build_model
+    from fedcore.local import groups
+    from fedcore.local.runner import LocalRun
+
+    model = {"kind": "Import", "importPath": "tests.integration._user_model:mlp"}
+    manifest = write_manifest(
+        tmp_path / "run.yaml",
+        model=model,
+        clients={"count": 4},
+        rounds=2,
+        checkpoint={"everyRounds": 0},
+    )
+    run_spec = load_manifest(manifest)
+    built = build_model(run_spec.spec.model, *dataset_info(run_spec.spec), seed=0)
+    size = sum(p.numel() * p.element_size() for p in [*built.parameters(), *built.buffers()])
+    memory = math.ceil(groups.planned_bytes(4, 1, size) / groups.MEMORY_FRACTION) - 1
+    assert groups.clients_per_process(4, model_bytes=0, memory_bytes=memory) == 1
+    run = LocalRun(run_spec, manifest, workdir=tmp_path / "work", memory_bytes=memory)
+    assert run.client_groups == [[0], [1], [2], [3]]  # by cores, before the model is measured
+
+    # Execute
+    result = run.execute()
+
+    # Assert
+    assert result.phase == "Succeeded"
+    assert run.client_groups == [[0, 1], [2, 3]]
+    events = [json.loads(line) for line in run.events_path.read_text().splitlines()]
+    (phase,) = [e for e in events if e.get("phase") == "clients"]
+    assert phase["processes"] == 2
+    assert phase["model_bytes"] == size and phase["memory_bytes"] == memory
+    assert {"clients-0-1.log", "clients-2-3.log"} <= set(_logs(tmp_path / "work"))
+
+
+def test_the_model_probe_answers_nothing_for_a_model_that_does_not_build(tmp_path: Path) -> None:
+    # Prepare: an import path that names no module (the server reports the error itself)
+    from fedcore.local.probe import ModelSizeProbe
+
+    manifest = write_manifest(
+        tmp_path / "run.yaml", model={"kind": "Import", "importPath": "fc_no_such_module:make"}
+    )
+
+    # Execute
+    probe = ModelSizeProbe(manifest, timeout=60)
+
+    # Assert: an answer (None), not a hang until the timeout
+    assert probe.result(90) is None
+    assert not probe._thread.is_alive()

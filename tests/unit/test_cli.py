@@ -850,6 +850,23 @@ def test_progress_shows_each_start_up_phase_then_the_rounds() -> None:
     assert "3/20" in drawn and "0.7500" in drawn
 
 
+def test_clients_phase_says_the_model_and_memory_auto_grouped_them_by() -> None:
+    from fedcore.cli.progress import phase_text
+
+    event = {
+        "event": "starting",
+        "phase": "clients",
+        "clients": 4,
+        "processes": 1,
+        "model_bytes": 4_028_899_368,
+        "memory_bytes": 23_100_000_000,
+    }
+    assert phase_text(event) == (
+        "starting 4 clients in 1 process (each loads its data; a 4.03 GB model, 23.1 GB of "
+        "memory available): 0/4 connected"
+    )
+
+
 def test_progress_prints_one_line_per_incident_not_per_event() -> None:
     # Prepare: a server restart with its clients reconnecting, a client lost for two rounds,
     # then back

@@ -74,6 +74,59 @@ def test_auto_clients_per_process(
     assert groups.clients_per_process(clients, cores=cores, decentralized=decentralized) == expected
 
 
+GB = 10**9
+
+
+@pytest.mark.parametrize(
+    ("clients", "model_bytes", "memory_bytes", "expected"),
+    [
+        (4, 404_000_000, 23 * GB, 1),  # 101M parameters: a process each fits
+        (4, 4_029_000_000, 23 * GB, 4),  # 1B: the server and one process of 4 (as measured)
+        (4, 4_029_000_000, 32 * GB, 2),  # room for two processes of clients
+        (4, 4_029_000_000, 8 * GB, 4),  # nothing fits: as few processes as can be
+        (10, 40_000, 2 * GB, 3),  # a small model on a small machine: the interpreters count
+        (50, 40_000, 23 * GB, 13),  # the cores' rule when memory is no bound
+    ],
+)
+def test_auto_fits_the_processes_into_the_memory(
+    clients: int, model_bytes: int, memory_bytes: int, expected: int
+) -> None:
+    # Execute
+    found = groups.clients_per_process(
+        clients, cores=2, model_bytes=model_bytes, memory_bytes=memory_bytes
+    )
+
+    # Assert: the plan fits, and one more process would not (unless memory is no bound)
+    assert found == expected
+    fits = groups.MEMORY_FRACTION * memory_bytes
+    if found < clients:
+        assert groups.planned_bytes(clients, found, model_bytes) <= fits
+    by_cores = groups.clients_per_process(clients, cores=2)
+    if found > by_cores:
+        assert groups.planned_bytes(clients, found - 1, model_bytes) > fits
+
+
+def test_auto_keeps_a_process_per_client_for_peer_links_whatever_the_memory() -> None:
+    found = groups.clients_per_process(
+        8, cores=2, decentralized=True, model_bytes=10 * GB, memory_bytes=GB
+    )
+    assert found == 1
+
+
+def test_available_memory_is_some_of_the_machines() -> None:
+    # Prepare
+    from fedcore.local.probe import available_memory_bytes
+
+    meminfo = Path("/proc/meminfo").read_text().splitlines()
+    total = next(int(line.split()[1]) * 1024 for line in meminfo if line.startswith("MemTotal:"))
+
+    # Execute
+    found = available_memory_bytes()
+
+    # Assert
+    assert found is not None and 0 < found <= total
+
+
 def test_group_names_say_which_clients_a_process_runs() -> None:
     assert groups.group_name([3]) == "client-3"
     assert groups.group_name([0, 1, 2]) == "clients-0-2"

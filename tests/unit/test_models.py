@@ -11,7 +11,7 @@ import torch
 from torch import nn
 
 from fedcore.learning.data import load_split
-from fedcore.learning.models import build_model, get_weights, set_weights
+from fedcore.learning.models import build_model, get_weights, model_bytes, set_weights
 from fedcore.spec import DataSourceSpec, DataSpec, ModelSpec
 
 
@@ -168,6 +168,61 @@ def test_build_model_import_calls_factory(tmp_path: Path, monkeypatch: pytest.Mo
     assert first(torch.zeros(5, 2, 3, dtype=torch.float64)).shape == (5, 4)
     assert _same(get_weights(first), get_weights(again))
     assert get_weights(first)["1.weight"].dtype == np.float64
+
+
+@pytest.mark.parametrize(
+    "spec",
+    [
+        ModelSpec(kind="MLP", hidden=[32, 16]),
+        ModelSpec(kind="MLP", hidden=[8], bias=False, dtype="float64"),
+        ModelSpec(kind="CNN", channels=[4, 8]),
+    ],
+    ids=["mlp", "mlp-float64", "cnn"],
+)
+def test_model_bytes_are_the_built_models_weights(spec: ModelSpec) -> None:
+    # Prepare
+    built = build_model(spec, (1, 8, 8), 10, seed=0)
+    expected = sum(array.nbytes for array in get_weights(built).values())
+
+    # Execute / Assert
+    assert model_bytes(spec, (1, 8, 8), 10) == expected
+
+
+def test_model_bytes_of_a_huge_user_model_take_no_memory(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Prepare: 16 billion parameters (64 GB in float32, more than this machine has), with a
+    # buffer, built by a factory as a user writes one (torch.zeros, default init)
+    import resource
+
+    (tmp_path / "fc_user_model_huge.py").write_text(
+        textwrap.dedent(
+            """
+            import torch
+            from torch import nn
+
+            class Huge(nn.Module):
+                def __init__(self):
+                    super().__init__()
+                    self.layers = nn.ModuleList(nn.Linear(16384, 16384) for _ in range(60))
+                    self.register_buffer("scale", torch.zeros(1000))
+
+            def make(input_shape, num_classes):
+                return Huge()
+            """
+        )
+    )
+    monkeypatch.syspath_prepend(str(tmp_path))
+    spec = ModelSpec(kind="Import", import_path="fc_user_model_huge:make")
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # KiB
+
+    # Execute
+    found = model_bytes(spec, (1, 8, 8), 10)
+
+    # Assert
+    assert found == 4 * (60 * (16384 * 16384 + 16384) + 1000)
+    grown = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before
+    assert grown < 256 * 1024, f"the peak grew {grown} KiB"
 
 
 def test_build_model_import_refuses_non_module(

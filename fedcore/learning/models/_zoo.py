@@ -117,3 +117,19 @@ def _imported(model: ModelSpec, input_shape: tuple[int, ...], num_classes: int) 
             f"torch.nn.Module."
         )
     return built
+
+
+def model_bytes(model: ModelSpec, input_shape: tuple[int, ...], num_classes: int) -> int:
+    """The bytes of the weights (parameters and buffers) ``build_model`` would make.
+
+    The network is built on torch's meta device: shapes and dtypes without storage, so a model
+    of any size is measured in the time its modules take to construct, in no memory. (A user
+    factory that reads its weights from a file still reads them.)
+
+    Raises:
+        ValueError: as ``build_model``.
+    """
+    with torch.device("meta"):
+        module = build_model(model, input_shape, num_classes, seed=0)
+    tensors = [*module.parameters(), *module.buffers()]
+    return sum(tensor.numel() * tensor.element_size() for tensor in tensors)
