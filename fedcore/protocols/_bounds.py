@@ -37,6 +37,7 @@ import numpy as np
 from fedcore.errors import AggregateRefused, ProtocolError, UploadRefused
 from fedcore.protocols._base import Weights
 from fedcore.protocols._fold import scratch_elements
+from fedcore.protocols._kernels import squared_distance
 from fedcore.spec import FederatedRunSpec
 from fedcore.spec._uploads import DEFAULT_EXAMPLES_OVER_MEDIAN, DEFAULT_UPDATE_RMS
 from fedcore.transport import Payload
@@ -52,42 +53,19 @@ def default_update_norm(weights: Weights) -> float:
     return DEFAULT_UPDATE_RMS * math.sqrt(max(parameter_count(weights), 1))
 
 
-_SMALL = 4096
-"""Tensors up to this many elements are differenced in one call (casting as it goes)."""
-
-
 def step_norm(tensors: Weights, reference: Weights | None = None, *, scale: float = 1.0) -> float:
     """The L2 norm of ``scale * (tensors - reference)`` (of ``scale * tensors`` without a
-    reference) over the floating-point tensors, in float64, one tensor at a time."""
+    reference) over the floating-point tensors, in float64, one tensor at a time
+    (``fedcore.protocols._kernels.squared_distance``: compiled for large tensors)."""
     total = 0.0
     block = scratch_elements(tensors.values())
-    acc = np.empty(block, dtype=np.float64)
-    other = np.empty(block, dtype=np.float64)
+    scratch = (np.empty(block, dtype=np.float64), np.empty(block, dtype=np.float64))
     for name, value in tensors.items():
         if value.dtype.kind != "f":
             continue
         flat = np.ascontiguousarray(value).reshape(-1)
         ref = None if reference is None else np.ascontiguousarray(reference[name]).reshape(-1)
-        if flat.size <= _SMALL:
-            # One call: the same float64 differences, where the calls, not the bytes, cost.
-            a = acc[: flat.size]
-            if ref is None:
-                np.copyto(a, flat, casting="unsafe")
-            else:
-                np.subtract(flat, ref, out=a, dtype=np.float64)
-            total += float(np.dot(a, a))
-            continue
-        # Block by block in float64 scratch that stays in cache (as weighted_mean does): no
-        # whole-tensor float64 temporaries, each input read once.
-        for start in range(0, flat.size, block):
-            stop = min(start + block, flat.size)
-            a = acc[: stop - start]
-            np.copyto(a, flat[start:stop], casting="unsafe")
-            if ref is not None:
-                b = other[: stop - start]
-                np.copyto(b, ref[start:stop], casting="unsafe")
-                np.subtract(a, b, out=a)
-            total += float(np.dot(a, a))
+        total += squared_distance(flat, ref, scratch=scratch)
     return abs(scale) * math.sqrt(total)
 
 

@@ -1,6 +1,8 @@
 """The fold's per-element arithmetic, compiled for large arrays, numpy's for the rest.
 
-Two operations, each bit-identical to a plain numpy expression for every input:
+Two operations, each bit-identical to a plain numpy expression for every input (and a third,
+``squared_distance``, the squared L2 distance a server's bounds compare, whose two paths may
+differ in their last bits; see there):
 
 * ``fold_into(acc, flat, weight)``: ``acc += weight * flat.astype(np.float64)``, i.e. per
   element the float64 widening of ``flat[i]``, one rounded multiplication by ``weight`` and one
@@ -211,6 +213,58 @@ def divide_into(
     _divide_numpy(out, acc, total, _scratch(scratch, acc.size))
 
 
+NORM_BLOCK = 1 << 16
+"""Elements per block of ``squared_distance``'s compiled sum: each block is summed on one thread
+in a fixed order, and the blocks' sums are added in order, so no thread count changes a bit."""
+_SMALL_NORM = 4096
+"""Arrays up to this many elements are differenced in one numpy call (casting as it goes)."""
+
+
+def squared_distance(
+    flat: np.ndarray,
+    ref: np.ndarray | None = None,
+    *,
+    scratch: tuple[np.ndarray, np.ndarray] | None = None,
+) -> float:
+    """The sum over elements of ``(float64(flat) - float64(ref)) ** 2`` (of ``float64(flat) **
+    2`` without ``ref``): a squared L2 distance, in float64, NaN or inf if any value is.
+
+    Large float32/float64 arrays take a compiled kernel (one pass reading each input once,
+    over the kernels' threads); the rest numpy, block by block in float64 scratch. The two
+    paths add in different orders, so their results may differ in the last bits (a bound is
+    compared with this sum; nothing is computed from it); neither depends on the thread count.
+
+    Args:
+        flat: 1-D, C-contiguous.
+        ref: the same length as ``flat``, 1-D, C-contiguous; None: distance to 0.
+        scratch: two float64 arrays of at least one element for the numpy path (their size
+            is its block); None: allocated for this call.
+
+    Raises:
+        ValueError: the arrays are not 1-D and C-contiguous, or their lengths differ.
+    """
+    arrays = [flat] if ref is None else [flat, ref]
+    for array in arrays:
+        if array.ndim != 1 or not array.flags.c_contiguous or array.size != flat.size:
+            raise ValueError(f"A 1-D C-contiguous array of {flat.size} was expected.")
+    if (
+        flat.size >= KERNEL_ELEMENTS
+        and all(array.dtype in _FOLD_DTYPES for array in arrays)
+        and _kernel_ready(*arrays)
+    ):
+        kernels = _loader.get()
+        blocks = np.empty(-(-flat.size // NORM_BLOCK), dtype=np.float64)
+        other = flat if ref is None else ref
+        if kernels is not None and kernels.run(
+            "squares", blocks, flat, other, ref is not None, NORM_BLOCK
+        ):
+            return float(np.sum(blocks))
+    if scratch is None:
+        size = max(1, min(BLOCK_ELEMENTS, flat.size))
+        scratch = (np.empty(size, dtype=np.float64), np.empty(size, dtype=np.float64))
+    return _squares_numpy(flat, ref, *scratch)
+
+
 def fold_threads() -> int:
     """How many threads the kernels use: ``FEDCORE_FOLD_THREADS`` if set (0: the kernels are
     off), else ``default_threads()``."""
@@ -269,6 +323,33 @@ def _divide_numpy(out: np.ndarray, acc: np.ndarray, total: float, scratch: np.nd
         quotient = scratch[: stop - start]
         np.divide(acc[start:stop], total, out=quotient)
         np.copyto(out[start:stop], quotient, casting="unsafe")
+
+
+def _squares_numpy(
+    flat: np.ndarray, ref: np.ndarray | None, acc: np.ndarray, other: np.ndarray
+) -> float:
+    """``squared_distance`` block by block in float64 scratch that stays in cache: no
+    array-sized float64 temporaries, each input read once."""
+    total = 0.0
+    if flat.size <= min(_SMALL_NORM, acc.size):
+        # One call: the same float64 differences, where the calls, not the bytes, cost.
+        a = acc[: flat.size]
+        if ref is None:
+            np.copyto(a, flat, casting="unsafe")
+        else:
+            np.subtract(flat, ref, out=a, dtype=np.float64)
+        return float(np.dot(a, a))
+    block = min(acc.size, other.size)
+    for start in range(0, flat.size, block):
+        stop = min(start + block, flat.size)
+        a = acc[: stop - start]
+        np.copyto(a, flat[start:stop], casting="unsafe")
+        if ref is not None:
+            b = other[: stop - start]
+            np.copyto(b, ref[start:stop], casting="unsafe")
+            np.subtract(a, b, out=a)
+        total += float(np.dot(a, a))
+    return total
 
 
 def _scratch(scratch: np.ndarray | None, size: int) -> np.ndarray:
@@ -377,7 +458,47 @@ def _compile(numba: Any) -> dict[str, Callable[..., None]]:
         for i in numba.prange(acc.size):
             out[i] = acc[i] / total
 
-    return {"fold": fold, "fold2": fold2, "fold4": fold4, "fold8": fold8, "divide": divide}
+    # A block's sum of squares may be reassociated (vectorised) and contracted (FMA): it is
+    # compared with a bound, never folded into a result, and its order is fixed per build,
+    # whatever the thread count. NaN and inf still propagate (no nnan/ninf).
+    reduce = {"fastmath": {"reassoc", "contract"}, "error_model": "numpy", "nogil": True}
+
+    @numba.njit(**reduce)
+    def block_distance(x: np.ndarray, ref: np.ndarray) -> float:  # pragma: no cover
+        total = 0.0
+        for i in range(x.size):
+            d = np.float64(x[i]) - np.float64(ref[i])
+            total += d * d
+        return total
+
+    @numba.njit(**reduce)
+    def block_squares(x: np.ndarray) -> float:  # pragma: no cover
+        total = 0.0
+        for i in range(x.size):
+            d = np.float64(x[i])
+            total += d * d
+        return total
+
+    @numba.njit(**options)
+    def squares(
+        out: np.ndarray, x: np.ndarray, ref: np.ndarray, differ: bool, block: int
+    ) -> None:  # pragma: no cover
+        for b in numba.prange(out.size):
+            start = b * block
+            stop = min(start + block, x.size)
+            if differ:
+                out[b] = block_distance(x[start:stop], ref[start:stop])
+            else:
+                out[b] = block_squares(x[start:stop])
+
+    return {
+        "fold": fold,
+        "fold2": fold2,
+        "fold4": fold4,
+        "fold8": fold8,
+        "divide": divide,
+        "squares": squares,
+    }
 
 
 class _Kernels:

@@ -444,6 +444,83 @@ def test_threads_folding_at_once_each_get_their_sum(kernel: None) -> None:
         assert_same_bits(acc, expected)
 
 
+NORM_SIZES = (SMALL, 3 * _kernels.NORM_BLOCK + 17)
+"""The lowered threshold, and several of the norm's blocks plus a remainder."""
+
+
+def _float64_squares(flat: np.ndarray, ref: np.ndarray | None) -> float:
+    """The plain numpy expression, in float64."""
+    d = flat.astype(np.float64) - (0.0 if ref is None else ref.astype(np.float64))
+    return float(np.dot(d, d))
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float64"])
+@pytest.mark.parametrize("size", NORM_SIZES)
+@pytest.mark.parametrize("differ", [True, False])
+def test_squared_distance_kernel_agrees_with_numpy_and_ignores_the_thread_count(
+    kernel: None, monkeypatch: pytest.MonkeyPatch, dtype: str, size: int, differ: bool
+) -> None:
+    # Prepare: the numpy path counts its calls (the kernel must take these arrays)
+    calls: list[int] = []
+    real = _kernels._squares_numpy
+
+    def counted(flat: np.ndarray, *args: Any) -> float:
+        calls.append(flat.size)
+        return real(flat, *args)
+
+    monkeypatch.setattr(_kernels, "_squares_numpy", counted)
+    rng = np.random.default_rng(size)
+    flat = (rng.standard_normal(size) * 1e3).astype(dtype)
+    ref = (flat + rng.standard_normal(size)).astype(dtype) if differ else None
+    sums = {}
+
+    # Execute
+    for threads in ("1", "2"):
+        monkeypatch.setenv(_kernels.THREADS_ENV, threads)
+        sums[threads] = _kernels.squared_distance(flat, ref)
+    monkeypatch.setenv(_kernels.THREADS_ENV, "0")
+    numpy_sum = _kernels.squared_distance(flat, ref)
+    monkeypatch.delenv(_kernels.THREADS_ENV)
+
+    # Assert
+    assert calls == [size]  # only the kernels-off call
+    assert sums["1"] == sums["2"]  # bit for bit, whatever the threads
+    expected = _float64_squares(flat, ref)
+    assert sums["1"] == pytest.approx(expected, rel=1e-12)
+    assert numpy_sum == pytest.approx(expected, rel=1e-12)
+
+
+@pytest.mark.parametrize("bad", [np.nan, np.inf, -np.inf])
+@pytest.mark.parametrize("path", ["kernel", "numpy"])
+def test_squared_distance_is_not_finite_when_a_value_is_not(
+    request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch, bad: float, path: str
+) -> None:
+    # Prepare
+    if path == "kernel":
+        request.getfixturevalue("kernel")
+    else:
+        monkeypatch.setenv(_kernels.THREADS_ENV, "0")
+    flat = np.ones(3 * _kernels.NORM_BLOCK + 5, dtype=np.float32)
+    flat[_kernels.NORM_BLOCK + 3] = bad
+    ref = np.zeros_like(flat)
+
+    # Execute
+    with np.errstate(invalid="ignore"):
+        found = _kernels.squared_distance(flat, ref)
+
+    # Assert
+    assert np.isnan(found) if np.isnan(bad) else found == np.inf
+
+
+def test_squared_distance_refuses_arrays_that_do_not_line_up() -> None:
+    with pytest.raises(ValueError, match="1-D C-contiguous"):
+        _kernels.squared_distance(np.zeros(4), np.zeros(5))
+    with pytest.raises(ValueError, match="1-D C-contiguous"):
+        _kernels.squared_distance(np.zeros((2, 2)))
+    with pytest.raises(ValueError, match="1-D C-contiguous"):
+        _kernels.squared_distance(np.zeros(8)[::2])
+
+
 def test_misuse_is_refused() -> None:
     with pytest.raises(ValueError, match="float64"):
         _kernels.fold_into(np.zeros(3, dtype=np.float32), np.zeros(3), 1.0)
