@@ -451,8 +451,8 @@ def json_safe(value: Any) -> Any:
     metavar="N|auto",
     help="Clients that share one process (on one event loop, each with its own key, data and "
     "metrics). auto: one each up to 8 clients per core, then about 2 processes per core; "
-    "more per process where the available memory would not hold them (a user model, "
-    "spec.model.importPath, is measured first).",
+    "more per process where the available memory would not hold them (the model's size is "
+    "worked out first).",
 )
 @click.option(
     "--simulate",

@@ -1,20 +1,27 @@
-"""What the local runner measures before it spreads the clients over processes.
+"""What the local runner measures before it spreads the clients over processes: the model's bytes.
 
-``fedcore run`` does not import torch itself (its start would wait on it), so the size of a
-user's model (``spec.model.kind: Import``, the kind large models come as) is measured in a
-child forked from the roles' warm forkserver: the manifest is loaded, the data's shapes read
-(``dataset_info``: no example) and the model built on torch's meta device
-(``fedcore.learning.models.model_bytes``: no storage). The child answers with one decimal
-number over a pipe (nothing is unpickled from it); any failure answers nothing, and the roles
-then report the real error themselves.
+A built-in model (MLP, CNN) on data whose shape the spec states (a built-in source, or clients'
+own data with a schema) is sized by arithmetic here (``builtin_model_bytes``), as the zoo builds
+it. Anything else needs the model built, and ``fedcore run`` does not import torch itself (its
+start would wait on it): a user's model (``spec.model.kind: Import``), or a built-in one on data
+only the roles read, is measured in a child forked from the roles' warm forkserver. The child
+loads the manifest, reads the data's shapes (``dataset_info``: no example) and builds the model
+on torch's meta device (``fedcore.learning.models.model_bytes``: no storage). It answers with
+one decimal number over a pipe (nothing is unpickled from it); any failure answers nothing, and
+the roles then report the real error themselves.
 """
 
 from __future__ import annotations
 
+import itertools
+import math
 import multiprocessing
 import threading
 from multiprocessing.connection import Connection
 from pathlib import Path
+
+from fedcore.spec import FederatedRunSpec
+from fedcore.spec._datasets import BUILTIN_DATASETS
 
 ANSWER_BYTES = 32
 """The longest answer read from the child (a decimal byte count)."""
@@ -79,6 +86,42 @@ def _measure(manifest: str, writer: Connection) -> None:
     finally:
         writer.send_bytes(answer)
         writer.close()
+
+
+def builtin_model_bytes(spec: FederatedRunSpec) -> int | None:
+    """The bytes of the weights ``fedcore.learning.models.build_model`` makes for a built-in
+    model, by arithmetic (no torch); None for a user's model, or data whose shape only its
+    roles can read."""
+    model = spec.model
+    if model.kind == "Import":
+        return None
+    schema = spec.data.schema_
+    if spec.data.client_data is not None and schema is not None:
+        shape, classes = schema.input_shape, len(schema.labels)
+    elif spec.data.client_data is None and spec.data.source.kind in BUILTIN_DATASETS:
+        facts = BUILTIN_DATASETS[spec.data.source.kind]
+        shape, classes = facts.input_shape, facts.classes
+    else:
+        return None
+    bias = 1 if model.bias else 0
+    if model.kind == "MLP":
+        widths = [math.prod(shape), *model.hidden, classes]
+        count = sum(a * b + bias * b for a, b in itertools.pairwise(widths))
+    else:  # CNN: 3x3 convolutions, each followed by a 2x2 pool while the map is 2x2 or more
+        if len(shape) != 3:
+            return None  # the zoo refuses it; the roles say why
+        channels, height, width = shape
+        count = 0
+        for out in model.channels:
+            count += out * channels * 9 + bias * out
+            if height >= 2 and width >= 2:
+                height, width = height // 2, width // 2
+            channels = out
+        count += channels * height * width * classes + bias * classes
+    return count * _DTYPE_BYTES[model.dtype]
+
+
+_DTYPE_BYTES = {"float32": 4, "float64": 8}
 
 
 def available_memory_bytes() -> int | None:

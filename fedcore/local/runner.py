@@ -58,7 +58,7 @@ from fedcore.local.launch import (
     warm_up,
 )
 from fedcore.local.ports import LOOPBACK, free_port
-from fedcore.local.probe import ModelSizeProbe, available_memory_bytes
+from fedcore.local.probe import ModelSizeProbe, available_memory_bytes, builtin_model_bytes
 from fedcore.local.threads import ROLE_THREADS
 from fedcore.observe.events import EventLog, read_events
 from fedcore.spec import FederatedRun, FederatedRunSpec, peer_graph, protocol_facts
@@ -296,10 +296,17 @@ class LocalRun:
         self._started = time.monotonic()
         self._started_wall = time.time()
         warm_up(spawn, entry)
-        if self._auto and with_clients and run.spec.model.kind == "Import" and not decentralized:
-            # A user's model may be large: measure it beside the start (certificates, the
-            # server) and settle the groups before the clients start (_settle_groups).
-            self._probe = ModelSizeProbe(manifest, timeout=PROBE_SECONDS)
+        if self._auto and with_clients and not decentralized:
+            known = builtin_model_bytes(run.spec)
+            if known is not None:
+                self.model_bytes = known
+                self.client_groups = groups.client_groups(
+                    run.spec.clients.count, self._auto_per_process()
+                )
+            else:
+                # Measure the model beside the start (certificates, the server) and settle the
+                # groups before the clients start (_settle_groups).
+                self._probe = ModelSizeProbe(manifest, timeout=PROBE_SECONDS)
 
     # ------------------------------------------------------------------------- set-up
 
@@ -498,7 +505,7 @@ class LocalRun:
         peers = peer_arguments(spec) if protocol_facts(spec.protocol.name).decentralized else {}
         self._settle_groups()
         planned = {}
-        if self.model_bytes:
+        if self._auto and self._memory_grouped():  # say why there are fewer processes
             planned = {"model_bytes": self.model_bytes, "memory_bytes": self.memory_bytes}
         self._announce(
             on_event,
@@ -529,6 +536,14 @@ class LocalRun:
             model_bytes=self.model_bytes,
             memory_bytes=self.memory_bytes,
         )
+
+    def _memory_grouped(self) -> bool:
+        """Whether memory put more clients in a process than the cores alone would."""
+        spec = self.run.spec
+        by_cores = groups.clients_per_process(
+            spec.clients.count, decentralized=protocol_facts(spec.protocol.name).decentralized
+        )
+        return max((len(group) for group in self.client_groups), default=0) > by_cores
 
     def _settle_groups(self) -> None:
         """With auto and a user's model: waits for its measured size (``PROBE_SECONDS`` at

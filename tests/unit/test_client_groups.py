@@ -127,6 +127,28 @@ def test_available_memory_is_some_of_the_machines() -> None:
     assert found is not None and 0 < found <= total
 
 
+def test_auto_sizes_a_built_in_model_by_arithmetic_and_fits_it_at_once(tmp_path: Path) -> None:
+    # Prepare: one byte less memory than the server and a process per client need
+    import math
+
+    from fedcore.local.probe import builtin_model_bytes
+
+    manifest = tmp_path / "run.yaml"
+    manifest.write_text(MANIFEST.format(protocol="fedavg", count=4))
+    run_spec = load_manifest(manifest)
+    size = builtin_model_bytes(run_spec.spec)
+    assert size == 4 * (64 * 8 + 8 + 8 * 10 + 10)  # digits' 64 pixels, [8], 10 classes
+    memory = math.ceil(groups.planned_bytes(4, 1, size) / groups.MEMORY_FRACTION) - 1
+
+    # Execute
+    run = LocalRun(run_spec, manifest, workdir=tmp_path / "w", spawn="exec", memory_bytes=memory)
+
+    # Assert: no child to ask, the groups settled when the run was made
+    assert run.model_bytes == size
+    assert run._probe is None
+    assert run.client_groups == [[0, 1], [2, 3]]
+
+
 def test_group_names_say_which_clients_a_process_runs() -> None:
     assert groups.group_name([3]) == "client-3"
     assert groups.group_name([0, 1, 2]) == "clients-0-2"

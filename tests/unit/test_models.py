@@ -188,6 +188,57 @@ def test_model_bytes_are_the_built_models_weights(spec: ModelSpec) -> None:
     assert model_bytes(spec, (1, 8, 8), 10) == expected
 
 
+@pytest.mark.parametrize(
+    "model",
+    [
+        {"kind": "MLP", "hidden": [32, 16]},
+        {"kind": "MLP", "hidden": [], "bias": False, "dtype": "float64"},
+        {"kind": "CNN", "channels": [4, 8]},
+        {"kind": "CNN", "channels": [3, 5, 7, 9], "bias": False},
+    ],
+    ids=["mlp", "linear-float64", "cnn", "cnn-deep-no-bias"],
+)
+@pytest.mark.parametrize("source", ["Digits", "MNISTSubset"])
+def test_the_runner_sizes_built_in_models_as_the_zoo_builds_them(model: dict, source: str) -> None:
+    # Prepare
+    from fedcore.learning.data import dataset_info
+    from fedcore.local.probe import builtin_model_bytes
+    from fedcore.spec import parse_manifest
+
+    run = parse_manifest(
+        {
+            "apiVersion": "fedcore.dev/v1alpha1",
+            "kind": "FederatedRun",
+            "metadata": {"name": "sizes"},
+            "spec": {
+                "protocol": {"name": "fedavg"},
+                "model": model,
+                "data": {"source": {"kind": source}},
+                "clients": {"count": 2},
+                "rounds": 1,
+            },
+        }
+    )
+    built = build_model(run.spec.model, *dataset_info(run.spec), seed=0)
+
+    # Execute / Assert
+    assert builtin_model_bytes(run.spec) == sum(a.nbytes for a in get_weights(built).values())
+
+
+def test_the_runner_sizes_a_built_in_model_on_clients_own_data_from_the_schema() -> None:
+    # Prepare: the hospitals' Parquet tables, whose shape the schema states
+    from fedcore.learning.data import dataset_info
+    from fedcore.local.probe import builtin_model_bytes
+    from fedcore.spec import load_manifest
+
+    run = load_manifest(Path(__file__).resolve().parents[2] / "examples/hospitals-tabular.yaml")
+    built = build_model(run.spec.model, *dataset_info(run.spec), seed=0)
+
+    # Execute / Assert
+    assert run.spec.data.client_data is not None
+    assert builtin_model_bytes(run.spec) == sum(a.nbytes for a in get_weights(built).values())
+
+
 def test_model_bytes_of_a_huge_user_model_take_no_memory(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
