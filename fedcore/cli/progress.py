@@ -39,6 +39,9 @@ def phase_text(event: dict[str, Any]) -> str | None:
             model, memory = event.get("model_bytes"), event.get("memory_bytes")
             if isinstance(model, int) and isinstance(memory, int):
                 why += f"; a {_gigabytes(model)} model, {_gigabytes(memory)} of memory available"
+                needed = event.get("needed_bytes")
+                if isinstance(needed, int):
+                    why += f", about {_gigabytes(needed)} needed: it may run out of memory"
             return f"starting {clients} clients{where} ({why}): 0/{clients} connected"
         return f"starting: {phase}"
     if kind == "connected":

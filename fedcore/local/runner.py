@@ -504,9 +504,13 @@ class LocalRun:
         spec = self.run.spec
         peers = peer_arguments(spec) if protocol_facts(spec.protocol.name).decentralized else {}
         self._settle_groups()
-        planned = {}
+        planned: dict[str, int] = {}
         if self._auto and self._memory_grouped():  # say why there are fewer processes
-            planned = {"model_bytes": self.model_bytes, "memory_bytes": self.memory_bytes}
+            planned = {"model_bytes": self.model_bytes, "memory_bytes": self.memory_bytes or 0}
+            per_process = max(len(group) for group in self.client_groups)
+            needed = groups.planned_bytes(spec.clients.count, per_process, self.model_bytes)
+            if needed > groups.MEMORY_FRACTION * (self.memory_bytes or 0):
+                planned["needed_bytes"] = int(needed)  # even one process of clients is too many
         self._announce(
             on_event,
             "clients",

@@ -154,3 +154,30 @@ def test_the_model_probe_answers_nothing_for_a_model_that_does_not_build(tmp_pat
     # Assert: an answer (None), not a hang until the timeout
     assert probe.result(90) is None
     assert not probe._thread.is_alive()
+
+
+def test_a_run_short_of_memory_starts_its_clients_in_one_process_and_says_so(
+    tmp_path: Path,
+) -> None:
+    # Prepare: a built-in model (sized by arithmetic) and less memory than the server alone
+    # is planned to need
+    import json
+
+    from fedcore.local import groups
+    from fedcore.local.runner import LocalRun
+
+    manifest = write_manifest(
+        tmp_path / "run.yaml", clients={"count": 4}, rounds=2, checkpoint={"everyRounds": 0}
+    )
+    run = LocalRun(load_manifest(manifest), manifest, workdir=tmp_path / "work", memory_bytes=1)
+
+    # Execute
+    result = run.execute()
+
+    # Assert: the run goes on, in one process of clients, and its start said it may not fit
+    assert result.phase == "Succeeded"
+    assert run.client_groups == [[0, 1, 2, 3]]
+    events = [json.loads(line) for line in run.events_path.read_text().splitlines()]
+    (phase,) = [e for e in events if e.get("phase") == "clients"]
+    assert phase["processes"] == 1 and phase["memory_bytes"] == 1
+    assert phase["needed_bytes"] == int(groups.planned_bytes(4, 4, run.model_bytes))

@@ -865,6 +865,11 @@ def test_clients_phase_says_the_model_and_memory_auto_grouped_them_by() -> None:
         "starting 4 clients in 1 process (each loads its data; a 4.03 GB model, 23.1 GB of "
         "memory available): 0/4 connected"
     )
+    short = {**event, "memory_bytes": 8_000_000_000, "needed_bytes": 22_000_000_000}
+    assert phase_text(short) == (
+        "starting 4 clients in 1 process (each loads its data; a 4.03 GB model, 8 GB of "
+        "memory available, about 22 GB needed: it may run out of memory): 0/4 connected"
+    )
 
 
 def test_progress_prints_one_line_per_incident_not_per_event() -> None:
