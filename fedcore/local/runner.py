@@ -69,7 +69,7 @@ READY_SECONDS = 120.0
 STOP_SECONDS = 10.0
 """How long children get after SIGTERM before SIGKILL."""
 PROBE_SECONDS = 60.0
-"""How long the clients' start waits for a user model's measured size (``_settle_groups``)."""
+"""How long the clients' start waits for the probe's size of the model (``_settle_groups``)."""
 
 ProgressCallback = Callable[[dict[str, Any]], None]
 
@@ -261,7 +261,7 @@ class LocalRun:
         self.memory_bytes = available_memory_bytes() if memory_bytes is None else memory_bytes
         """The memory auto plans to fit (the machine's available memory unless given)."""
         self.model_bytes = 0
-        """The model's bytes as auto planned with them (0 until a user model is measured)."""
+        """The model's bytes as auto planned with them (0 until the model is sized)."""
         self._probe: ModelSizeProbe | None = None
         self._auto = clients_per_process is None
         if clients_per_process is None:
@@ -273,8 +273,8 @@ class LocalRun:
                 reason="InvalidOptions",
             )
         self.client_groups = groups.client_groups(run.spec.clients.count, clients_per_process)
-        """The clients of each client process (one each, unless grouped). With auto and a
-        user's model, settled when the clients start, once the model is measured."""
+        """The clients of each client process (one each, unless grouped). With auto, settled
+        once the model is sized: here for a built-in model, else when the clients start."""
         self.children: dict[str, Child] = {}
         self.events_path = workdir / "events.jsonl"
         self.kdc_events_path = workdir / "kdc-events.jsonl"
@@ -550,8 +550,8 @@ class LocalRun:
         return max((len(group) for group in self.client_groups), default=0) > by_cores
 
     def _settle_groups(self) -> None:
-        """With auto and a user's model: waits for its measured size (``PROBE_SECONDS`` at
-        most) and regroups the clients if their processes would not fit the memory."""
+        """With auto and a model only a probe can size: waits for its size (``PROBE_SECONDS``
+        at most) and regroups the clients if their processes would not fit the memory."""
         probe, self._probe = self._probe, None
         if probe is None:
             return
