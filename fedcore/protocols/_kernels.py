@@ -134,6 +134,8 @@ def fold_into(
 
 FUSED_UPLOADS = 8
 """The most uploads ``fold_many_into`` adds in one pass over the accumulator."""
+FUSED_SIZES = (2, 4, FUSED_UPLOADS)
+"""The group sizes the fused kernel is run with (each a compilation of its own, on first use)."""
 
 
 def fold_many_into(
@@ -172,10 +174,11 @@ def fold_many_into(
         kernels = _loader.get()
         while kernels is not None and len(flats) - start >= 2:
             left = len(flats) - start
-            count = max(size for size in (2, 4, 8) if size <= min(left, FUSED_UPLOADS))
-            group = flats[start : start + count]
-            factors = [float(w) for w in weights[start : start + count]]
-            if not kernels.run(f"fold{count}", acc, *group, *factors):
+            count = max(size for size in FUSED_SIZES if size <= left)
+            # One tuple type for the kernel: read-only views of them all.
+            group = tuple(_read_only(flat) for flat in flats[start : start + count])
+            factors = tuple(float(w) for w in weights[start : start + count])
+            if not kernels.run(f"fold{count}", acc, group, factors):
                 break
             start += count
     for flat, weight in zip(flats[start:], weights[start:], strict=True):
@@ -369,6 +372,15 @@ def _check_acc(acc: np.ndarray, what: str, *, writeable: bool = True) -> None:
         raise ValueError(f"{what} is read-only.")
 
 
+def _read_only(array: np.ndarray) -> np.ndarray:
+    """A read-only view of ``array`` (the array itself if it is read-only already)."""
+    if not array.flags.writeable:
+        return array
+    view = array.view()
+    view.flags.writeable = False
+    return view
+
+
 def _kernel_ready(*arrays: np.ndarray) -> bool:
     """Whether the arrays suit the compiled kernel: contiguous and aligned (the dtype checks
     already excluded byte-swapped arrays)."""
@@ -392,65 +404,13 @@ def _compile(numba: Any) -> dict[str, Callable[..., None]]:
             acc[i] += weight * np.float64(x[i])
 
     @numba.njit(**options)
-    def fold2(
-        acc: np.ndarray, x0: np.ndarray, x1: np.ndarray, w0: float, w1: float
-    ) -> None:  # pragma: no cover
+    def fold_many(acc: np.ndarray, xs: tuple, weights: tuple) -> None:  # pragma: no cover
+        # One specialisation per tuple length: the inner loop is unrolled, the sum stays in a
+        # register through the uploads in order.
         for i in numba.prange(acc.size):
             a = acc[i]
-            a += w0 * np.float64(x0[i])
-            a += w1 * np.float64(x1[i])
-            acc[i] = a
-
-    @numba.njit(**options)
-    def fold4(
-        acc: np.ndarray,
-        x0: np.ndarray,
-        x1: np.ndarray,
-        x2: np.ndarray,
-        x3: np.ndarray,
-        w0: float,
-        w1: float,
-        w2: float,
-        w3: float,
-    ) -> None:  # pragma: no cover
-        for i in numba.prange(acc.size):
-            a = acc[i]
-            a += w0 * np.float64(x0[i])
-            a += w1 * np.float64(x1[i])
-            a += w2 * np.float64(x2[i])
-            a += w3 * np.float64(x3[i])
-            acc[i] = a
-
-    @numba.njit(**options)
-    def fold8(
-        acc: np.ndarray,
-        x0: np.ndarray,
-        x1: np.ndarray,
-        x2: np.ndarray,
-        x3: np.ndarray,
-        x4: np.ndarray,
-        x5: np.ndarray,
-        x6: np.ndarray,
-        x7: np.ndarray,
-        w0: float,
-        w1: float,
-        w2: float,
-        w3: float,
-        w4: float,
-        w5: float,
-        w6: float,
-        w7: float,
-    ) -> None:  # pragma: no cover
-        for i in numba.prange(acc.size):
-            a = acc[i]
-            a += w0 * np.float64(x0[i])
-            a += w1 * np.float64(x1[i])
-            a += w2 * np.float64(x2[i])
-            a += w3 * np.float64(x3[i])
-            a += w4 * np.float64(x4[i])
-            a += w5 * np.float64(x5[i])
-            a += w6 * np.float64(x6[i])
-            a += w7 * np.float64(x7[i])
+            for k in range(len(xs)):
+                a += weights[k] * np.float64(xs[k][i])
             acc[i] = a
 
     @numba.njit(**options)
@@ -493,9 +453,7 @@ def _compile(numba: Any) -> dict[str, Callable[..., None]]:
 
     return {
         "fold": fold,
-        "fold2": fold2,
-        "fold4": fold4,
-        "fold8": fold8,
+        **{f"fold{count}": fold_many for count in FUSED_SIZES},
         "divide": divide,
         "squares": squares,
     }
@@ -538,6 +496,8 @@ class _Kernels:
 def _type_key(value: Any) -> str:
     if isinstance(value, np.ndarray):
         return value.dtype.name if value.flags.writeable else f"readonly {value.dtype.name}"
+    if isinstance(value, tuple):
+        return f"({', '.join(_type_key(item) for item in value)})"
     return type(value).__name__
 
 
