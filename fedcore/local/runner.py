@@ -260,10 +260,11 @@ class LocalRun:
         decentralized = protocol_facts(run.spec.protocol.name).decentralized
         self.memory_bytes = available_memory_bytes() if memory_bytes is None else memory_bytes
         """The memory auto plans to fit (the machine's available memory unless given)."""
-        self.model_bytes = 0
+        self._auto = clients_per_process is None
+        sized = builtin_model_bytes(run.spec) if self._auto and with_clients else 0
+        self.model_bytes = sized or 0
         """The model's bytes as auto planned with them (0 until the model is sized)."""
         self._probe: ModelSizeProbe | None = None
-        self._auto = clients_per_process is None
         if clients_per_process is None:
             clients_per_process = self._auto_per_process()
         elif clients_per_process > 1 and decentralized:
@@ -296,17 +297,10 @@ class LocalRun:
         self._started = time.monotonic()
         self._started_wall = time.time()
         warm_up(spawn, entry)
-        if self._auto and with_clients and not decentralized:
-            known = builtin_model_bytes(run.spec)
-            if known is not None:
-                self.model_bytes = known
-                self.client_groups = groups.client_groups(
-                    run.spec.clients.count, self._auto_per_process()
-                )
-            else:
-                # Measure the model beside the start (certificates, the server) and settle the
-                # groups before the clients start (_settle_groups).
-                self._probe = ModelSizeProbe(manifest, timeout=PROBE_SECONDS)
+        if sized is None and not decentralized:
+            # Measure the model beside the start (certificates, the server) and settle the
+            # groups before the clients start (_settle_groups).
+            self._probe = ModelSizeProbe(manifest, timeout=PROBE_SECONDS)
 
     # ------------------------------------------------------------------------- set-up
 

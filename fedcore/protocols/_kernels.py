@@ -256,12 +256,11 @@ def squared_distance(
         and _kernel_ready(*arrays)
     ):
         kernels = _loader.get()
-        blocks = np.empty(-(-flat.size // NORM_BLOCK), dtype=np.float64)
-        other = flat if ref is None else ref
-        if kernels is not None and kernels.run(
-            "squares", blocks, flat, other, ref is not None, NORM_BLOCK
-        ):
-            return float(np.sum(blocks))
+        if kernels is not None:
+            blocks = np.empty(-(-flat.size // NORM_BLOCK), dtype=np.float64)
+            other = flat if ref is None else ref
+            if kernels.run("squares", blocks, flat, other, ref is not None, NORM_BLOCK):
+                return float(np.sum(blocks))
     if scratch is None:
         size = max(1, min(BLOCK_ELEMENTS, flat.size))
         scratch = (np.empty(size, dtype=np.float64), np.empty(size, dtype=np.float64))
