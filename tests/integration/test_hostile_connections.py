@@ -82,11 +82,16 @@ def events_of(run: LocalRun, kind: str) -> list[dict[str, Any]]:
     return [event for event in read_events(run.events_path, 0)[0] if event["event"] == kind]
 
 
-def test_idle_streams_of_one_client_do_not_keep_the_others_out(tmp_path: Path) -> None:
-    # Prepare: 3 clients; the old pool (2 * 3 + 8 = 14 workers) was full after 14 idle streams
+def test_idle_streams_of_one_client_do_not_keep_the_others_out(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Prepare: 3 clients; the old pool (2 * 3 + 8 = 14 workers) was full after 14 idle streams.
+    # The server holds after round 1 until the insider is done: its rounds take milliseconds,
+    # and a run that ended under the attack refused its last streams' connections.
     manifest = write_manifest(
         tmp_path / "run.yaml", rounds=3, clients={"count": 3}, checkpoint={"everyRounds": 0}
     )
+    hold = ServerHold(monkeypatch, tmp_path, 1)
     run = LocalRun(load_manifest(manifest), manifest, workdir=tmp_path / "work")
     attack: dict[str, Any] = {}
 
@@ -108,7 +113,13 @@ def test_idle_streams_of_one_client_do_not_keep_the_others_out(tmp_path: Path) -
         second = wait_for_event(run, "connected", timeout=WAIT, client=1)
         held_while_honest_connected = idle.open_count()
         refused = [call.code() for call in idle.calls if call.done()]
+        why = [
+            (i, call.code(), call.details(), call.debug_error_string())
+            for i, call in enumerate(idle.calls)
+            if call.done() and call.code() != grpc.StatusCode.RESOURCE_EXHAUSTED
+        ]
         idle.close()  # the insider stops; its own client process then gets its session
+        hold.release()
         result = run.wait()
     finally:
         if "idle" in attack:
@@ -120,7 +131,7 @@ def test_idle_streams_of_one_client_do_not_keep_the_others_out(tmp_path: Path) -
     # clients connected while it held them
     held = held_while_honest_connected
     assert held in (SHARE - 1, SHARE)
-    assert refused == [grpc.StatusCode.RESOURCE_EXHAUSTED] * (20 - held)
+    assert refused == [grpc.StatusCode.RESOURCE_EXHAUSTED] * (20 - held), why
     assert {first["client"], second["client"]} == {0, 1}
     assert result.phase == "Succeeded"
     assert events_of(run, "joined")[0]["clients"] == 3
