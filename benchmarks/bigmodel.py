@@ -66,8 +66,9 @@ def write_data(folder: Path) -> Path:
     return data
 
 
-def manifest(folder: Path, size: str, data: Path) -> Path:
-    """The job for ``size``: fedavg of the user model over the written data."""
+def manifest(folder: Path, size: str, data: Path, storage: str = "Auto") -> Path:
+    """The job for ``size``: fedavg of the user model over the written data, the server's
+    uploads kept as ``storage`` says (``spec.uploads.storage``)."""
     import_path, rounds = SIZES[size]
     document = {
         "apiVersion": "fedcore.dev/v1alpha1",
@@ -87,6 +88,7 @@ def manifest(folder: Path, size: str, data: Path) -> Path:
                 "optimizer": {"kind": "SGD", "learningRate": 0.01},
             },
             "checkpoint": {"everyRounds": 0},
+            "uploads": {"storage": storage},
             "seed": 0,
         },
     }
@@ -117,13 +119,17 @@ def _role(output: str | None) -> str:
 
 
 def run_one(
-    size: str, folder: Path, guard_bytes: int = GUARD_BYTES, per_process: int | str = 1
+    size: str,
+    folder: Path,
+    guard_bytes: int = GUARD_BYTES,
+    per_process: int | str = 1,
+    storage: str = "Auto",
 ) -> dict[str, Any]:
     """One ``fedcore run`` of ``size`` with ``per_process`` clients in a process (a number, or
-    ``auto``: as the runner picks, recorded from its start event), sampled; its results and
-    every process's peak."""
+    ``auto``: as the runner picks, recorded from its start event) and the server's uploads as
+    ``storage`` says, sampled; its results and every process's peak."""
     data = write_data(folder)
-    path = manifest(folder, size, data)
+    path = manifest(folder, size, data, storage)
     work = folder / f"work-{size}"
     paths = [str(MODELS), str(ROOT), os.environ.get("PYTHONPATH", "")]
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in paths if p)}
@@ -158,9 +164,12 @@ def run_one(
         except json.JSONDecodeError:
             result = {}
     picked = _picked_per_process(work / "events.jsonl") if per_process == "auto" else None
+    server_log = work / "logs" / "server.log"
+    on_disk = server_log.exists() and "uploads on disk" in server_log.read_text(errors="replace")
     return {
         "size": size,
         "per_process": per_process if picked is None else f"{picked} (auto)",
+        "storage": storage if storage != "Auto" else f"{'Disk' if on_disk else 'Memory'} (auto)",
         "parameters": parameters(size),
         "rounds": SIZES[size][1],
         "wall": wall,
@@ -189,15 +198,19 @@ def _picked_per_process(events: Path) -> int | None:
 
 
 def run(
-    sizes: list[str], guard_bytes: int = GUARD_BYTES, per_process: tuple[int | str, ...] = (1,)
+    sizes: list[str],
+    guard_bytes: int = GUARD_BYTES,
+    per_process: tuple[int | str, ...] = (1,),
+    storages: tuple[str, ...] = ("Auto",),
 ) -> dict[str, Any]:
     data: dict[str, Any] = {"machine": machine(), "load_start": load(), "runs": []}
     for size in sizes:
         for count in per_process:
-            with tempfile.TemporaryDirectory(prefix=f"fedcore-bigmodel-{size}-") as folder:
-                one = run_one(size, Path(folder), guard_bytes, count)
-                data["runs"].append({**one, "machine": "A"})
-                print(json.dumps(data["runs"][-1], default=str)[:1500], file=sys.stderr)
+            for storage in storages:
+                with tempfile.TemporaryDirectory(prefix=f"fedcore-bigmodel-{size}-") as folder:
+                    one = run_one(size, Path(folder), guard_bytes, count, storage)
+                    data["runs"].append({**one, "machine": "A"})
+                    print(json.dumps(data["runs"][-1], default=str)[:1500], file=sys.stderr)
     data["load_end"] = load()
     return data
 
@@ -240,11 +253,12 @@ def render(data: dict[str, Any]) -> str:
         "Bytes are the server's counters per round; memory is each process's peak PSS, and "
         "*x model* divides it by the model's float32 bytes.",
         "",
-        "| model | machine | parameters | model (GB) | clients per process | outcome "
+        "| model | machine | parameters | model (GB) | clients per process | server's uploads "
+        "| outcome "
         "| start-up (s) | median round (s) | server sent / received per round (GB) "
         "| server peak (GB) | x model | client process peak, largest (GB) | x model "
         "| all processes (GB) |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for item in data["runs"]:
         model_bytes = 4 * item["parameters"]
@@ -258,7 +272,8 @@ def render(data: dict[str, Any]) -> str:
         outcome = item["tripped"] or f"{item['phase']} ({item['reason']})"
         lines.append(
             f"| {item['size']} | {item.get('machine', 'A')} | {item['parameters']:,} "
-            f"| {model_bytes / 1e9:.2f} | {item.get('per_process', 1)} | {outcome} "
+            f"| {model_bytes / 1e9:.2f} | {item.get('per_process', 1)} "
+            f"| {item.get('storage', 'Memory')} | {outcome} "
             f"| {_seconds(item['startup'])} | {_seconds(item['median_round'])} "
             f"| {_gb(sent)} / {_gb(received)} | {_gb(server)} "
             f"| {'-' if server is None else f'{server / model_bytes:.1f}x'} | {_gb(client)} "
@@ -270,7 +285,8 @@ def render(data: dict[str, Any]) -> str:
         "Every process's peak (GB): "
         + "; ".join(
             f"{item['size']} ({item.get('machine', 'A')}, "
-            f"{item.get('per_process', 1)} per process): "
+            f"{item.get('per_process', 1)} per process, uploads "
+            f"{item.get('storage', 'Memory')}): "
             + ", ".join(f"{role} {peak / 1e9:.2f}" for role, peak in sorted(item["peaks"].items()))
             for item in data["runs"]
         )
@@ -301,20 +317,28 @@ def target_rows(data: dict[str, Any]) -> list[str]:
     """The targets table's rows for large models: the server's peak against 2x the model plus
     a constant, and the 1-billion-parameter round against this machine's 24 GB."""
     rows = []
-    ratios = []
+    ratios: dict[bool, list[tuple[float, str]]] = {True: [], False: []}
     for item in data["runs"]:
         server = item["peaks"].get("server")
         if item["phase"] == "Succeeded" and server:
             model_bytes = 4 * item["parameters"]
             ratio = (server - SERVER_CONSTANT) / model_bytes
-            ratios.append((ratio, f"{ratio:.1f}x at {item['size']} ({server / 1e9:.2f} GB)"))
-    if ratios:
-        worst = max(ratio for ratio, _ in ratios)
-        measured = ", ".join(sorted({text for _, text in ratios}))
+            on_disk = str(item.get("storage", "Memory")).startswith("Disk")
+            ratios[on_disk].append(
+                (ratio, f"{ratio:.1f}x at {item['size']} ({server / 1e9:.2f} GB)")
+            )
+    if ratios[True] or ratios[False]:
+        parts = []
+        for on_disk, label in ((True, "uploads on disk"), (False, "in memory")):
+            if ratios[on_disk]:
+                texts = ", ".join(sorted({text for _, text in ratios[on_disk]}))
+                parts.append(f"{label}: {texts}")
+        met = bool(ratios[True]) and max(ratio for ratio, _ in ratios[True]) <= 2.0
         rows.append(
             "| server peak memory at most 2x the model's bytes plus a constant, whatever K "
-            "(fedavg, 4 clients; constant: a server with a tiny model, 0.55 GB at most) | "
-            f"{measured} | {'met' if worst <= 2.0 else 'missed'} |"
+            "(fedavg, 4 clients; constant: a server with a tiny model, 0.55 GB at most; with "
+            "`spec.uploads.storage: Disk`, which Auto picks where 4x would not fit) | "
+            f"{'; '.join(parts)} | {'met' if met else 'missed'} |"
         )
     best = best_billion_run(data)
     if best is not None:
@@ -379,6 +403,12 @@ def main() -> None:
         help="clients per process to run each size with, comma-separated: numbers, or auto "
         "as fedcore run picks by default (default 1,auto)",
     )
+    parser.add_argument(
+        "--storage",
+        default="Auto,Disk",
+        help="spec.uploads.storage values to run each size and per-process count with, "
+        "comma-separated (default Auto,Disk)",
+    )
     parser.add_argument("--json-out", type=Path, help="also write the numbers to this file")
     parser.add_argument("--from-json", type=Path, help="no run: render this --json-out file")
     parser.add_argument(
@@ -392,7 +422,8 @@ def main() -> None:
     else:
         named = [count for count in args.per_process.split(",") if count]
         counts = tuple(count if count == "auto" else int(count) for count in named)
-        data = run(sizes, int(args.guard_gib * 2**30), counts)
+        storages = tuple(value for value in args.storage.split(",") if value)
+        data = run(sizes, int(args.guard_gib * 2**30), counts, storages)
     if args.json_out is not None:
         args.json_out.write_text(json.dumps(data, indent=1, default=str))
     if args.merge is not None:

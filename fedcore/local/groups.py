@@ -10,9 +10,10 @@ processes per core. Decentralized protocols keep a process per client (each serv
 
 Memory can group them too: a large model is held once by each process of clients (they share
 it, ``fedcore.transport.Turn``) and about four times by the server (the model, the float64 sum
-of the uploads and the upload being checked). When the machine's available memory would not
-hold the server and a process per group, auto puts more clients in each process, down to one
-process of clients.
+of the uploads and the upload being checked), twice where its uploads go to disk
+(``spec.uploads.storage``: Disk, or Auto where four would not fit). When the machine's
+available memory would not hold the server and a process per group, auto puts more clients in
+each process, down to one process of clients.
 """
 
 from __future__ import annotations
@@ -29,6 +30,9 @@ PROCESS_BYTES = 300 * 2**20
 0.26 GB for a client, up to 0.55 GB for a server with a tiny model; docs/benchmarks.md)."""
 SERVER_MODEL_COPIES = 4.0
 """Model-sized buffers a server holds: the model, the float64 sum (two), the upload it checks."""
+SERVER_DISK_MODEL_COPIES = 2.0
+"""The same with its uploads on disk (``spec.uploads.storage``): the model and the upload it
+checks, then the old model and the new one."""
 CLIENT_PROCESS_MODEL_COPIES = 1.3
 """Model-sized buffers a process of clients holds: the model once, plus its activations and a
 layer's gradients (measured 1.16x at 1 billion parameters, 1.26x at 101 million)."""
@@ -43,12 +47,14 @@ def clients_per_process(
     decentralized: bool = False,
     model_bytes: int = 0,
     memory_bytes: int | None = None,
+    storage: str = "Auto",
 ) -> int:
     """How many clients share one process when the user does not say (``--clients-per-process
     auto``): 1 up to ``PROCESS_CLIENTS_PER_CORE`` clients per core, else enough to make about
     ``GROUPS_PER_CORE`` processes per core; more where ``memory_bytes`` (None: unknown) would
     not hold the server and every process of clients for a model of ``model_bytes``
-    (``planned_bytes``), down to all clients in one process. Decentralized protocols: 1."""
+    (``planned_bytes``; the server's uploads as ``storage``, ``spec.uploads.storage``, puts
+    them), down to all clients in one process. Decentralized protocols: 1."""
     cores = max(1, cores or os.cpu_count() or 1)
     if decentralized:
         return 1
@@ -57,14 +63,25 @@ def clients_per_process(
         per_process = math.ceil(clients / (GROUPS_PER_CORE * cores))
     if memory_bytes is None or clients < 1:
         return per_process
-    room = MEMORY_FRACTION * memory_bytes - server_bytes(model_bytes)
+    on_disk = uploads_on_disk(storage, model_bytes, memory_bytes)
+    room = MEMORY_FRACTION * memory_bytes - server_bytes(model_bytes, uploads_on_disk=on_disk)
     fitting = max(1, int(room // client_process_bytes(model_bytes)))
     return max(per_process, math.ceil(clients / fitting))
 
 
-def server_bytes(model_bytes: int) -> float:
+def server_bytes(model_bytes: int, *, uploads_on_disk: bool = False) -> float:
     """What auto plans for the server's memory, for a model of ``model_bytes``."""
-    return PROCESS_BYTES + SERVER_MODEL_COPIES * model_bytes
+    copies = SERVER_DISK_MODEL_COPIES if uploads_on_disk else SERVER_MODEL_COPIES
+    return PROCESS_BYTES + copies * model_bytes
+
+
+def uploads_on_disk(storage: str, model_bytes: int, memory_bytes: int | None) -> bool:
+    """Whether a server keeps its uploads on disk (``spec.uploads.storage``): Disk, or Auto
+    where ``memory_bytes`` (None: unknown, then Memory) would not hold ``server_bytes`` with
+    the uploads in memory."""
+    if storage != "Auto":
+        return storage == "Disk"
+    return memory_bytes is not None and server_bytes(model_bytes) > MEMORY_FRACTION * memory_bytes
 
 
 def client_process_bytes(model_bytes: int) -> float:
@@ -72,10 +89,13 @@ def client_process_bytes(model_bytes: int) -> float:
     return PROCESS_BYTES + CLIENT_PROCESS_MODEL_COPIES * model_bytes
 
 
-def planned_bytes(clients: int, per_process: int, model_bytes: int) -> float:
+def planned_bytes(
+    clients: int, per_process: int, model_bytes: int, *, uploads_on_disk: bool = False
+) -> float:
     """The memory auto plans for the server and the processes of ``clients`` clients."""
     processes = math.ceil(clients / per_process) if clients > 0 else 0
-    return server_bytes(model_bytes) + processes * client_process_bytes(model_bytes)
+    server = server_bytes(model_bytes, uploads_on_disk=uploads_on_disk)
+    return server + processes * client_process_bytes(model_bytes)
 
 
 def client_groups(clients: int, per_process: int) -> list[list[int]]:

@@ -502,7 +502,12 @@ class LocalRun:
         if self._auto and self._memory_grouped():  # say why there are fewer processes
             planned = {"model_bytes": self.model_bytes, "memory_bytes": self.memory_bytes or 0}
             per_process = max(len(group) for group in self.client_groups)
-            needed = groups.planned_bytes(spec.clients.count, per_process, self.model_bytes)
+            on_disk = groups.uploads_on_disk(
+                spec.uploads.storage, self.model_bytes, self.memory_bytes
+            )
+            needed = groups.planned_bytes(
+                spec.clients.count, per_process, self.model_bytes, uploads_on_disk=on_disk
+            )
             if needed > groups.MEMORY_FRACTION * (self.memory_bytes or 0):
                 planned["needed_bytes"] = int(needed)  # even one process of clients is too many
         self._announce(
@@ -533,6 +538,7 @@ class LocalRun:
             decentralized=protocol_facts(spec.protocol.name).decentralized,
             model_bytes=self.model_bytes,
             memory_bytes=self.memory_bytes,
+            storage=spec.uploads.storage,
         )
 
     def _memory_grouped(self) -> bool:

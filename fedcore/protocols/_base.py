@@ -10,6 +10,7 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -151,6 +152,13 @@ class ServerProtocol(ABC):
         these, not by what a client claims; the default ignores them.
         """
 
+    def keep_uploads_on_disk(self, folder: Path) -> None:  # noqa: B027 - optional
+        """Called by the runtime before the first round where the run keeps its uploads on
+        disk (``spec.uploads.storage``): a server that holds uploads, or their sum, until it
+        combines them keeps them in files inside ``folder`` instead, with the same result.
+        The default ignores it.
+        """
+
     def setup(self, kdc: KeyChannel | None) -> None:  # noqa: B027 - an optional hook
         """Called once before the first round (again after a restart, after any restore).
 
@@ -182,6 +190,13 @@ class KeyChannel(ABC):
 
 class ClientProtocol(ABC):
     """The client side: computes an upload from what the server (and KDC) sent."""
+
+    def keep_uploads_on_disk(self, folder: Path) -> None:  # noqa: B027 - optional
+        """Called by the runtime before the first round where the run keeps its uploads on
+        disk (``spec.uploads.storage``): a server that holds uploads, or their sum, until it
+        combines them keeps them in files inside ``folder`` instead, with the same result.
+        The default ignores it.
+        """
 
     def setup(self, kdc: KeyChannel | None) -> None:  # noqa: B027 - an optional hook
         """Called once before this client's first task (again after a restart).

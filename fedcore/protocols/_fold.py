@@ -17,21 +17,41 @@ That arithmetic lives in ``fedcore.protocols._kernels``: a compiled kernel, spre
 cores, for tensors of at least ``_kernels.KERNEL_ELEMENTS`` elements, numpy block by block
 (the scratch stays in the CPU's cache) for the rest, with the same bits either way; so is the
 mean's division, which writes the model's dtype directly (no float64 temporary of the model).
+
+``on_disk`` (``spec.uploads.storage``: Disk) trades the float64 accumulator, twice a float32
+model's bytes, for disk: every upload is written to a file of its own as it is added (its
+tensors' bytes, nothing else) and ``mean`` adds the files up a block of coordinates at a time,
+each block through the same kernels in the same client order, so the same bits. The fold then
+holds one block of sums and a few blocks of uploads, never a model-sized array of its own.
 """
 
 from __future__ import annotations
 
 import os
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from pathlib import Path
 
 import numpy as np
 
 from fedcore.errors import ProtocolError
-from fedcore.protocols._kernels import BLOCK_ELEMENTS, divide_into, fold_into, fold_many_into
+from fedcore.protocols._kernels import (
+    BLOCK_ELEMENTS,
+    FUSED_UPLOADS,
+    KERNEL_ELEMENTS,
+    divide_into,
+    fold_into,
+    fold_many_into,
+)
 from fedcore.protocols._spill import HOLD_BYTES, SpillFolder
 
 Tensors = Mapping[str, np.ndarray]
+
+DISK_BLOCK_ELEMENTS = KERNEL_ELEMENTS
+"""Coordinates summed at a time when the uploads are on disk: one float64 block of sums (8 MiB)
+and up to ``FUSED_UPLOADS`` blocks of uploads read back, large enough for the compiled kernel."""
+
+_WRITE_BYTES = 64 << 20
+"""Bytes written per system call when an upload goes to its file."""
 
 
 def scratch_elements(arrays: Iterable[np.ndarray]) -> int:
@@ -51,6 +71,8 @@ class OrderedFold:
         hold_bytes: how many bytes of early uploads to hold in memory; the rest go to disk.
         spill_dir: where the files of early uploads go (a private folder is made inside it);
             None: the system's temporary folder.
+        on_disk: every upload goes to a file as it is added, and ``mean`` (or ``sums``) adds
+            the files up a block at a time: no model-sized accumulator (see the module).
 
     Every planned client must be resolved, by ``add`` or ``skip``, before ``sums``. The
     caller checks an upload (names, shapes, finiteness) before it adds it.
@@ -63,17 +85,25 @@ class OrderedFold:
         *,
         hold_bytes: int = HOLD_BYTES,
         spill_dir: str | os.PathLike[str] | None = None,
+        on_disk: bool = False,
     ) -> None:
         self._layout = {name: (value.shape, value.dtype) for name, value in reference.items()}
+        self._sizes = {
+            name: int(np.prod(shape, dtype=np.int64)) for name, (shape, _) in self._layout.items()
+        }
         self._order = sorted(set(clients))
         self._position = {client: i for i, client in enumerate(self._order)}
         self._next = 0  # index into _order of the first client not yet added or skipped
-        self._acc = {
-            name: np.zeros(int(np.prod(shape, dtype=np.int64)), dtype=np.float64)
-            for name, (shape, _) in self._layout.items()
-        }
-        block = scratch_elements(self._acc.values())
+        self.on_disk = on_disk
+        """Whether every upload goes to a file as it is added (see the module)."""
+        self._acc: dict[str, np.ndarray] = {}
+        if not on_disk:
+            self._acc = {name: np.zeros(size) for name, size in self._sizes.items()}
+        block = max(1, min(BLOCK_ELEMENTS, max(self._sizes.values(), default=1)))
         self._term = np.empty(block, dtype=np.float64)
+        # on_disk: each stored upload's weight and its tensors' dtypes (their bytes follow one
+        # another in its file, in the layout's order)
+        self._stored: dict[int, tuple[float, list[np.dtype]]] = {}
         self._held: dict[int, tuple[dict[str, np.ndarray], float]] = {}
         self._spilled: dict[int, float] = {}
         self._skipped: set[int] = set()
@@ -133,6 +163,10 @@ class OrderedFold:
         if not (isinstance(weight, int | float) and np.isfinite(weight) and weight >= 0):
             raise ProtocolError(f"Client {client}'s weight {weight!r} is not a finite number >= 0.")
         flats = self._flats(client, tensors)
+        if self.on_disk:
+            self._store(client, flats, float(weight))
+            self._added.add(client)
+            return
         if self._position[client] == self._next:
             group.append((flats, float(weight)))
             self._added.add(client)
@@ -155,6 +189,8 @@ class OrderedFold:
             raise ProtocolError(f"Client {client}'s upload is waiting for its turn to be summed.")
         self._check_open(client)
         self._skipped.add(client)
+        if self.on_disk:
+            return
         if self._position[client] == self._next:
             self._next += 1
             self._advance()
@@ -173,6 +209,8 @@ class OrderedFold:
 
     def complete(self) -> bool:
         """Whether every planned client was added or skipped."""
+        if self.on_disk:
+            return len(self._added) + len(self._skipped) == len(self._order)
         return self._next == len(self._order)
 
     def sums(self) -> dict[str, np.ndarray]:
@@ -184,6 +222,13 @@ class OrderedFold:
         if not self.complete():
             missing = [k for k in self._order if not self.taken(k) and k not in self._skipped]
             raise ProtocolError(f"The sum is not complete: clients {missing} were never resolved.")
+        if self.on_disk and not self._acc:  # whole float64 sums asked for: read once, kept
+            self._acc = {name: np.empty(size) for name, size in self._sizes.items()}
+
+            def keep(name: str, start: int, sums: np.ndarray) -> None:
+                self._acc[name][start : start + sums.size] = sums
+
+            self._sum_stored(keep)
         return {name: self._acc[name].reshape(shape) for name, (shape, _) in self._layout.items()}
 
     def mean(self) -> dict[str, np.ndarray]:
@@ -193,11 +238,10 @@ class OrderedFold:
         Raises:
             ProtocolError: the sum is not complete, or the weights sum to 0 (nothing to average).
         """
+        if self.on_disk and not self._acc:
+            return self._mean_stored()
         sums = self.sums()
-        if not self.weight_total > 0:
-            raise ProtocolError(
-                f"The averaging weights sum to {self.weight_total}; a positive sum is needed."
-            )
+        self._check_total()
         means = {}
         for name, (shape, dtype) in self._layout.items():
             # (sums / total).astype(dtype), bit for bit, written straight into the result.
@@ -208,7 +252,7 @@ class OrderedFold:
         return means
 
     def close(self) -> None:
-        """Removes the files of early uploads, if any (idempotent)."""
+        """Removes the files of early (or, ``on_disk``, all) uploads, if any (idempotent)."""
         self._spill.close()
 
     def __enter__(self) -> OrderedFold:
@@ -300,6 +344,122 @@ class OrderedFold:
 
     def _spill_file(self, client: int) -> Path:
         return self._spill.file(f"client-{client}.npz")
+
+    # ---------------------------------------------------------------- uploads on disk
+
+    def _check_total(self) -> None:
+        if not self.weight_total > 0:
+            raise ProtocolError(
+                f"The averaging weights sum to {self.weight_total}; a positive sum is needed."
+            )
+
+    def _stored_file(self, client: int) -> Path:
+        return self._spill.file(f"client-{client}.bin")
+
+    def _store(self, client: int, flats: Mapping[str, np.ndarray], weight: float) -> None:
+        """Writes ``client``'s tensors' bytes, in the layout's order, to a file of its own
+        (mode 0600, in the fold's private folder)."""
+        path = self._stored_file(client)
+        descriptor = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        with os.fdopen(descriptor, "wb", buffering=0) as file:
+            for name in self._layout:
+                data = flats[name].data.cast("B")
+                for start in range(0, len(data), _WRITE_BYTES):
+                    part = data[start : start + _WRITE_BYTES]
+                    while part:
+                        written = file.write(part)
+                        part = part[written:]
+        self._stored[client] = (weight, [flats[name].dtype for name in self._layout])
+
+    def _total_stored(self) -> None:
+        """``weight_total`` of the stored uploads, added in client order as the streamed
+        fold adds them."""
+        self.weight_total = 0.0
+        for client in self._order:
+            if client in self._stored:
+                self.weight_total += self._stored[client][0]
+
+    def _sum_stored(self, finish: Callable[[str, int, np.ndarray], None]) -> None:
+        """Adds the stored uploads up, in client order, a block of each tensor at a time; hands
+        ``finish(name, start, sums)`` each block's float64 sums (a scratch array, reused)."""
+        clients = [client for client in self._order if client in self._stored]
+        weights = [self._stored[client][0] for client in clients]
+        self._total_stored()
+        largest = max(self._sizes.values(), default=1)
+        block = max(1, min(DISK_BLOCK_ELEMENTS, largest))
+        sums = np.empty(block)
+        buffers: dict[np.dtype, list[np.ndarray]] = {}
+        files = [os.open(self._stored_file(client), os.O_RDONLY) for client in clients]
+        try:
+            offsets = [0] * len(clients)
+            for index, name in enumerate(self._layout):
+                size = self._sizes[name]
+                dtypes = [self._stored[client][1][index] for client in clients]
+                for start in range(0, size, block):
+                    count = min(block, size - start)
+                    acc = sums[:count]
+                    acc[...] = 0.0
+                    for first in range(0, len(clients), FUSED_UPLOADS):
+                        group = range(first, min(first + FUSED_UPLOADS, len(clients)))
+                        flats = [
+                            _read_block(
+                                files[k],
+                                offsets[k] + start * dtypes[k].itemsize,
+                                _buffer(buffers, dtypes[k], j, block)[:count],
+                            )
+                            for j, k in enumerate(group)
+                        ]
+                        fold_many_into(
+                            acc, flats, weights[first : first + len(flats)], scratch=self._term
+                        )
+                    finish(name, start, acc)
+                for k, dtype in enumerate(dtypes):
+                    offsets[k] += size * dtype.itemsize
+        finally:
+            for descriptor in files:
+                os.close(descriptor)
+
+    def _mean_stored(self) -> dict[str, np.ndarray]:
+        """``mean`` from the stored uploads: each block's sums divided straight into the
+        result (``divide_into``, the same bits as the whole sums' division)."""
+        means = {
+            name: np.empty(shape, dtype=dtype) for name, (shape, dtype) in self._layout.items()
+        }
+
+        def divide(name: str, start: int, sums: np.ndarray) -> None:
+            out = means[name].reshape(-1)[start : start + sums.size]
+            divide_into(out, sums, self.weight_total, scratch=self._term)
+
+        self._total_stored()
+        self._check_total()
+        self._sum_stored(divide)
+        return means
+
+
+def _buffer(
+    buffers: dict[np.dtype, list[np.ndarray]], dtype: np.dtype, index: int, size: int
+) -> np.ndarray:
+    """The ``index``-th read buffer of ``dtype`` (made on first use; reused block to block)."""
+    kept = buffers.setdefault(dtype, [])
+    while len(kept) <= index:
+        kept.append(np.empty(size, dtype=dtype))
+    return kept[index]
+
+
+def _read_block(descriptor: int, offset: int, out: np.ndarray) -> np.ndarray:
+    """Fills ``out`` with the file's bytes from ``offset`` (``os.preadv``, no copy).
+
+    Raises:
+        ProtocolError: the file ended first (a stored upload was cut short).
+    """
+    view = out.data.cast("B")
+    done = 0
+    while done < len(view):
+        read = os.preadv(descriptor, [view[done:]], offset + done)
+        if read == 0:
+            raise ProtocolError("A stored upload's file ended before its last tensor.")
+        done += read
+    return out
 
 
 def weighted_sum(

@@ -46,6 +46,8 @@ from fedcore.learning.evaluation import (
 )
 from fedcore.learning.models import build_model, get_weights
 from fedcore.learning.training import Evaluator
+from fedcore.local.groups import uploads_on_disk
+from fedcore.local.probe import available_memory_bytes
 from fedcore.local.threads import limit_threads
 from fedcore.observe.events import EventLog
 from fedcore.observe.kube_status import status_listeners
@@ -325,6 +327,7 @@ class Server:
         self.protocol: ServerProtocol = scheme.create_server(self.spec, initial)
         del initial
         self.protocol.set_shard_sizes(shard_sizes(self.spec))  # weights from what it knows
+        self.uploads_on_disk = self._place_uploads()
         self.privacy = PrivacyLedger(self.spec, scheme.noise_multiplier(self.spec), self.metrics)
         if self.privacy.enabled and self.privacy.secret:
             log.info(
@@ -393,6 +396,26 @@ class Server:
             on_rejected=lambda method, reason, sender: self.metrics.rejected(reason, sender),
             on_bytes=self.metrics.count_bytes,
         )
+
+    def _place_uploads(self) -> bool:
+        """Keeps the rounds' uploads on disk where ``spec.uploads.storage`` says so (Auto: where
+        this process's memory would not hold them in memory); returns whether it does."""
+        storage = self.spec.uploads.storage
+        model_bytes = sum(int(v.nbytes) for v in self.protocol.global_weights().values())
+        memory = available_memory_bytes() if storage == "Auto" else None
+        if not uploads_on_disk(storage, model_bytes, memory):
+            return False
+        self.config.workdir.mkdir(parents=True, exist_ok=True)
+        self.protocol.keep_uploads_on_disk(self.config.workdir)
+        log.info(
+            "Keeping each round's uploads on disk, in %s (spec.uploads.storage %s; a model "
+            "of %s bytes%s).",
+            self.config.workdir,
+            storage,
+            f"{model_bytes:,}",
+            "" if memory is None else f", {memory:,} bytes of memory available",
+        )
+        return True
 
     # ------------------------------------------------------------------------ clients
 

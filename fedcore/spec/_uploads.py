@@ -3,6 +3,8 @@ server checks before it accepts an upload (fedcore/protocols/_bounds.py)."""
 
 from __future__ import annotations
 
+from typing import Literal
+
 from pydantic import Field
 
 from fedcore.spec._base import EXACT_FLOAT_INTEGERS, SpecModel
@@ -39,4 +41,17 @@ class UploadsSpec(SpecModel):
         "(spec.data.partition.kind ByFile). With a partition the server derives from the "
         "spec, a claim past the client's shard size is refused. Unset "
         "(default): a claim weighs at most 10 x the round's median claim.",
+    )
+    storage: Literal["Auto", "Memory", "Disk"] = Field(
+        "Auto",
+        description="storage is where an averaging server keeps a round's uploads until it "
+        "combines them. Memory: each upload is added into a float64 sum as it arrives (the "
+        "server holds the model, the sum, twice a float32 model's bytes, and the upload it "
+        "checks: about 4 models). Disk: each upload goes to a file in the server's run folder "
+        "as it arrives and the mean is added up from the files a block at a time (about 2 "
+        "models: the model and the upload it checks, then the old and the new model; K "
+        "model-sized files on disk for a round of K clients), with the same bits. Auto "
+        "(default): Disk where the server's memory (its container's limit, else the "
+        "machine's available memory) would not hold 4 models and 300 MiB, else Memory. "
+        "Robust aggregators keep every upload on disk under Disk.",
     )

@@ -81,6 +81,25 @@ def test_run_final_model_equals_single_process_simulation_bit_for_bit(finished_r
     assert models_equal(released, simulated.weights)
 
 
+def test_a_run_with_its_uploads_on_disk_equals_the_simulation_bit_for_bit(tmp_path: Path) -> None:
+    # Prepare: the server keeps every upload in a file and adds the files up at combine
+    manifest = write_manifest(
+        tmp_path / "run.yaml", rounds=2, uploads={"storage": "Disk"}, checkpoint={"everyRounds": 0}
+    )
+    work = tmp_path / "work"
+    # Execute
+    result = LocalRun(load_manifest(manifest), manifest, workdir=work).execute()
+    # Assert
+    assert result.phase == "Succeeded" and result.rounds_completed == 2
+    released = load_file(str(work / "model.safetensors"))
+    assert models_equal(released, simulate(load_manifest(manifest)).weights)
+    server_log = (work / "logs" / "server.log").read_text()
+    assert f"Keeping each round's uploads on disk, in {work}" in server_log
+    # the MLP 64-32-10 in float32: (64 * 32 + 32 + 32 * 10 + 10) * 4 bytes
+    assert "(spec.uploads.storage Disk; a model of 9,640 bytes)" in server_log
+    assert not list(work.glob("fedcore-fold-*")), "the round's files are removed"
+
+
 def test_run_writes_checkpoints_every_k_rounds(finished_run: dict) -> None:
     # Prepare
     run = load_manifest(finished_run["manifest"])

@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import stat
 import tempfile
 import tracemalloc
+from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
@@ -14,7 +16,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from fedcore.errors import ProtocolError
-from fedcore.protocols import _kernels
+from fedcore.protocols import _fold, _kernels
 from fedcore.protocols._bounds import UploadBounds
 from fedcore.protocols._fold import OrderedFold, weighted_sum
 from fedcore.protocols.dp_fedavg import DpFedAvgServer
@@ -23,6 +25,8 @@ from fedcore.transport import Payload
 
 SHAPES = {"w": (3, 5), "b": (5,), "big": (2, 40_000)}
 """A tensor larger than one block (2**15 elements), so blocks are exercised too."""
+ON_DISK = -1
+"""A ``hold`` that means: ``on_disk``, every upload in a file."""
 
 
 def _uploads(
@@ -53,25 +57,28 @@ def _reference(uploads: dict[int, dict[str, np.ndarray]], weights: dict[int, flo
     seed=st.integers(0, 2**32 - 1),
     clients=st.integers(1, 9),
     dtype=st.sampled_from(["float32", "float64"]),
-    hold=st.sampled_from([0, 400_000, 1 << 30]),
+    hold=st.sampled_from([0, 400_000, 1 << 30, ON_DISK]),
 )
 def test_any_arrival_order_gives_the_batch_sum_bit_for_bit(
     seed: int, clients: int, dtype: str, hold: int
 ) -> None:
+    """Also with every upload on disk (``ON_DISK``), summed back in blocks of 7,000
+    coordinates (so the big tensor's last block is a short one)."""
     with tempfile.TemporaryDirectory() as folder:
         _check_arrival_order(seed, clients, dtype, hold, Path(folder))
 
 
+@pytest.mark.parametrize("hold", [400_000, ON_DISK])
 @pytest.mark.parametrize("dtype", ["float32", "float64"])
 @pytest.mark.parametrize("seed", [0, 1, 2])
 def test_the_compiled_kernel_gives_the_same_sums(
-    seed: int, dtype: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    seed: int, dtype: str, hold: int, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """With the kernel's threshold lowered, the big tensor (80,000 elements) is folded by
     the compiled kernel: the sums still equal the independent whole-tensor expression."""
     monkeypatch.setattr(_kernels, "KERNEL_ELEMENTS", 1 << 12)
     monkeypatch.delenv(_kernels.THREADS_ENV, raising=False)
-    _check_arrival_order(seed, 6, dtype, 400_000, tmp_path)
+    _check_arrival_order(seed, 11, dtype, hold, tmp_path)  # 11 on disk: a group of 8, then 3
     assert _kernels.kernel_info()["state"] == "loaded"
 
 
@@ -84,12 +91,19 @@ def _check_arrival_order(seed: int, clients: int, dtype: str, hold: int, tmp_pat
     events = [("add", k) for k in arriving] + [("skip", k) for k in dropped]
     rng.shuffle(events)  # failures and uploads interleave in any order
 
-    with OrderedFold(everyone[0], everyone, hold_bytes=hold, spill_dir=tmp_path) as fold:
+    on_disk = hold == ON_DISK
+    fold = OrderedFold(
+        everyone[0], everyone, hold_bytes=max(hold, 0), spill_dir=tmp_path, on_disk=on_disk
+    )
+    with fold, _disk_blocks(7_000):
         for what, k in events:
             if what == "add":
                 fold.add(k, everyone[k], weights[k])
             else:
                 fold.skip(k)
+        if on_disk and arriving:
+            assert len(list(next(tmp_path.iterdir()).iterdir())) == len(arriving)
+        means = fold.mean() if arriving else None  # on disk: read back, block by block
         streamed = {name: value.copy() for name, value in fold.sums().items()}
         assert fold.added == sorted(arriving)
         assert fold.weight_total == sum(weights[k] for k in sorted(arriving))
@@ -101,10 +115,24 @@ def _check_arrival_order(seed: int, clients: int, dtype: str, hold: int, tmp_pat
         batched = batch.sums()
         for name in SHAPES:
             assert np.array_equal(streamed[name], batched[name])
+        assert means is not None
+        for name, mean in batch.mean().items():
+            assert mean.dtype == means[name].dtype and np.array_equal(mean, means[name])
     expected = _reference(survivors, weights)
     for name in SHAPES:
         assert np.array_equal(streamed[name], expected[name])
     assert not any(tmp_path.iterdir()), "spill files are removed"
+
+
+@contextlib.contextmanager
+def _disk_blocks(elements: int) -> Iterator[None]:
+    """``_fold.DISK_BLOCK_ELEMENTS`` set to ``elements`` inside the block."""
+    kept = _fold.DISK_BLOCK_ELEMENTS
+    _fold.DISK_BLOCK_ELEMENTS = elements
+    try:
+        yield
+    finally:
+        _fold.DISK_BLOCK_ELEMENTS = kept
 
 
 def test_early_uploads_go_to_disk_beyond_the_hold_and_memory_stays_bounded(tmp_path: Path) -> None:
@@ -139,6 +167,45 @@ def test_early_uploads_go_to_disk_beyond_the_hold_and_memory_stays_bounded(tmp_p
     # The upload being added, one read back from disk and the block scratch: a constant
     # number of models, not K of them (K x 4 MB = 96 MB).
     assert peak - base <= 3 * model_bytes + (1 << 20), (peak - base) / model_bytes
+    fold.close()
+    assert not any(tmp_path.iterdir())
+
+
+def test_a_fold_on_disk_holds_no_model_sized_sums(tmp_path: Path) -> None:
+    """``on_disk``: K uploads of 4 MB; the fold's own memory, adding them and taking their
+    mean, stays under the one model-sized array it returns plus its blocks (here 2**16
+    coordinates: 0.5 MiB of sums, 8 x 256 KiB read back), where the in-memory fold keeps an
+    8 MB float64 accumulator."""
+    clients, size = 24, 1_000_000
+    reference = {"w": np.zeros(size, dtype=np.float32)}
+    model_bytes = size * 4
+
+    def upload(k: int) -> dict[str, np.ndarray]:
+        return {"w": np.full(size, k + 1, dtype=np.float32)}
+
+    gc.collect()
+    tracemalloc.start()
+    try:
+        with _disk_blocks(1 << 16):
+            fold = OrderedFold(reference, range(clients + 1), spill_dir=tmp_path, on_disk=True)
+            base, _ = tracemalloc.get_traced_memory()
+            tracemalloc.reset_peak()
+            for k in reversed(range(clients)):
+                fold.add(k, upload(k), 2.0)
+            fold.skip(clients)
+            adding, _ = tracemalloc.get_traced_memory()
+            mean = fold.mean()
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert fold.complete() and fold.weight_total == 2.0 * clients
+    expected = np.float32(2.0 * clients * (clients + 1) / 2 / (2.0 * clients))
+    assert np.array_equal(mean["w"], np.full(size, expected, dtype=np.float32))
+    assert adding - base < 1 << 16  # what it keeps per upload: a weight and a dtype
+    assert peak - base <= model_bytes + (3 << 20), (peak - base) / model_bytes
+    files = list(next(tmp_path.iterdir()).iterdir())
+    assert len(files) == clients and {f.stat().st_size for f in files} == {model_bytes}
+    assert {stat.S_IMODE(f.stat().st_mode) for f in files} == {0o600}
     fold.close()
     assert not any(tmp_path.iterdir())
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping, Sequence
+from pathlib import Path
 from typing import Any
 
 from fedcore.learning.training import LocalLearner
@@ -71,10 +72,20 @@ class ModelAveragingServer(BoundedServer, ServerProtocol):
         """Bytes of early uploads a fold holds in memory before it writes them to disk."""
         self.spill_dir: str | None = None
         """Where a fold writes early uploads (None: the system's temporary folder)."""
+        self.uploads_on_disk = False
+        """Whether every upload goes to disk as it arrives (``keep_uploads_on_disk``)."""
 
     streams_uploads = True
     """Whether ``take_upload`` sums uploads as they arrive (a subclass whose ``combine``
     needs each upload whole says False)."""
+
+    def keep_uploads_on_disk(self, folder: Path) -> None:
+        """Every upload goes to a file in ``folder`` as it arrives, and the mean is added up
+        from the files a block at a time (``OrderedFold(on_disk=True)``); uploads that wait
+        for the round's claims go to disk at once (an ``UploadStore`` without a budget)."""
+        self.uploads_on_disk = True
+        self.hold_bytes = 0
+        self.spill_dir = str(folder)
 
     def plan_round(self, round: int, clients: Sequence[int]) -> Mapping[int, Payload]:
         instruction = Payload(meta={"round": round}, tensors=self._weights)
@@ -91,8 +102,15 @@ class ModelAveragingServer(BoundedServer, ServerProtocol):
             self._deferred = None
         if not self.streams_uploads:
             return
-        self._fold = OrderedFold(
-            self._weights, clients, hold_bytes=self.hold_bytes, spill_dir=self.spill_dir
+        self._fold = self._new_fold(clients, hold_bytes=self.hold_bytes)
+
+    def _new_fold(self, clients: Sequence[int], *, hold_bytes: int) -> OrderedFold:
+        return OrderedFold(
+            self._weights,
+            clients,
+            hold_bytes=hold_bytes,
+            spill_dir=self.spill_dir,
+            on_disk=self.uploads_on_disk,
         )
 
     def take_upload(self, round: int, client: int, upload: Payload) -> Payload | None:
@@ -177,7 +195,7 @@ class ModelAveragingServer(BoundedServer, ServerProtocol):
             # are not all here: sum these uploads afresh (they must then be whole).
             if fold is not None:
                 fold.close()
-            fold = OrderedFold(self._weights, order, hold_bytes=0)
+            fold = self._new_fold(order, hold_bytes=0)
         with fold:
             for client in fold.planned:
                 if client in uploads and not fold.taken(client):

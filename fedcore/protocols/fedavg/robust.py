@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Mapping, Sequence
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -99,6 +100,11 @@ class RobustAveragingServer(ClusterModels, BoundedServer, ServerProtocol):
         """Bytes of uploads the attempt's store holds in memory before it writes them to disk."""
         self.spill_dir: str | None = None
         """Where the store writes uploads (None: the system's temporary folder)."""
+
+    def keep_uploads_on_disk(self, folder: Path) -> None:
+        """Every upload goes to a file in ``folder`` as it arrives (a store without a budget)."""
+        self.hold_bytes = 0
+        self.spill_dir = str(folder)
 
     def plan_round(self, round: int, clients: Sequence[int]) -> Mapping[int, Payload]:
         self._open_store()
