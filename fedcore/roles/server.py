@@ -36,6 +36,7 @@ from fedcore.errors import (
     RunAborted,
     UploadRefused,
 )
+from fedcore.learning._memory import trim
 from fedcore.learning.data import dataset_info, shard_sizes, test_dataset
 from fedcore.learning.evaluation import (
     EVALUATION_ATTEMPT,
@@ -122,6 +123,14 @@ class Attempt:
             self.delivered[client] = session
             return True
         return False
+
+    def release(self) -> None:
+        """Lets go of the attempt's tensors once its round is combined (the plans', the tasks'
+        and the uploads'; their metas stay): the board keeps the last attempt until the next
+        opens, and its model must not outlive the round beside the new one."""
+        self.plans = {client: Payload(meta=plan.meta) for client, plan in self.plans.items()}
+        self.uploads = {client: Payload(meta=up.meta) for client, up in self.uploads.items()}
+        self._tasks.clear()
 
     def settled(self) -> bool:
         """Whether every planned client has uploaded or failed."""
@@ -226,6 +235,12 @@ class RoundBoard(SessionHandler):
 
     # ---------------------------------------------------------------- round loop side
 
+    def release_attempt(self) -> None:
+        """``Attempt.release`` of the current attempt, if any (its round is combined)."""
+        with self.cond:
+            if self.current is not None:
+                self.current.release()
+
     def open_attempt(self, attempt: Attempt, *, wait_for_absent: bool) -> None:
         """Publishes a new attempt and sends each connected planned client its task.
 
@@ -327,6 +342,7 @@ class Server:
         self.protocol: ServerProtocol = scheme.create_server(self.spec, initial)
         del initial
         self.protocol.set_shard_sizes(shard_sizes(self.spec))  # weights from what it knows
+        self.model_bytes = sum(int(v.nbytes) for v in self.protocol.global_weights().values())
         self.uploads_on_disk = self._place_uploads()
         self.privacy = PrivacyLedger(self.spec, scheme.noise_multiplier(self.spec), self.metrics)
         if self.privacy.enabled and self.privacy.secret:
@@ -401,7 +417,7 @@ class Server:
         """Keeps the rounds' uploads on disk where ``spec.uploads.storage`` says so (Auto: where
         this process's memory would not hold them in memory); returns whether it does."""
         storage = self.spec.uploads.storage
-        model_bytes = sum(int(v.nbytes) for v in self.protocol.global_weights().values())
+        model_bytes = self.model_bytes
         memory = available_memory_bytes() if storage == "Auto" else None
         if not uploads_on_disk(storage, model_bytes, memory):
             return False
@@ -742,6 +758,8 @@ class Server:
             return play_stages(self.protocol, round_, number, plans, run_stage)
 
         outcome = play_round(round_, self.round_policy, self.protocol, run_attempt, self.privacy)
+        self.board.release_attempt()
+        trim(self.model_bytes)  # the last model's pages, freed on the C heap, back to the system
         result = outcome.result
         refused = {} if result is None else result.refused
         for index, why in sorted(refused.items()):

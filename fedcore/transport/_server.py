@@ -436,6 +436,9 @@ class ServerSession:
             for chunk in encoded.chunks(item, self._limits.chunk_bytes):
                 await context.write(chunk)
                 sent += len(chunk)
+            # Not held while waiting for the next: a round's task would keep its model alive
+            # beside the next round's (2 models on a server; found with tracemalloc).
+            item = chunk = None
             if self._on_bytes is not None:
                 self._on_bytes(sent, 0)
 

@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import gc
 import random
 import socket
 import threading
 import time
+import weakref
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
@@ -49,6 +51,8 @@ class EchoSessions(SessionHandler):
     def __init__(self) -> None:
         self.opened_peers: list[Identity] = []
         self.closed_peers: list[Identity] = []
+        self.sent: list[weakref.ref[np.ndarray]] = []
+        """A weak reference to each tensor sent back (tensors views: weakly referenceable)."""
         self._lock = threading.Lock()
         self._changed = threading.Condition(self._lock)
 
@@ -58,6 +62,7 @@ class EchoSessions(SessionHandler):
             self._changed.notify_all()
 
     def received(self, session: ServerSession, message: Payload) -> None:
+        self.sent.extend(weakref.ref(tensor) for tensor in message.tensors.values())
         session.send(message)
 
     def closed(self, session: ServerSession) -> None:
@@ -475,6 +480,35 @@ def test_rpc_session_echoes_messages_in_order_and_closes(
         _assert_same_payload(reply, message)
     assert running.sessions.opened_peers == [Identity("client", 1)]
     assert closed == [Identity("client", 1)]
+
+
+def test_rpc_session_lets_go_of_a_large_message_once_written(
+    running: Running, client: RpcClient
+) -> None:
+    """A large message (past what the writer keeps encoded for the next send) is let go once
+    its last chunk is written, while the session stays open: a server's writer used to hold
+    each session's last task, and with it the round's model beside the next one."""
+    # Prepare: 20 MiB of float32, over _Encoded.KEEP_BYTES (16 MiB)
+    message = Payload(meta={"big": True}, tensors={"x": np.arange(5 << 20, dtype=np.float32)})
+    session = client.open_session("Session")
+    try:
+        # Execute
+        session.send(message)
+        echoed = session.receive()
+        (sent,) = running.sessions.sent
+        deadline = time.monotonic() + TIMEOUT
+        while sent() is not None and time.monotonic() < deadline:
+            gc.collect()
+            time.sleep(0.01)
+        # Assert: the echo arrived whole, and the server holds no reference to it
+        assert echoed is not None
+        _assert_same_payload(echoed, message)
+        assert sent() is None, "the server still holds the message it wrote"
+        session.send(Payload(meta={"still": "open"}))
+        after = session.receive()
+        assert after is not None and after.meta == {"still": "open"}
+    finally:
+        session.close()
 
 
 def test_rpc_idle_session_survives_its_keepalive_pings(pki: Pki) -> None:
