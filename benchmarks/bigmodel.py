@@ -294,7 +294,10 @@ def render(data: dict[str, Any]) -> str:
         "",
         "What each role holds (docs/operations.md, 'Large models'): the server the global "
         "model, the float64 sum of the round's uploads (twice a float32 model) and the upload "
-        "it is receiving and checking, 4x the model plus the interpreter, torch and gRPC; a "
+        "it is receiving and checking, 4x the model plus the interpreter, torch and gRPC; with "
+        "its uploads on disk (*server's uploads* Disk: `spec.uploads.storage`, which Auto "
+        "picks where 4x would not fit) the model and the upload it checks, then the old model "
+        "and the new one at combine, 2x, for K model-sized files a round on disk; a "
         "client the model once: its task is decoded into the bytes of the task before (the "
         "model's own memory is let go at start), it trains there, stepping each parameter "
         "and dropping its gradient during the backward pass, and uploads those same bytes; "
@@ -384,8 +387,8 @@ def target_sentence(data: dict[str, Any]) -> str:
         "client held the model three times (the model, the task it was sent, the upload "
         "copied out) and each client had a process and a model of its own: the same round "
         "took 58.7 GB (each client 12.6 GB) on a 128 GiB machine, and the 100-million-"
-        "parameter one 7.7 GB on this one. The server's 4x is what remains over 2x: a "
-        "float64 sum beside the model (docs/operations.md)."
+        "parameter one 7.7 GB on this one. In memory the server's float64 sum keeps it "
+        "at 4x; with its uploads on disk it holds 2x (docs/operations.md)."
     )
 
 

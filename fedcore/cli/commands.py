@@ -784,8 +784,22 @@ def _per_process(value: str) -> int | None:
     envvar="FEDCORE_KDC",
     help="host:port of the KDC, for protocols whose server calls it (ebscfl).",
 )
+@click.option(
+    "--memory-bytes",
+    type=click.IntRange(0),
+    default=None,
+    envvar="FEDCORE_MEMORY_BYTES",
+    help="The memory spec.uploads.storage Auto plans the server with (fedcore run passes what "
+    "it planned the run's processes with). Default: the container's limit less its usage, "
+    "else the machine's available memory, at the server's start.",
+)
 def server(
-    listen: str, resume: bool, require_checkpoint: bool, kdc_address: str | None, **options: Any
+    listen: str,
+    resume: bool,
+    require_checkpoint: bool,
+    kdc_address: str | None,
+    memory_bytes: int | None,
+    **options: Any,
 ) -> None:
     """Runs the server role of one run."""
     with imports_uncollected():
@@ -800,6 +814,7 @@ def server(
             resume=resume,
             kdc=kdc_address,
             require_checkpoint=require_checkpoint,
+            memory_bytes=memory_bytes,
         )
 
 

@@ -476,6 +476,8 @@ class LocalRun:
         args, port = self._role_args("server", "server", self.events_path)
         if kdc_address and protocol_facts(spec.protocol.name).server_uses_kdc:
             args += ["--kdc", kdc_address]
+        if self.memory_bytes is not None:  # Auto storage decides as the groups were planned
+            args += ["--memory-bytes", str(self.memory_bytes)]
         self._launch["server"] = (args, port, self.events_path)
         self._announce(on_event, "server")
         strict = ["--require-checkpoint"] if self.resume and self.require_checkpoint else []

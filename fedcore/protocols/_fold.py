@@ -160,8 +160,7 @@ class OrderedFold:
         """Checks an upload; puts it in ``group`` (to be summed) if its turn has come, else
         holds it (in memory, or on disk) until it does."""
         self._check_open(client)
-        if not (isinstance(weight, int | float) and np.isfinite(weight) and weight >= 0):
-            raise ProtocolError(f"Client {client}'s weight {weight!r} is not a finite number >= 0.")
+        _check_weight(client, weight)
         flats = self._flats(client, tensors)
         if self.on_disk:
             self._store(client, flats, float(weight))
@@ -182,6 +181,19 @@ class OrderedFold:
             np.savez(self._spill_file(client), *(flats[name] for name in self._layout))
             self._spilled[client] = float(weight)
             self.spilled_count += 1
+
+    def reweigh(self, client: int, weight: float) -> None:
+        """Sets the weight of ``client``'s stored upload (``on_disk`` only: nothing is summed
+        before ``mean``), e.g. once the round's claims are known.
+
+        Raises:
+            ProtocolError: not ``on_disk``, the client's upload was not added, or the weight
+                is not a finite number >= 0.
+        """
+        if not self.on_disk or client not in self._stored:
+            raise ProtocolError(f"Client {client}'s upload is not stored to be weighed later.")
+        _check_weight(client, weight)
+        self._stored[client] = (float(weight), self._stored[client][1])
 
     def skip(self, client: int) -> None:
         """Resolves ``client`` without an upload (it failed, or is left out of the sum)."""
@@ -434,6 +446,11 @@ class OrderedFold:
         self._check_total()
         self._sum_stored(divide)
         return means
+
+
+def _check_weight(client: int, weight: float) -> None:
+    if not (isinstance(weight, int | float) and np.isfinite(weight) and weight >= 0):
+        raise ProtocolError(f"Client {client}'s weight {weight!r} is not a finite number >= 0.")
 
 
 def _buffer(

@@ -320,6 +320,7 @@ class Server:
         resume: bool,
         kdc: str | None = None,
         require_checkpoint: bool = False,
+        memory_bytes: int | None = None,
     ) -> None:
         self.run = run
         self.spec = run.spec
@@ -343,7 +344,7 @@ class Server:
         del initial
         self.protocol.set_shard_sizes(shard_sizes(self.spec))  # weights from what it knows
         self.model_bytes = sum(int(v.nbytes) for v in self.protocol.global_weights().values())
-        self.uploads_on_disk = self._place_uploads()
+        self.uploads_on_disk = self._place_uploads(memory_bytes)
         self.privacy = PrivacyLedger(self.spec, scheme.noise_multiplier(self.spec), self.metrics)
         if self.privacy.enabled and self.privacy.secret:
             log.info(
@@ -413,12 +414,15 @@ class Server:
             on_bytes=self.metrics.count_bytes,
         )
 
-    def _place_uploads(self) -> bool:
+    def _place_uploads(self, memory_bytes: int | None) -> bool:
         """Keeps the rounds' uploads on disk where ``spec.uploads.storage`` says so (Auto: where
-        this process's memory would not hold them in memory); returns whether it does."""
+        ``memory_bytes``, else this process's available memory, would not hold them in
+        memory); returns whether it does."""
         storage = self.spec.uploads.storage
         model_bytes = self.model_bytes
-        memory = available_memory_bytes() if storage == "Auto" else None
+        memory = None
+        if storage == "Auto":
+            memory = available_memory_bytes() if memory_bytes is None else memory_bytes
         if not uploads_on_disk(storage, model_bytes, memory):
             return False
         self.config.workdir.mkdir(parents=True, exist_ok=True)
@@ -1017,6 +1021,7 @@ def run_server(
     resume: bool,
     kdc: str | None = None,
     require_checkpoint: bool = False,
+    memory_bytes: int | None = None,
 ) -> dict[str, Any]:
     """The ``fedcore server`` entry point: serves one run to its end."""
     run, tls = config.load()
@@ -1029,6 +1034,7 @@ def run_server(
         resume=resume,
         kdc=kdc,
         require_checkpoint=require_checkpoint,
+        memory_bytes=memory_bytes,
     )
     try:
         return server.serve()

@@ -438,7 +438,8 @@ class ServerSession:
                 sent += len(chunk)
             # Not held while waiting for the next: a round's task would keep its model alive
             # beside the next round's (2 models on a server; found with tracemalloc).
-            item = chunk = None
+            del item
+            chunk = b""
             if self._on_bytes is not None:
                 self._on_bytes(sent, 0)
 

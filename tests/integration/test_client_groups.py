@@ -180,4 +180,8 @@ def test_a_run_short_of_memory_starts_its_clients_in_one_process_and_says_so(
     events = [json.loads(line) for line in run.events_path.read_text().splitlines()]
     (phase,) = [e for e in events if e.get("phase") == "clients"]
     assert phase["processes"] == 1 and phase["memory_bytes"] == 1
-    assert phase["needed_bytes"] == int(groups.planned_bytes(4, 4, run.model_bytes))
+    # ...with its server's uploads on disk (spec.uploads.storage Auto, 1 byte of memory)
+    planned = groups.planned_bytes(4, 4, run.model_bytes, uploads_on_disk=True)
+    assert phase["needed_bytes"] == int(planned)
+    server_log = (tmp_path / "work" / "logs" / "server.log").read_text()
+    assert "Keeping each round's uploads on disk" in server_log

@@ -81,14 +81,18 @@ def test_run_final_model_equals_single_process_simulation_bit_for_bit(finished_r
     assert models_equal(released, simulated.weights)
 
 
-def test_a_run_with_its_uploads_on_disk_equals_the_simulation_bit_for_bit(tmp_path: Path) -> None:
-    # Prepare: the server keeps every upload in a file and adds the files up at combine
-    manifest = write_manifest(
-        tmp_path / "run.yaml", rounds=2, uploads={"storage": "Disk"}, checkpoint={"everyRounds": 0}
-    )
+def test_a_run_short_of_memory_keeps_its_uploads_on_disk_and_equals_the_simulation(
+    tmp_path: Path,
+) -> None:
+    # Prepare: spec.uploads.storage Auto (the default) with 300 MiB planned for the run: the
+    # server's 300 MiB and 4 models would not fit, so it keeps every upload in a file and adds
+    # the files up at combine (and the clients share one process)
+    manifest = write_manifest(tmp_path / "run.yaml", rounds=2, checkpoint={"everyRounds": 0})
     work = tmp_path / "work"
+    memory = 300 * 2**20
     # Execute
-    result = LocalRun(load_manifest(manifest), manifest, workdir=work).execute()
+    run = LocalRun(load_manifest(manifest), manifest, workdir=work, memory_bytes=memory)
+    result = run.execute()
     # Assert
     assert result.phase == "Succeeded" and result.rounds_completed == 2
     released = load_file(str(work / "model.safetensors"))
@@ -96,7 +100,10 @@ def test_a_run_with_its_uploads_on_disk_equals_the_simulation_bit_for_bit(tmp_pa
     server_log = (work / "logs" / "server.log").read_text()
     assert f"Keeping each round's uploads on disk, in {work}" in server_log
     # the MLP 64-32-10 in float32: (64 * 32 + 32 + 32 * 10 + 10) * 4 bytes
-    assert "(spec.uploads.storage Disk; a model of 9,640 bytes)" in server_log
+    assert (
+        f"(spec.uploads.storage Auto; a model of 9,640 bytes, {memory:,} bytes of memory "
+        "available)" in server_log
+    )
     assert not list(work.glob("fedcore-fold-*")), "the round's files are removed"
 
 

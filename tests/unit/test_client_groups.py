@@ -234,3 +234,27 @@ def test_each_client_task_names_itself_in_the_log_lines_it_writes() -> None:
             "MainThread outside",
         ]
     )
+
+
+def test_the_server_keeps_its_uploads_on_disk_where_four_models_would_not_fit() -> None:
+    # Prepare: a 4 GB model; the memory that just holds the server with its uploads in memory
+    model = 4 * 10**9
+    holds = -(-groups.server_bytes(model) // groups.MEMORY_FRACTION)  # rounded up
+    # Execute / Assert: Auto by the memory (unknown memory: in memory), the others as named
+    assert not groups.uploads_on_disk("Auto", model, int(holds))
+    assert groups.uploads_on_disk("Auto", model, int(holds) - 2)
+    assert not groups.uploads_on_disk("Auto", model, None)
+    assert groups.uploads_on_disk("Disk", model, None)
+    assert not groups.uploads_on_disk("Memory", model, 1)
+    assert groups.server_bytes(model) == groups.PROCESS_BYTES + 4 * model
+    assert groups.server_bytes(model, uploads_on_disk=True) == groups.PROCESS_BYTES + 2 * model
+    # ...and the grouping plans the server so: with a 1 GB model, 6.5 GB hold the server and
+    # 2 processes of clients with its uploads on disk, 1 process with them in memory
+    small, memory = 10**9, 6_500_000_000
+    by_storage = {
+        storage: groups.clients_per_process(
+            4, cores=2, model_bytes=small, memory_bytes=memory, storage=storage
+        )
+        for storage in ("Disk", "Memory", "Auto")
+    }
+    assert by_storage == {"Disk": 2, "Memory": 4, "Auto": 4}

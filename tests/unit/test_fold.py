@@ -248,6 +248,7 @@ def test_a_held_upload_is_copied_so_its_buffer_may_be_reused() -> None:
         (lambda f: f.add(0, {"w": np.zeros(3)}, -1.0), "finite number >= 0"),
         (lambda f: f.add(0, {"w": np.zeros(3)}, float("nan")), "finite number >= 0"),
         (lambda f: (f.add(0, {"w": np.zeros(3)}, 1.0), f.sums()), r"clients \[1, 2\]"),
+        (lambda f: (f.add(0, {"w": np.zeros(3)}, 1.0), f.reweigh(0, 2.0)), "weighed later"),
     ],
 )
 def test_misuse_is_refused_with_a_reason(action, message: str) -> None:
@@ -282,13 +283,20 @@ def _model_uploads(rng: np.random.Generator, clients: int) -> dict[int, Payload]
     }
 
 
+@pytest.mark.parametrize("on_disk", [False, True])
 @pytest.mark.parametrize("weighting", ["ShardSize", "Uniform"])
-def test_a_server_that_sums_on_arrival_equals_one_that_sums_at_combine(weighting: str) -> None:
+def test_a_server_that_sums_on_arrival_equals_one_that_sums_at_combine(
+    weighting: str, on_disk: bool, tmp_path: Path
+) -> None:
+    """Also with the uploads on disk (``keep_uploads_on_disk``): each goes to a file of its
+    own as it arrives, and the files are gone once the round is combined."""
     rng = np.random.default_rng(3)
     clients = 7
     uploads = _model_uploads(rng, clients)
     sizes = tuple(50 for _ in range(clients))
     streaming, batch = _server(sizes, weighting), _server(sizes, weighting)
+    if on_disk:
+        streaming.keep_uploads_on_disk(tmp_path)
     for server in (streaming, batch):
         server.plan_round(1, list(range(clients)))
     kept = {}
@@ -297,7 +305,13 @@ def test_a_server_that_sums_on_arrival_equals_one_that_sums_at_combine(weighting
         stand_in = streaming.take_upload(1, k, uploads[k])
         assert stand_in is not None and not stand_in.tensors and stand_in.meta == uploads[k].meta
         kept[k] = stand_in
+    if on_disk:
+        (folder,) = tmp_path.iterdir()
+        assert sorted(f.name for f in folder.iterdir()) == [
+            f"client-{k}.bin" for k in (0, 2, 3, 5, 6)
+        ]
     result = streaming.combine(1, kept, [1, 4])
+    assert not any(tmp_path.iterdir())
     expected = batch.combine(1, {k: uploads[k] for k in kept}, [1, 4])  # the simulation's path
     assert result == expected
     for name, value in batch.global_weights().items():
@@ -305,28 +319,39 @@ def test_a_server_that_sums_on_arrival_equals_one_that_sums_at_combine(weighting
         assert streaming.global_weights()[name].dtype == np.float32
 
 
-@pytest.mark.parametrize("hold_bytes", [0, 1 << 20])
-def test_uploads_wait_in_a_store_where_the_weight_needs_the_whole_round(hold_bytes: int) -> None:
+@pytest.mark.parametrize("hold_bytes", [0, 1 << 20, ON_DISK])
+def test_uploads_wait_in_a_store_where_the_weight_needs_the_whole_round(
+    hold_bytes: int, tmp_path: Path
+) -> None:
     """Without shard sizes or a cap, a claim is capped at a multiple of the round's median:
-    each upload waits in a store (in memory, or on disk past hold_bytes) and the runtime keeps
-    its meta only; combine then sums them in client order, bit for bit the batch mean."""
+    each upload waits in a store (in memory, or on disk past hold_bytes; with the uploads on
+    disk, in the fold's own files, weighed at combine) and the runtime keeps its meta only;
+    combine then sums them in client order, bit for bit the batch mean."""
     rng = np.random.default_rng(4)
     uploads = _model_uploads(rng, 5)
     uploads[3] = Payload(
         meta={**uploads[3].meta, "num_examples": 10**6}, tensors=uploads[3].tensors
     )
     server = _server(None)
-    server.hold_bytes = hold_bytes
+    if hold_bytes == ON_DISK:
+        server.keep_uploads_on_disk(tmp_path)
+    else:
+        server.hold_bytes = hold_bytes
     server.plan_round(1, list(range(5)))
     kept = {}
     for k in [4, 1, 3, 0]:  # client 2 drops out
         stand_in = server.take_upload(1, k, uploads[k])
         assert stand_in is not None and not stand_in.tensors and stand_in.meta == uploads[k].meta
         kept[k] = stand_in
-    store = server._deferred
-    assert store is not None and store.clients == [0, 1, 3, 4]
-    assert store.spilled_count == (4 if hold_bytes == 0 else 0)
-    folder = store.folder
+    if hold_bytes == ON_DISK:
+        assert server._deferred is None
+        (folder,) = tmp_path.iterdir()
+        assert sorted(f.name for f in folder.iterdir()) == [f"client-{k}.bin" for k in (0, 1, 3, 4)]
+    else:
+        store = server._deferred
+        assert store is not None and store.clients == [0, 1, 3, 4]
+        assert store.spilled_count == (4 if hold_bytes == 0 else 0)
+        folder = store.folder
     result = server.combine(1, kept, [2])
     reference = _server(None)
     expected = reference.combine(1, {k: uploads[k] for k in kept}, [2])  # no plan: sums afresh

@@ -380,9 +380,9 @@ def _assert_same_models(a: RobustAveragingServer, b: RobustAveragingServer) -> N
 def test_a_server_taking_uploads_ends_where_one_given_whole_uploads_does(
     tmp_path: Path, rule: str, clusters: int
 ) -> None:
-    # Prepare: the same server twice; the streaming one spills every upload
+    # Prepare: the same server twice; the streaming one keeps every upload on disk
     streaming, batch = _server(rule, clusters), _server(rule, clusters)
-    streaming.hold_bytes, streaming.spill_dir = 0, str(tmp_path)
+    streaming.keep_uploads_on_disk(tmp_path)  # spec.uploads.storage Disk: no budget
     clients = [0, 1, 2, 3, 4, 5, 6, 7, 8]
     for round in (1, 2):
         uploads = _round_uploads(batch, clients, seed=round)

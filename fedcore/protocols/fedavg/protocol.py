@@ -115,11 +115,14 @@ class ModelAveragingServer(BoundedServer, ServerProtocol):
 
     def take_upload(self, round: int, client: int, upload: Payload) -> Payload | None:
         """Adds a checked upload into the attempt's sum, or, where its weight waits for the
-        round's claims, into the attempt's store; the runtime keeps its meta only."""
+        round's claims, into the attempt's store; the runtime keeps its meta only. With the
+        uploads on disk every upload goes to the fold's files, weighed at ``combine``."""
         if not self.streams_uploads or self._fold is None:
             return None
         weight = self._known_weight(client, upload)
-        if weight is None:  # it waits for the round's claims, in bounded memory
+        if self._fold.on_disk:
+            self._fold.add(client, upload.tensors, 0.0 if weight is None else weight)
+        elif weight is None:  # it waits for the round's claims, in bounded memory
             if self._deferred is None:
                 self._deferred = UploadStore(
                     self._weights, budget_bytes=self.hold_bytes, spill_dir=self.spill_dir
@@ -197,6 +200,9 @@ class ModelAveragingServer(BoundedServer, ServerProtocol):
                 fold.close()
             fold = self._new_fold(order, hold_bytes=0)
         with fold:
+            if fold.on_disk:  # weighed now, with the round's claims (the same known weights)
+                for client in fold.added:
+                    fold.reweigh(client, weights[client])
             for client in fold.planned:
                 if client in uploads and not fold.taken(client):
                     if deferred is not None and client in deferred:
