@@ -12,6 +12,7 @@ import json
 import math
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
+from pathlib import Path
 
 import numpy as np
 
@@ -94,6 +95,16 @@ class TensorFile:
             arrays=tuple((name, array) for _, name, _, array in ordered),
             size=8 + len(text) + offset,
         )
+
+    def write(self, path: Path) -> None:
+        """Writes the file to ``path`` through ``path``.tmp, renamed over it when whole: the
+        arrays' own bytes, never a copy of them (safetensors' ``save_file`` copied every
+        tensor to bytes first: a model's size more at a server's release of the model)."""
+        partial = path.with_name(path.name + ".tmp")
+        with open(partial, "wb") as file:
+            for chunk in self.chunks():
+                file.write(chunk)
+        partial.replace(path)
 
     def chunks(self, chunk_bytes: int = CHUNK_BYTES) -> Iterator[memoryview]:
         """Yields the file's bytes: the header, then views of each array (no copies)."""

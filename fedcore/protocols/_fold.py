@@ -42,7 +42,7 @@ from fedcore.protocols._kernels import (
     fold_into,
     fold_many_into,
 )
-from fedcore.protocols._spill import HOLD_BYTES, SpillFolder
+from fedcore.protocols._spill import HOLD_BYTES, SPILL_PREFIXES, SpillFolder
 
 Tensors = Mapping[str, np.ndarray]
 
@@ -109,7 +109,7 @@ class OrderedFold:
         self._skipped: set[int] = set()
         self._added: set[int] = set()
         self._hold_bytes = hold_bytes
-        self._spill = SpillFolder(spill_dir, prefix="fedcore-fold-")
+        self._spill = SpillFolder(spill_dir, prefix=SPILL_PREFIXES[0])
         self.held_bytes = 0
         """Bytes of early uploads held in memory now."""
         self.peak_held_bytes = 0

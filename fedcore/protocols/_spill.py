@@ -42,6 +42,21 @@ _WRITE_ELEMENTS = 1 << 16
 """Elements converted at a time when a tensor is written in another dtype."""
 
 
+SPILL_PREFIXES = ("fedcore-fold-", "fedcore-store-")
+"""The prefixes of the private folders a fold (``_fold``) and a store (``UploadStore``) make."""
+
+
+def remove_spilled(parent: str | os.PathLike[str]) -> int:
+    """Removes the spill folders inside ``parent`` (a server's run folder, at its start: what a
+    process that died mid-round left there, clients' uploads); returns how many it removed."""
+    removed = 0
+    for path in Path(parent).iterdir() if Path(parent).is_dir() else ():
+        if path.is_dir() and not path.is_symlink() and path.name.startswith(SPILL_PREFIXES):
+            shutil.rmtree(path, ignore_errors=True)
+            removed += 1
+    return removed
+
+
 class SpillFolder:
     """A private folder for spilled uploads: made on first use (``tempfile.mkdtemp``, so mode
     0700, owned by this process's user) inside ``parent`` (None: the system's temporary
@@ -104,7 +119,7 @@ class UploadStore:
         budget_bytes: int = HOLD_BYTES,
         spill_dir: str | os.PathLike[str] | None = None,
     ) -> None:
-        self._folder = SpillFolder(spill_dir, prefix="fedcore-store-")
+        self._folder = SpillFolder(spill_dir, prefix=SPILL_PREFIXES[1])
         self._maps: dict[int, list[np.ndarray]] = {}
         self._layout = {
             name: (np.shape(value), np.asarray(value).dtype) for name, value in reference.items()

@@ -18,11 +18,11 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
-from safetensors.numpy import save_file
 
 from fedcore.checkpoint import (
     Checkpointer,
     CheckpointShortOfSpace,
+    TensorFile,
     server_checkpoint_key,
     server_checkpointer,
 )
@@ -57,6 +57,7 @@ from fedcore.privacy import PrivacyLedger
 from fedcore.protocols import ServerProtocol, create_protocol
 from fedcore.protocols._compressed import META_KEY as COMPRESSION_KEY
 from fedcore.protocols._compressed import compress_tensors, decompress_tensors
+from fedcore.protocols._spill import remove_spilled
 from fedcore.roles._common import (
     KDC_SERVICE,
     SERVER_SERVICE,
@@ -426,6 +427,9 @@ class Server:
         if not uploads_on_disk(storage, model_bytes, memory):
             return False
         self.config.workdir.mkdir(parents=True, exist_ok=True)
+        stale = remove_spilled(self.config.workdir)
+        if stale:
+            log.info("Removed %d folder(s) of uploads a previous server left unfinished.", stale)
         self.protocol.keep_uploads_on_disk(self.config.workdir)
         log.info(
             "Keeping each round's uploads on disk, in %s (spec.uploads.storage %s; a model "
@@ -990,14 +994,10 @@ class Server:
             return  # a decentralized run's clients release their own models
         path = self.config.workdir / "model.safetensors"
         path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_suffix(".tmp")
-        save_file({k: v for k, v in self.protocol.global_weights().items()}, str(tmp))
-        tmp.replace(path)
+        TensorFile.of(self.protocol.global_weights()).write(path)
         models = self.protocol.models()
         for j, weights in enumerate(models if len(models) > 1 else []):
-            clustered = path.with_name(f"model-cluster-{j}.safetensors")
-            save_file(dict(weights), str(tmp))
-            tmp.replace(clustered)
+            TensorFile.of(weights).write(path.with_name(f"model-cluster-{j}.safetensors"))
 
     def _setup_protocol(self) -> None:
         """Gives the protocol its KDC channel (after any restore).

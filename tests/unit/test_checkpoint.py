@@ -410,6 +410,22 @@ def test_tensor_file_streams_the_same_bytes_as_the_safetensors_library() -> None
     assert len(streamed) == layout.size
 
 
+def test_tensor_file_writes_the_librarys_file_whole_or_not_at_all(tmp_path: Path) -> None:
+    # Prepare
+    from safetensors.numpy import save_file as library_save_file
+
+    tensors = {k: v for k, v in _tensors().items() if k != "big_endian"}
+    contiguous = {k: np.ascontiguousarray(v).reshape(v.shape) for k, v in tensors.items()}
+    library_save_file(contiguous, str(tmp_path / "library.safetensors"))
+    path = tmp_path / "model.safetensors"
+    path.write_bytes(b"the previous model")
+    # Execute
+    TensorFile.of(tensors).write(path)
+    # Assert
+    assert path.read_bytes() == (tmp_path / "library.safetensors").read_bytes()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["library.safetensors", path.name]
+
+
 def test_read_tensors_reads_library_files_as_writable_views_of_the_buffer() -> None:
     # Prepare
     from safetensors.numpy import save as library_save

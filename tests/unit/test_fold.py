@@ -135,16 +135,21 @@ def _disk_blocks(elements: int) -> Iterator[None]:
         _fold.DISK_BLOCK_ELEMENTS = kept
 
 
+MEMORY_CLIENTS, MEMORY_SIZE = 24, 1_000_000
+"""The memory tests' round: K uploads of 4 MB (a million float32 values each)."""
+
+
+def _filled(k: int) -> dict[str, np.ndarray]:
+    """Client ``k``'s upload in the memory tests: every value ``k + 1``."""
+    return {"w": np.full(MEMORY_SIZE, k + 1, dtype=np.float32)}
+
+
 def test_early_uploads_go_to_disk_beyond_the_hold_and_memory_stays_bounded(tmp_path: Path) -> None:
     """K uploads of 4 MB arriving last-first: with no hold, the fold keeps its float64
     accumulator (8 MB) and nothing else in memory; they wait on disk, in a private folder."""
-    clients, size = 24, 1_000_000
+    clients, size, upload = MEMORY_CLIENTS, MEMORY_SIZE, _filled
     reference = {"w": np.zeros(size, dtype=np.float32)}
     model_bytes = size * 4
-
-    def upload(k: int) -> dict[str, np.ndarray]:
-        return {"w": np.full(size, k + 1, dtype=np.float32)}
-
     gc.collect()
     tracemalloc.start()
     try:
@@ -176,13 +181,9 @@ def test_a_fold_on_disk_holds_no_model_sized_sums(tmp_path: Path) -> None:
     mean, stays under the one model-sized array it returns plus its blocks (here 2**16
     coordinates: 0.5 MiB of sums, 8 x 256 KiB read back), where the in-memory fold keeps an
     8 MB float64 accumulator."""
-    clients, size = 24, 1_000_000
+    clients, size, upload = MEMORY_CLIENTS, MEMORY_SIZE, _filled
     reference = {"w": np.zeros(size, dtype=np.float32)}
     model_bytes = size * 4
-
-    def upload(k: int) -> dict[str, np.ndarray]:
-        return {"w": np.full(size, k + 1, dtype=np.float32)}
-
     gc.collect()
     tracemalloc.start()
     try:

@@ -21,7 +21,7 @@ import pytest
 from fedcore.errors import ProtocolError
 from fedcore.learning.training import LocalStats
 from fedcore.protocols._maths import flatten
-from fedcore.protocols._spill import UploadStore
+from fedcore.protocols._spill import UploadStore, remove_spilled
 from fedcore.protocols.fedavg import aggregators
 from fedcore.protocols.fedavg.robust import RobustAveragingServer
 from fedcore.spec._options import FedAvgOptions
@@ -461,3 +461,23 @@ def test_a_round_of_spilled_uploads_holds_a_few_models_and_k_blocks(
     assert result is not None and result.participants == CLIENTS
     assert peak < bound, f"peak {peak / 2**20:.1f} MiB, bound {bound / 2**20:.1f} MiB"
     assert np.any(server.global_weights()["w"] != 0)
+
+
+def test_a_servers_start_removes_the_spill_folders_a_dead_server_left(tmp_path: Path) -> None:
+    # Prepare: a fold's and a store's folders with a file each (as a killed server leaves
+    # them), beside a run folder's own files and a folder that only looks alike
+    left = [tmp_path / "fedcore-fold-abc", tmp_path / "fedcore-store-xyz"]
+    for folder in left:
+        folder.mkdir()
+        (folder / "client-0.bin").write_bytes(b"an upload")
+    kept = [tmp_path / "checkpoints", tmp_path / "model.safetensors", tmp_path / "fold-notes"]
+    kept[0].mkdir()
+    kept[1].write_bytes(b"model")
+    kept[2].mkdir()
+    # Execute
+    removed = remove_spilled(tmp_path)
+    # Assert
+    assert removed == 2
+    assert not any(folder.exists() for folder in left)
+    assert all(path.exists() for path in kept)
+    assert remove_spilled(tmp_path / "missing") == 0
