@@ -31,7 +31,7 @@ from fedcore.sites.policy import spec_digest
 from fedcore.sites.site import SiteAgent
 from fedcore.spec import FederatedRun, load_manifest
 from tests.integration._connect_proxy import ConnectProxy
-from tests.integration._runs import fedcore, last_json
+from tests.integration._runs import ServerHold, fedcore, last_json
 from tests.integration._s3 import S3Server, start_s3
 
 pytestmark = pytest.mark.integration
@@ -246,30 +246,29 @@ def round_events(run: ConsortiumRun) -> list[dict[str, Any]]:
 
 
 def test_a_site_revoked_mid_run_is_cut_off_and_the_run_goes_on(
-    tmp_path: Path, hospitals: Path
+    tmp_path: Path, hospitals: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     data = folder_data(hospitals)
-    document = manifest(tmp_path, "revoked", rounds=10, clients={"count": 4, "quorum": "75%"})
+    document = manifest(tmp_path, "revoked", rounds=8, clients={"count": 4, "quorum": "75%"})
+    # The hub's server waits after round 2 until the revocation is written (its rounds take
+    # milliseconds, and events reach the callback by polling: never "after round 2" otherwise).
+    hold = ServerHold(monkeypatch, tmp_path, 2)
     run = consortium(tmp_path, document, data)
-    ended_when_revoked: list[int] = []
+    revoked: list[int] = []
 
     def on_event(event: dict[str, Any]) -> None:
-        # Events reach this callback by polling the events file, so the run may be a few
-        # rounds further than the event says: what counts is the last round that had ended
-        # once the revocation was written (read after writing it).
-        if event.get("event") == "round" and event["round"] == 2 and not ended_when_revoked:
+        if event.get("event") == "held" and not revoked:
             run.registry.revoke("hospital-c")
-            ended_when_revoked.append(round_events(run)[-1]["round"])
+            revoked.append(event["round"])
+            hold.release()
 
     result = run.execute(on_event)
-    assert result.phase == "Succeeded" and result.rounds_completed == 10
+    assert revoked == [2]
+    assert result.phase == "Succeeded" and result.rounds_completed == 8
     rounds = round_events(run)
     assert [r["participants"] for r in rounds[:2]] == [4, 4]
-    # Round `ended + 1` may have been under way when the revocation was written (its upload
-    # may be summed already); from round `ended + 2` on, client 3 (hospital-c's) never counts.
-    (ended,) = ended_when_revoked
-    assert ended + 2 <= 10, f"the run was at round {ended} when the revocation was written"
-    for event in rounds[ended + 1 :]:
+    # From round 3 on, client 3 (hospital-c's) never counts again.
+    for event in rounds[2:]:
         assert event["participants"] == 3, event
         assert 3 in event["failures"], event
     site = run.sites["hospital-c"]
@@ -284,16 +283,18 @@ def test_a_site_revoked_mid_run_is_cut_off_and_the_run_goes_on(
 
 
 def test_the_hubs_server_killed_mid_run_is_restarted_and_the_sites_reconnect(
-    tmp_path: Path, hospitals: Path
+    tmp_path: Path, hospitals: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     data = folder_data(hospitals)
+    # The hub's server waits after round 2 (checkpointed) until it is killed there.
+    hold = ServerHold(monkeypatch, tmp_path, 2)
     run = consortium(tmp_path, manifest(tmp_path, "restarted", rounds=6), data)
     killed: list[int] = []
     site_c = tmp_path / "work" / "sites" / "hospital-c"
     work_c = site_c / "runs" / "restarted"
 
     def on_event(event: dict[str, Any]) -> None:
-        if event.get("event") == "round" and event["round"] == 2 and not killed:
+        if event.get("event") == "held" and not killed:
             # hospital-c renews its client's certificate (as its agent does at half its life):
             # the client takes it up when it reconnects to the restarted server.
             agent = SiteAgent(site_c, run.policies["hospital-c"])
@@ -302,6 +303,7 @@ def test_the_hubs_server_killed_mid_run_is_restarted_and_the_sites_reconnect(
             server = run.hub.local.children["server"].process
             killed.append(server.pid)
             os.kill(server.pid, signal.SIGKILL)
+            hold.release()  # the restarted server resumes at round 3: no hold there
 
     result = run.execute(on_event)
     assert killed
