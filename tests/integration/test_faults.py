@@ -67,8 +67,9 @@ def wait_for(
     raise AssertionError(f"no matching event within {timeout} s")
 
 
-def checkpointed(round_: int) -> Callable[[dict[str, Any]], bool]:
-    return lambda e: e["event"] == "checkpoint" and e["round"] == round_
+def held(round_: int) -> Callable[[dict[str, Any]], bool]:
+    """The server's ``held`` event after ``round_`` (``ServerHold``)."""
+    return lambda e: e["event"] == "held" and e["round"] == round_
 
 
 def models_equal(a: dict[str, np.ndarray], b: dict[str, np.ndarray]) -> bool:
@@ -128,10 +129,12 @@ def run_with_client_killed_mid_upload(
 
 
 def test_server_killed_mid_round_restarts_resumes_and_ends_with_the_uninterrupted_model(
-    tmp_path: Path,
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     # Prepare: roles exec'd as in pods; a checkpoint after every round; rounds of ten local
-    # epochs, long enough that the kill lands inside a round rather than after the last.
+    # epochs. The server holds after round 2 (checkpointed) and is killed as it is let go: at
+    # the start of round 3 at the latest, never after the last round.
+    hold = ServerHold(monkeypatch, tmp_path, 2)
     manifest = write_manifest(
         tmp_path / "run.yaml",
         rounds=5,
@@ -146,8 +149,9 @@ def test_server_killed_mid_round_restarts_resumes_and_ends_with_the_uninterrupte
     run = LocalRun(load_manifest(manifest), manifest, workdir=work, spawn="exec")
     run.start()
     try:
-        wait_for(run, checkpointed(2))
+        wait_for(run, held(2))
         # Execute
+        hold.release()
         kill(run.children["server"])
         result = run.wait()
     finally:
@@ -161,7 +165,7 @@ def test_server_killed_mid_round_restarts_resumes_and_ends_with_the_uninterrupte
     assert result.phase == "Succeeded", result
     assert result.restarts == {"server": 1}
     assert events[at]["role"] == "server" and events[at]["exit_code"] == -signal.SIGKILL
-    assert 2 <= last_good < 5
+    assert last_good == 2
     assert resumed == [last_good]
     assert redone == list(range(last_good + 1, 6))
     assert (work / "logs" / "server.log.1").exists()
@@ -283,7 +287,7 @@ def test_kdc_killed_mid_run_restarts_from_its_checkpoint_and_the_run_finishes(
     run = LocalRun(load_manifest(manifest), manifest, workdir=work)
     run.start()
     try:
-        wait_for(run, lambda e: e["event"] == "held" and e["round"] == 1)
+        wait_for(run, held(1))
         saved = [e for e in events_of(run.kdc_events_path) if e["event"] == "checkpoint"]
         # Execute
         kill_and_wait(run.children["kdc"])
@@ -385,19 +389,21 @@ def resume_to(tmp_path: Path, rounds: int, checkpoint: dict[str, Any], work: Pat
 
 
 def test_s3_down_30_seconds_mid_run_is_ridden_out_counted_and_resume_still_works(
-    s3_env: S3Server, tmp_path: Path
+    s3_env: S3Server, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    # Prepare
+    # Prepare: the server holds after round 1 (checkpointed) until S3 is down
     s3 = s3_env
+    hold = ServerHold(monkeypatch, tmp_path, 1)
     checkpoint = s3_checkpoint(s3, "{name}/outage", retry_seconds=120)
     manifest = write_manifest(tmp_path / "run.yaml", rounds=8, checkpoint=checkpoint)
     work = tmp_path / "work"
     run = LocalRun(load_manifest(manifest), manifest, workdir=work)
     run.start()
     try:
-        wait_for(run, checkpointed(1))
+        wait_for(run, held(1))
         # Execute: down for at least 30 s, and until the server has felt it.
         s3.stop()
+        hold.release()
         down = time.monotonic()
         failures = 0.0
         while time.monotonic() - down < 30 or failures < 1:
@@ -435,18 +441,20 @@ def test_s3_down_30_seconds_mid_run_is_ridden_out_counted_and_resume_still_works
 
 
 def test_s3_down_past_retry_seconds_fails_the_run_clearly_and_resume_continues(
-    s3_env: S3Server, tmp_path: Path
+    s3_env: S3Server, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    # Prepare
+    # Prepare: the server holds after round 1 (checkpointed) until S3 is down
     s3 = s3_env
+    hold = ServerHold(monkeypatch, tmp_path, 1)
     checkpoint = s3_checkpoint(s3, "{name}/exhausted", retry_seconds=5)
     manifest = write_manifest(tmp_path / "run.yaml", rounds=6, checkpoint=checkpoint)
     work = tmp_path / "work"
     run = LocalRun(load_manifest(manifest), manifest, workdir=work)
     run.start()
     try:
-        wait_for(run, checkpointed(1))
+        wait_for(run, held(1))
         s3.stop()
+        hold.release()
         # Execute
         with pytest.raises(RunAborted) as aborted:
             run.wait()
