@@ -171,6 +171,10 @@ def start_s3(
         f"-s3.config={config}",
         "-admin.ui=false",
         "-master.telemetry=false",
+        # Off: they listen on fixed ports (8181, 7333), so a second server on the machine
+        # (another test session's) exited with "address already in use".
+        "-s3.port.iceberg=0",
+        "-webdav=false",
         *(f"-{flag}={port}" for flag, port in ports.items()),
     ]
     (folder / "data").mkdir(exist_ok=True)
