@@ -370,17 +370,26 @@ class OrderedFold:
 
     def _store(self, client: int, flats: Mapping[str, np.ndarray], weight: float) -> None:
         """Writes ``client``'s tensors' bytes, in the layout's order, to a file of its own
-        (mode 0600, in the fold's private folder)."""
+        (mode 0600, in the fold's private folder).
+
+        Raises:
+            OSError: the file could not be written whole (e.g. the disk is full); nothing of
+                it is left, and the client may be added again.
+        """
         path = self._stored_file(client)
-        descriptor = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-        with os.fdopen(descriptor, "wb", buffering=0) as file:
-            for name in self._layout:
-                data = flats[name].data.cast("B")
-                for start in range(0, len(data), _WRITE_BYTES):
-                    part = data[start : start + _WRITE_BYTES]
-                    while part:
-                        written = file.write(part)
-                        part = part[written:]
+        try:
+            descriptor = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+            with os.fdopen(descriptor, "wb", buffering=0) as file:
+                for name in self._layout:
+                    data = flats[name].data.cast("B")
+                    for start in range(0, len(data), _WRITE_BYTES):
+                        part = data[start : start + _WRITE_BYTES]
+                        while part:
+                            written = file.write(part)
+                            part = part[written:]
+        except BaseException:
+            path.unlink(missing_ok=True)
+            raise
         self._stored[client] = (weight, [flats[name].dtype for name in self._layout])
 
     def _total_stored(self) -> None:

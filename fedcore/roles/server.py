@@ -346,6 +346,8 @@ class Server:
         self.protocol.set_shard_sizes(shard_sizes(self.spec))  # weights from what it knows
         self.model_bytes = sum(int(v.nbytes) for v in self.protocol.global_weights().values())
         self.uploads_on_disk = self._place_uploads(memory_bytes)
+        self.storage_failure: RunAborted | None = None
+        """Set when an upload could not be kept on disk: the attempt then stops the run."""
         self.privacy = PrivacyLedger(self.spec, scheme.noise_multiplier(self.spec), self.metrics)
         if self.privacy.enabled and self.privacy.secret:
             log.info(
@@ -455,7 +457,8 @@ class Server:
 
     def accept_upload(self, index: int, message: Payload) -> str:
         """Checks and records one upload (the protocol may sum it at once, ``take_upload``);
-        returns accepted, duplicate, stale, rejected or revoked."""
+        returns accepted, duplicate, stale, rejected, revoked or unstored (the server could
+        not keep it: the run stops, ``storage_failure``)."""
         board = self.board
         upload = Payload(meta=dict(message.meta.get("upload") or {}), tensors=message.tensors)
         key = (message.meta.get("round"), message.meta.get("attempt"), message.meta.get("stage", 0))
@@ -508,6 +511,17 @@ class Server:
                     self._count_refused(index, attempt.round, exc)
                     status = "rejected"
                     attempt.failed[index] = "rejected"
+                except OSError as exc:  # the server's own disk (spec.uploads.storage)
+                    log.error("Could not keep client %d's upload: %s", index, exc)
+                    self.storage_failure = self.storage_failure or RunAborted(
+                        f"The server could not keep client {index}'s upload of round "
+                        f"{attempt.round} on disk in {self.config.workdir} ({exc}); free "
+                        "space there, or set spec.uploads.storage: Memory, and resume.",
+                        reason="UploadsNotStored",
+                        round=attempt.round,
+                    )
+                    status = "unstored"
+                    attempt.failed[index] = "unstored"
                 else:
                     if kept is not None:
                         attempt.taken.add(index)
@@ -747,6 +761,8 @@ class Server:
                 )
             )
             times["settled"] = time.monotonic()
+            if self.storage_failure is not None:
+                raise self.storage_failure
             self.rpc.drop_spare()  # the bytes kept for the next upload: not through combine
             report = AttemptReport(dict(attempt.uploads), dict(attempt.failed))
             if report.failed:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import time
 import urllib.request
 from pathlib import Path
@@ -105,6 +106,36 @@ def test_a_run_short_of_memory_keeps_its_uploads_on_disk_and_equals_the_simulati
         "available)" in server_log
     )
     assert not list(work.glob("fedcore-fold-*")), "the round's files are removed"
+
+
+def test_a_server_that_cannot_keep_an_upload_on_disk_stops_the_run_naming_why(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Prepare: uploads on disk, and a server whose files may not pass 200 kB (RLIMIT_FSIZE,
+    # set by tests/integration/_file_limit/sitecustomize.py in the exec'd server only), so
+    # the first upload of the MLP 64-1024-10 (307 kB) cannot be written whole
+    limit = Path(__file__).parent / "_file_limit"
+    monkeypatch.setenv(
+        "PYTHONPATH", os.pathsep.join([str(limit), os.environ.get("PYTHONPATH", "")])
+    )
+    monkeypatch.setenv("FEDCORE_TEST_SERVER_FILE_BYTES", "200000")
+    manifest = write_manifest(
+        tmp_path / "run.yaml",
+        model={"kind": "MLP", "hidden": [1024]},
+        uploads={"storage": "Disk"},
+        checkpoint={"everyRounds": 0},
+    )
+    work = tmp_path / "work"
+    run = LocalRun(load_manifest(manifest), manifest, workdir=work, spawn="exec")
+    # Execute
+    with pytest.raises(RunAborted) as stopped:
+        run.execute()
+    # Assert: a named reason, the server's disk named, no partial upload left behind
+    assert stopped.value.reason == "UploadsNotStored", str(stopped.value)
+    assert "could not keep client" in str(stopped.value) and str(work) in str(stopped.value)
+    assert stopped.value.round == 1
+    assert "File too large" in (work / "logs" / "server.log").read_text()
+    assert not [path for path in work.rglob("client-*.bin")]
 
 
 def test_run_writes_checkpoints_every_k_rounds(finished_run: dict) -> None:

@@ -3,12 +3,15 @@
 from __future__ import annotations
 
 import contextlib
+import errno
 import gc
+import os
 import stat
 import tempfile
 import tracemalloc
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -209,6 +212,47 @@ def test_a_fold_on_disk_holds_no_model_sized_sums(tmp_path: Path) -> None:
     assert {stat.S_IMODE(f.stat().st_mode) for f in files} == {0o600}
     fold.close()
     assert not any(tmp_path.iterdir())
+
+
+def test_an_upload_the_disk_cannot_hold_leaves_nothing_and_may_come_again(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Prepare: the first write of an upload's file stops half-way with ENOSPC
+    real = os.fdopen
+
+    def filling(descriptor: int, *args: Any, **kwargs: Any) -> Any:
+        file = real(descriptor, *args, **kwargs)
+
+        class Full:
+            def __enter__(self) -> Full:
+                return self
+
+            def __exit__(self, *exc: object) -> None:
+                file.close()
+
+            def write(self, data: memoryview) -> int:
+                file.write(data[: len(data) // 2])
+                raise OSError(errno.ENOSPC, "No space left on device")
+
+        return Full()
+
+    reference = {"w": np.zeros(1000, dtype=np.float32)}
+    uploads = {k: {"w": np.full(1000, k + 1, dtype=np.float32)} for k in range(2)}
+    fold = OrderedFold(reference, range(2), spill_dir=tmp_path, on_disk=True)
+    # Execute
+    monkeypatch.setattr(os, "fdopen", filling)
+    with pytest.raises(OSError, match="No space left"):
+        fold.add(0, uploads[0], 1.0)
+    monkeypatch.setattr(os, "fdopen", real)
+    (folder,) = tmp_path.iterdir()
+    left = list(folder.iterdir())
+    assert not fold.taken(0) and not fold.complete()
+    fold.add(0, uploads[0], 1.0)  # the disk has room again
+    fold.add(1, uploads[1], 1.0)
+    # Assert: nothing of the failed write stayed, and the sum is whole
+    assert left == []
+    assert np.array_equal(fold.mean()["w"], np.full(1000, 1.5, dtype=np.float32))
+    fold.close()
 
 
 def test_held_uploads_stay_within_the_hold() -> None:
