@@ -58,7 +58,12 @@ def scratch_elements(arrays: Iterable[np.ndarray]) -> int:
     """Elements of blocked float64 scratch for ``arrays``: ``BLOCK_ELEMENTS``, or the largest
     array's size if smaller (a small model's scratch then stays off the allocator's mmap path,
     which costs a system call and page faults per call)."""
-    return max(1, min(BLOCK_ELEMENTS, max((array.size for array in arrays), default=1)))
+    return scratch_for_sizes(array.size for array in arrays)
+
+
+def scratch_for_sizes(sizes: Iterable[int]) -> int:
+    """``scratch_elements`` for arrays of ``sizes`` elements."""
+    return max(1, min(BLOCK_ELEMENTS, max(sizes, default=1)))
 
 
 class OrderedFold:
@@ -99,8 +104,7 @@ class OrderedFold:
         self._acc: dict[str, np.ndarray] = {}
         if not on_disk:
             self._acc = {name: np.zeros(size) for name, size in self._sizes.items()}
-        block = max(1, min(BLOCK_ELEMENTS, max(self._sizes.values(), default=1)))
-        self._term = np.empty(block, dtype=np.float64)
+        self._term = np.empty(scratch_for_sizes(self._sizes.values()), dtype=np.float64)
         # on_disk: each stored upload's weight and its tensors' dtypes (their bytes follow one
         # another in its file, in the layout's order)
         self._stored: dict[int, tuple[float, list[np.dtype]]] = {}

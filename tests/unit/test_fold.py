@@ -147,14 +147,18 @@ def _filled(k: int) -> dict[str, np.ndarray]:
     return {"w": np.full(MEMORY_SIZE, k + 1, dtype=np.float32)}
 
 
+def _start_tracing() -> None:
+    """Starts tracemalloc after a collection, so that garbage left by earlier tests is gone."""
+    gc.collect()
+    tracemalloc.start()
+
+
 def test_early_uploads_go_to_disk_beyond_the_hold_and_memory_stays_bounded(tmp_path: Path) -> None:
     """K uploads of 4 MB arriving last-first: with no hold, the fold keeps its float64
     accumulator (8 MB) and nothing else in memory; they wait on disk, in a private folder."""
     clients, size, upload = MEMORY_CLIENTS, MEMORY_SIZE, _filled
-    reference = {"w": np.zeros(size, dtype=np.float32)}
-    model_bytes = size * 4
-    gc.collect()
-    tracemalloc.start()
+    reference, model_bytes = _filled(-1), MEMORY_SIZE * 4  # zeros
+    _start_tracing()
     try:
         fold = OrderedFold(reference, range(clients), hold_bytes=0, spill_dir=tmp_path)
         base, _ = tracemalloc.get_traced_memory()
@@ -185,10 +189,8 @@ def test_a_fold_on_disk_holds_no_model_sized_sums(tmp_path: Path) -> None:
     coordinates: 0.5 MiB of sums, 8 x 256 KiB read back), where the in-memory fold keeps an
     8 MB float64 accumulator."""
     clients, size, upload = MEMORY_CLIENTS, MEMORY_SIZE, _filled
-    reference = {"w": np.zeros(size, dtype=np.float32)}
-    model_bytes = size * 4
-    gc.collect()
-    tracemalloc.start()
+    reference, model_bytes = _filled(-1), MEMORY_SIZE * 4  # zeros
+    _start_tracing()
     try:
         with _disk_blocks(1 << 16):
             fold = OrderedFold(reference, range(clients + 1), spill_dir=tmp_path, on_disk=True)
