@@ -191,12 +191,29 @@ def imports_uncollected() -> Iterator[None]:
 
 
 def exit_now(code: int) -> None:
-    """Flushes the logs and standard streams, then ends the process with ``code`` at once."""
+    """Flushes the logs and standard streams, unlinks the named semaphores made in this process,
+    then ends the process with ``code`` at once (no interpreter teardown)."""
+    release_semaphores()
     logging.shutdown()
     for stream in (sys.stdout, sys.stderr):
         with contextlib.suppress(Exception):
             stream.flush()
     os._exit(code)
+
+
+def release_semaphores() -> None:
+    """Runs multiprocessing's exit finalizers, as a normal exit would, which ``os._exit`` skips.
+
+    A process started by a fork or the forkserver that makes a multiprocessing lock (numba
+    does, to launch the fold kernels' threads) owns a named semaphore in /dev/shm; without its
+    finalizer the semaphore stays until the resource tracker removes it, which then warns
+    "leaked semaphore objects" on the command's terminal. A no-op where multiprocessing's
+    helpers were never imported.
+    """
+    util = sys.modules.get("multiprocessing.util")
+    if util is not None:
+        with contextlib.suppress(Exception):
+            util._run_finalizers(0)
 
 
 def error_name(exc: BaseException) -> str:

@@ -1062,3 +1062,44 @@ def test_checkpoint_history_prints_each_pods_events_kept_in_the_store(
     # Checkpoints are listed as before: the history folder is not a round.
     listed = json.loads(cli.invoke(main, ["checkpoint", "list", *args, "--json"]).stdout)
     assert [entry["round"] for entry in listed["server"]] == [1, 2, 3]
+
+
+_LOCK_THEN_EXIT = """
+import multiprocessing, os, sys
+from fedcore.cli.commands import exit_now
+
+def child(ask_exit_now):
+    # What numba does before it launches its threads in a forked process: a multiprocessing
+    # lock, i.e. a named semaphore in /dev/shm, registered with the resource tracker.
+    lock = multiprocessing.get_context().RLock()
+    print(lock._semlock.name, flush=True)
+    if ask_exit_now:
+        exit_now(0)
+    os._exit(0)
+
+if __name__ == "__main__":
+    multiprocessing.set_start_method("forkserver")
+    process = multiprocessing.Process(target=child, args=(sys.argv[1] == "exit_now",))
+    process.start()
+    process.join()
+    sys.exit(process.exitcode)
+"""
+
+
+@pytest.mark.parametrize("how", ["exit_now", "os._exit"])
+def test_a_role_ending_with_exit_now_leaves_no_semaphore_behind(how: str, tmp_path: Path) -> None:
+    script = tmp_path / "lock_then_exit.py"
+    script.write_text(_LOCK_THEN_EXIT)
+    # The resource tracker shares stderr: run() returns once it has exited too.
+    done = subprocess.run(
+        [sys.executable, str(script), how], capture_output=True, text=True, timeout=60
+    )
+    assert done.returncode == 0, done.stderr
+    name = done.stdout.strip().lstrip("/")
+    assert name
+    leaked = "leaked semaphore" in done.stderr
+    if how == "exit_now":
+        assert not leaked, done.stderr
+        assert not Path("/dev/shm", f"sem.{name}").exists()
+    else:  # the check can fail: without the finalizers the tracker finds the leak
+        assert leaked, done.stderr
