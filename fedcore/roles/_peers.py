@@ -198,12 +198,16 @@ class PeerMesh(PeerChannel):
         self._lose(to, why)
 
     def _lose(self, peer: int, why: str) -> None:
+        """Notes that the link with ``peer`` ended: the next ``send`` or ``receive`` raises
+        ``PeerLost`` with ``why``. Logged at INFO: at the end of a run every client closes its
+        links, each a few milliseconds apart, before its neighbours have heard that the run is
+        over; a loss that matters is reported by the ``PeerLost`` it raises."""
         with self._cond:
             if self._closing:
                 return
             self._lost.setdefault(peer, why)
             self._cond.notify_all()
-        log.warning("Lost the peer link with client %d: %s.", peer, why)
+        log.info("The peer link with client %d ended: %s.", peer, why)
 
     # --------------------------------------------------------------------- channel
 

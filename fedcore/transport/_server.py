@@ -400,9 +400,11 @@ class ServerSession:
         if _running_loop() is self._loop:
             self._queue.put_nowait(item)
             return True
+        if not self._loop.is_running():  # the server stopped
+            return False
         try:
             self._loop.call_soon_threadsafe(self._queue.put_nowait, item)
-        except RuntimeError:  # the server stopped: its loop is closed
+        except RuntimeError:  # its loop is closed
             return False
         return True
 
@@ -464,6 +466,29 @@ class _Encoded:
         chunks = list(encode_chunks(payload, chunk_bytes=chunk_bytes))
         self._last = (payload, chunk_bytes, chunks)
         return chunks
+
+
+RETIRED_LOOP_SECONDS = 10.0
+"""How long a stopped server's event loop stays open before it is closed."""
+_retired_loops: collections.deque[tuple[float, asyncio.AbstractEventLoop]] = collections.deque()
+_retired_lock = threading.Lock()
+
+
+def _retire_loop(loop: asyncio.AbstractEventLoop) -> None:
+    """Closes ``loop`` (stopped) later: at a later server's stop once it has been retired for
+    ``RETIRED_LOOP_SECONDS``, else with the process.
+
+    gRPC's poller hands a stopped server's last completions (the reads its cancelled calls had
+    outstanding) to that server's loop with ``call_soon_threadsafe`` for a while after
+    ``stop`` returns. On a closed loop that raised "Event loop is closed" in whichever loop ran
+    the poller's callback, logged as an error at the end of every run whose clients serve peer
+    links; a stopped loop that is still open takes them and never runs them.
+    """
+    now = time.monotonic()
+    with _retired_lock:
+        while _retired_loops and now - _retired_loops[0][0] >= RETIRED_LOOP_SECONDS:
+            _retired_loops.popleft()[1].close()
+        _retired_loops.append((now, loop))
 
 
 def _running_loop() -> asyncio.AbstractEventLoop | None:
@@ -546,6 +571,8 @@ class RpcServer:
         )
         self._thread.start()
         self._server: grpc.aio.Server | None = None
+        self._stopping = False
+        self._loop_stopped = False
         try:
             self.port = self._on_loop(self._listen(address, tls))
         except BaseException:
@@ -553,7 +580,14 @@ class RpcServer:
             raise
 
     def _on_loop(self, coroutine: Coroutine[Any, Any, T], timeout: float | None = None) -> T:
-        """Runs ``coroutine`` on the server's loop and waits for its result."""
+        """Runs ``coroutine`` on the server's loop and waits for its result.
+
+        Raises:
+            RuntimeError: the server's loop was stopped (the server stopped).
+        """
+        if self._loop_stopped:
+            coroutine.close()
+            raise RuntimeError(f"The {self._service} server has stopped.")
         return asyncio.run_coroutine_threadsafe(coroutine, self._loop).result(timeout)
 
     async def _listen(self, address: str, tls: TlsBundle) -> int:
@@ -605,8 +639,9 @@ class RpcServer:
 
     def stop(self, grace: float = 2.0) -> None:
         """Stops serving; calls in flight get ``grace`` seconds to finish."""
-        if self._loop.is_closed():
+        if self._loop.is_closed() or self._stopping:
             return
+        self._stopping = True
         if self._server is not None:
             try:
                 self._on_loop(self._server.stop(grace), timeout=grace + 5)
@@ -615,10 +650,11 @@ class RpcServer:
         self._close_loop()
 
     def _close_loop(self) -> None:
+        self._loop_stopped = True
         self._loop.call_soon_threadsafe(self._loop.stop)
         self._thread.join(5)
         if not self._thread.is_alive():
-            self._loop.close()
+            _retire_loop(self._loop)
         self._workers.shutdown(wait=False, cancel_futures=True)
 
     async def _reject(
@@ -919,6 +955,11 @@ class RpcServer:
                     chunk = await self._next_chunk(chunks, hold)
                 except StopAsyncIteration:
                     break
+                except grpc.aio.BaseError:  # "Server already stopped", under our own stop()
+                    if not self._stopping:
+                        raise
+                    log.debug("The %s session of %s ended with the server's stop.", name, who)
+                    return
                 if not session.is_open:
                     return  # ended (replaced, late hello): drop what else arrives
                 received += len(chunk)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import gc
+import logging
 import random
 import socket
 import threading
@@ -509,6 +510,45 @@ def test_rpc_session_lets_go_of_a_large_message_once_written(
         assert after is not None and after.meta == {"still": "open"}
     finally:
         session.close()
+
+
+def test_rpc_server_stopped_under_an_open_session_closes_it_and_retires_its_loop(
+    pki: Pki, caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A server stopped while a peer keeps its session open past the grace (every client's
+    peer service at the end of an LPPA run) tells its handler the session closed and logs no
+    failure. Its loop stays open for gRPC's late completions and is closed at a later stop."""
+    from fedcore.transport import _server
+
+    # Prepare: a session that has carried a message; its client stays past the grace
+    running = _start_server(pki.bundles["server"])
+    client = _client(running.target, pki.bundles["client-1"])
+    session = client.open_session("Session")
+    try:
+        session.send(Payload(meta={"n": 1}))
+        assert session.receive() is not None
+
+        # Execute
+        with caplog.at_level(logging.DEBUG, logger="fedcore.transport"):
+            running.server.stop(grace=0.2)
+            closed = running.sessions.wait_closed(1)
+    finally:
+        session.close()
+        client.close()
+    stopped_loop = running.server._loop
+    open_after_stop = not stopped_loop.is_closed()
+    with pytest.raises(RuntimeError, match="has stopped"):
+        running.server.start()
+    monkeypatch.setattr(_server, "RETIRED_LOOP_SECONDS", 0.0)
+    later = _start_server(pki.bundles["server"])
+    later.server.stop(grace=0.2)
+
+    # Assert
+    assert closed == [Identity("client", 1)]
+    failures = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
+    assert failures == []
+    assert open_after_stop
+    assert stopped_loop.is_closed()
 
 
 def test_rpc_idle_session_survives_its_keepalive_pings(pki: Pki) -> None:
