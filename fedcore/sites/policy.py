@@ -111,8 +111,8 @@ class PrivacyFloor(SpecModel):
     secure_aggregation: bool = Field(
         False,
         description="secureAggregation, when true, requires a protocol whose server learns "
-        "only the sum of the clients' updates; no fedcore protocol provides it yet, so every "
-        "run is refused. Default false.",
+        "only the sum of the clients' updates (secagg); a run of any other protocol is "
+        "refused. Default false.",
     )
 
     @field_validator("protocols")
