@@ -638,16 +638,27 @@ class RpcServer:
         self._spare.drop()
 
     def stop(self, grace: float = 2.0) -> None:
-        """Stops serving; calls in flight get ``grace`` seconds to finish."""
+        """Stops serving: ends every live session (after what is queued on it), then gives the
+        calls still in flight ``grace`` seconds to finish."""
         if self._loop.is_closed() or self._stopping:
             return
         self._stopping = True
         if self._server is not None:
             try:
-                self._on_loop(self._server.stop(grace), timeout=grace + 5)
+                self._on_loop(self._stop(self._server, grace), timeout=grace + 5)
             except (futures.TimeoutError, RuntimeError):
                 log.warning("The %s server did not stop within %s s.", self._service, grace + 5)
         self._close_loop()
+
+    async def _stop(self, server: grpc.aio.Server, grace: float) -> None:
+        # A session its peer keeps open would otherwise outlast the grace and be aborted by
+        # gRPC ("Aborting method ... due to server stop", a warning on the peer service of
+        # every client still linked at the end of an LPPA run): ended here, its call returns.
+        with self._live_lock:
+            live = list(self._live.values())
+        for session in live:
+            session.close()
+        await server.stop(grace)
 
     def _close_loop(self) -> None:
         self._loop_stopped = True
@@ -860,6 +871,9 @@ class RpcServer:
                 await session.write_queued(context, self._encoded)
             except (grpc.RpcError, asyncio.InvalidStateError):
                 pass  # the peer went away
+            except grpc.aio.BaseError:  # "Server already stopped", under our own stop()
+                if not self._stopping:
+                    raise
             finally:
                 session.hello_timer.cancel()
                 session.close()
