@@ -33,6 +33,7 @@ from tests.node.node import RealNode
 
 ROOT = Path(__file__).resolve().parents[2]
 QUICKSTART = ROOT / "examples/digits-fedavg.yaml"
+LPPA = ROOT / "examples/digits-lppa.yaml"
 
 
 def _phase_is(*phases: str) -> Callable[[dict[str, object]], bool]:
@@ -128,6 +129,36 @@ def test_helm_install_and_kubectl_apply_train_the_quickstart_in_real_containers(
     (container,) = operator.status.container_statuses
     assert container.image.endswith("fedcore-operator:" + __import__("fedcore").__version__)
     assert container.ready and container.container_id.startswith("containerd://")
+
+
+def test_the_lppa_example_trains_over_peer_links_between_pods_in_real_containers(
+    node: RealNode, release: Release
+) -> None:
+    """The decentralized example on the real node: each client pod serves its peer service on
+    its pod IP and dials each out-neighbour by the headless Service's stable name, over mutual
+    TLS; the run ends as the local example does, and its end logs no warning."""
+    plane = node.control_plane
+    manifest = yaml.safe_load(LPPA.read_text(encoding="utf-8"))
+    count = manifest["spec"]["clients"]["count"]
+    degree = manifest["spec"]["protocol"]["lppa"]["topology"]["degree"]
+    plane.kubectl("apply", "-n", release.runs, "-f", str(LPPA))
+    run = wait_for_run(
+        plane, release.runs, "digits-lppa", _phase_is("Succeeded", "Failed"),
+        timeout=420, what="the end", debug=release.debug,
+    )  # fmt: skip
+    status = run["status"]
+    assert status["phase"] == "Succeeded", f"{status}\n{release.debug()}"
+    assert status["finalMetrics"]["roundsCompleted"] == manifest["spec"]["rounds"]
+    assert status["restarts"] == 0
+    # The noise is secret (secureNoise), so not the local run's bits: its accuracy bar
+    # (tests/integration/test_lppa_run.py).
+    assert status["finalMetrics"]["accuracy"] >= 0.75
+    for index in range(count):
+        log = node.logs(release.runs, f"digits-lppa-client-{index}")
+        assert log.count("Peer link to client") == degree, log[-3000:]
+        assert log.count("Peer link from client") == degree, log[-3000:]
+        noisy = [line for line in log.splitlines() if " WARNING " in line or " ERROR " in line]
+        assert noisy == [] and "Traceback" not in log, log[-3000:]
 
 
 def test_a_client_over_its_memory_limit_is_oom_killed_and_status_says_so(
