@@ -640,7 +640,7 @@ class RpcServer:
     def stop(self, grace: float = 2.0) -> None:
         """Stops serving: ends every live session (after what is queued on it), then gives the
         calls still in flight ``grace`` seconds to finish."""
-        if self._loop.is_closed() or self._stopping:
+        if self._stopping:
             return
         self._stopping = True
         if self._server is not None:

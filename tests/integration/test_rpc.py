@@ -33,6 +33,7 @@ from fedcore.transport import (
     encode_chunks,
     issue_run_bundles,
 )
+from fedcore.transport import _server as server_module
 
 pytestmark = pytest.mark.integration
 
@@ -518,8 +519,6 @@ def test_rpc_server_stopped_under_an_open_session_closes_it_and_retires_its_loop
     """A server stopped while a peer keeps its session open past the grace (every client's
     peer service at the end of an LPPA run) tells its handler the session closed and logs no
     failure. Its loop stays open for gRPC's late completions and is closed at a later stop."""
-    from fedcore.transport import _server
-
     # Prepare: a session that has carried a message; its client stays past the grace
     running = _start_server(pki.bundles["server"])
     client = _client(running.target, pki.bundles["client-1"])
@@ -539,7 +538,7 @@ def test_rpc_server_stopped_under_an_open_session_closes_it_and_retires_its_loop
     open_after_stop = not stopped_loop.is_closed()
     with pytest.raises(RuntimeError, match="has stopped"):
         running.server.start()
-    monkeypatch.setattr(_server, "RETIRED_LOOP_SECONDS", 0.0)
+    monkeypatch.setattr(server_module, "RETIRED_LOOP_SECONDS", 0.0)
     later = _start_server(pki.bundles["server"])
     later.server.stop(grace=0.2)
 

@@ -109,16 +109,23 @@ def release(node: RealNode) -> Iterator[Release]:
             plane.delete_namespace(namespace, wait=60)
 
 
+def _apply_and_wait(node: RealNode, release: Release, manifest: Path, name: str) -> dict[str, Any]:
+    """`kubectl apply -f manifest` in the release's run namespace; the run ``name``'s status
+    once it has ended (Succeeded or Failed)."""
+    plane = node.control_plane
+    plane.kubectl("apply", "-n", release.runs, "-f", str(manifest))
+    run = wait_for_run(
+        plane, release.runs, name, _phase_is("Succeeded", "Failed"),
+        timeout=420, what="the end", debug=release.debug,
+    )  # fmt: skip
+    return dict(run["status"])
+
+
 def test_helm_install_and_kubectl_apply_train_the_quickstart_in_real_containers(
     node: RealNode, release: Release, tmp_path: Path
 ) -> None:
     plane = node.control_plane
-    plane.kubectl("apply", "-n", release.runs, "-f", str(QUICKSTART))
-    run = wait_for_run(
-        plane, release.runs, "digits-fedavg", _phase_is("Succeeded", "Failed"),
-        timeout=420, what="the end", debug=release.debug,
-    )  # fmt: skip
-    status = run["status"]
+    status = _apply_and_wait(node, release, QUICKSTART, "digits-fedavg")
     assert status["phase"] == "Succeeded", f"{status}\n{release.debug()}"
     assert status["finalMetrics"]["roundsCompleted"] == 20
     assert status["restarts"] == 0
@@ -137,16 +144,10 @@ def test_the_lppa_example_trains_over_peer_links_between_pods_in_real_containers
     """The decentralized example on the real node: each client pod serves its peer service on
     its pod IP and dials each out-neighbour by the headless Service's stable name, over mutual
     TLS; the run ends as the local example does, and its end logs no warning."""
-    plane = node.control_plane
     manifest = yaml.safe_load(LPPA.read_text(encoding="utf-8"))
     count = manifest["spec"]["clients"]["count"]
     degree = manifest["spec"]["protocol"]["lppa"]["topology"]["degree"]
-    plane.kubectl("apply", "-n", release.runs, "-f", str(LPPA))
-    run = wait_for_run(
-        plane, release.runs, "digits-lppa", _phase_is("Succeeded", "Failed"),
-        timeout=420, what="the end", debug=release.debug,
-    )  # fmt: skip
-    status = run["status"]
+    status = _apply_and_wait(node, release, LPPA, "digits-lppa")
     assert status["phase"] == "Succeeded", f"{status}\n{release.debug()}"
     assert status["finalMetrics"]["roundsCompleted"] == manifest["spec"]["rounds"]
     assert status["restarts"] == 0
