@@ -190,18 +190,27 @@ class RoundPolicy:
 
     def _lost(self, round_: int, report: AttemptReport) -> Settlement:
         """The verdict on a failure under the ``Fail`` dropout policy."""
-        lost = ", ".join(f"client {k} ({why})" for k, why in sorted(report.failed.items()))
+        # A client that said why it failed comes first, then its neighbours, which lost it.
+        order = sorted(report.failed.items(), key=lambda item: (_rank(item[1]), item[0]))
+        lost = ", ".join(f"client {k} ({why})" for k, why in order)
         name = self.spec.protocol.name
         if self.facts.decentralized:
+            said = [k for k, why in order if _rank(why) == 0]
+            then = (
+                f"Once what client{'s' if len(said) > 1 else ''} "
+                f"{', '.join(map(str, said))} reported is fixed, `fedcore run --resume`"
+                if said
+                else "`fedcore run --resume`"
+            )
             return Settlement(
                 "abort",
                 reason="PeerLost",
                 message=(
                     f"Round {round_} lost {lost}. Protocol {name!r} runs on a fixed peer graph: "
                     f"every neighbour's state holds noise and mixing weights that assume the "
-                    f"lost client, so the run stops (it does not go on without it). `fedcore "
-                    f"run --resume` restarts every client from its checkpoint of the latest "
-                    f"round they all saved."
+                    f"lost client, so the run stops (it does not go on without it). {then} "
+                    f"restarts every client from its checkpoint of the latest round they all "
+                    f"saved."
                 ),
             )
         return Settlement(
@@ -209,6 +218,14 @@ class RoundPolicy:
             reason="ClientLost",
             message=f"Round {round_} lost {lost}; protocol {name!r} cannot go on without a client.",
         )
+
+
+def _rank(why: str) -> int:
+    """How near a failure is to its cause: 0 for a client that reported its own failure
+    (``failed: ...``), 1 for one that reported losing a peer, 2 for any other."""
+    if not why.startswith("failed:"):
+        return 2
+    return 1 if why.startswith("failed: PeerLost:") else 0
 
 
 RunStage = Callable[[int, int, int, Mapping[int, Payload]], AttemptReport]

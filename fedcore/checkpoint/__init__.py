@@ -18,6 +18,8 @@ from fedcore.checkpoint._keys import (
     KDC_STATE_KEY_NAME,
     KEYS_FOLDER,
     CheckpointKeyError,
+    client_checkpoint_key,
+    client_checkpoint_key_name,
     ensure_key,
     kdc_state_key,
     key_file_for,
@@ -25,7 +27,14 @@ from fedcore.checkpoint._keys import (
     server_checkpoint_key,
 )
 from fedcore.checkpoint._objects import LocalObjectStore, ObjectStore
-from fedcore.checkpoint._open import KDC_FOLDER, kdc_checkpointer, open_store, server_checkpointer
+from fedcore.checkpoint._open import (
+    CLIENTS_FOLDER,
+    KDC_FOLDER,
+    client_checkpointer,
+    kdc_checkpointer,
+    open_store,
+    server_checkpointer,
+)
 from fedcore.checkpoint._tensors import TensorFile, read_tensors
 
 if TYPE_CHECKING:
@@ -45,6 +54,7 @@ def __getattr__(name: str) -> Any:
 __all__ = [
     "CHECKPOINT_KEY_ENV",
     "CHECKPOINT_KEY_NAME",
+    "CLIENTS_FOLDER",
     "KDC_FOLDER",
     "KDC_STATE_KEY_ENV",
     "KDC_STATE_KEY_NAME",
@@ -59,6 +69,9 @@ __all__ = [
     "ObjectStore",
     "S3ObjectStore",
     "TensorFile",
+    "client_checkpoint_key",
+    "client_checkpoint_key_name",
+    "client_checkpointer",
     "ensure_key",
     "join_tensors",
     "kdc_checkpointer",

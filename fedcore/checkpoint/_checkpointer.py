@@ -9,23 +9,24 @@ Layout under the store, per checkpoint::
     round-00000005/KEEP                 optional: a mark that exempts it from pruning
     latest-round.json                   the signed record of the newest checkpoint written
 
-A checkpointer with a key (the server's, the KDC's) signs every manifest with a key that is not
-in the store, and after each manifest writes a signed latest record naming that checkpoint (its
-round and its manifest's sha256). Loading checks the tag, then every part's sha256, then (the
-KDC) decrypts the parts (AES-256-GCM, associated data: run, fingerprint, series, round, part).
-``load_latest`` resumes from the checkpoint the record names (or the one written right after
-it, if the writer stopped between the manifest and the record) and refuses, naming the round
-and why, when that checkpoint or a newer one fails verification, is missing, or the record is:
-an older checkpoint is never taken in its place silently. ``rollback`` takes an older one
-knowingly. What a writer of the store can still do is documented in docs/operations.md.
+A checkpointer with a key (the server's, the KDC's, a decentralized client's own) signs every
+manifest with a key that is not in the store, and after each manifest writes a signed latest
+record naming that checkpoint (its round and its manifest's sha256). Loading checks the tag,
+then every part's sha256, then (the KDC) decrypts the parts (AES-256-GCM, associated data: run,
+fingerprint, series, round, part). ``load_latest`` resumes from the checkpoint the record names
+(or the one written right after it, if the writer stopped between the manifest and the record)
+and refuses, naming the round and why, when that checkpoint or a newer one fails verification,
+is missing, or the record is: an older checkpoint is never taken in its place silently.
+``rollback`` takes an older one knowingly. What a writer of the store can still do is documented
+in docs/operations.md.
 
-A checkpointer without a key reads and writes the unsigned format of version 1 (the
-decentralized clients' own checkpoints): a checkpoint without a valid manifest (half-written)
-is never read, one whose parts fail their checksum or that belongs to another run is skipped
-and the previous good one is used. The tensors are streamed to the store and read back into
-one buffer, so a checkpoint needs little memory beyond the state itself (the KDC's encrypted
-parts, which are small, are held whole). The KDC uses the same format under its own prefix,
-with ``series="version"`` (its state has versions, not rounds).
+A checkpointer without a key reads and writes the unsigned format of version 1 (every fedcore's
+before signed checkpoints; the tools list with it): a checkpoint without a valid manifest
+(half-written) is never read, one whose parts fail their checksum or that belongs to another run is
+skipped and the previous good one is used. The tensors are streamed to the store and read back
+into one buffer, so a checkpoint needs little memory beyond the state itself (the KDC's
+encrypted parts, which are small, are held whole). The KDC uses the same format under its own
+prefix, with ``series="version"`` (its state has versions, not rounds).
 """
 
 from __future__ import annotations
@@ -132,6 +133,8 @@ class Checkpointer:
         key: the 32-byte key that signs (and with ``encrypt``, encrypts) the checkpoints; it
             must not be in the store. None: unsigned checkpoints (format version 1).
         encrypt: encrypt the parts with AES-256-GCM under a key derived from ``key``.
+        selector: the options of ``fedcore checkpoint`` that pick these checkpoints, for the
+            commands its refusals suggest (default: ``--kdc`` for ``version``, else none).
     """
 
     def __init__(
@@ -145,6 +148,7 @@ class Checkpointer:
         series: str = "round",
         key: bytes | None = None,
         encrypt: bool = False,
+        selector: str | None = None,
     ) -> None:
         if keep_last < 1 or keep_every < 0:
             raise ValueError("keep_last must be at least 1 and keep_every at least 0.")
@@ -159,6 +163,7 @@ class Checkpointer:
         self.keep_every = keep_every
         self.series = series
         self.latest_name = f"latest-{series}.json"
+        self.selector = ("--kdc" if series == "version" else "") if selector is None else selector
         self._seal = None if key is None else SealKey(key, encrypt=encrypt)
         self._head: LatestRecord | None = None
         """The checkpoint this writer last wrote or resumed from (the next one's predecessor)."""
@@ -661,7 +666,7 @@ class Checkpointer:
                         f"The checkpoints in {self.store.describe()} ({self.series}s {rounds}) "
                         f"are unsigned: written by a fedcore from before signed checkpoints (or "
                         f"by someone without the key), so none is resumed from. To take one "
-                        f"knowingly, `{self._rollback_command(newest)} --adopt-unsigned` checks "
+                        f"knowingly, `{self.rollback_command(newest)} --adopt-unsigned` checks "
                         f"its sums and signs it with this role's key; or start afresh without "
                         f"--resume.",
                         round=newest,
@@ -754,7 +759,7 @@ class Checkpointer:
                 continue
             return (
                 f"The newest older checkpoint that verifies is {self._at(number)}: to resume from "
-                f"it knowingly, run `{self._rollback_command(number)}` (it deletes every newer "
+                f"it knowingly, run `{self.rollback_command(number)}` (it deletes every newer "
                 f"checkpoint and records {self._at(number)} as the latest), then resume."
             )
         return (
@@ -762,9 +767,10 @@ class Checkpointer:
             "purge` clears the store), or restore the store from a copy."
         )
 
-    def _rollback_command(self, number: int) -> str:
-        kdc = " --kdc" if self.series == "version" else ""
-        return f"fedcore checkpoint rollback <manifest> {number}{kdc} --yes"
+    def rollback_command(self, number: int) -> str:
+        """The command that takes the checkpoint of ``number`` as the latest, knowingly."""
+        selector = f" {self.selector}" if self.selector else ""
+        return f"fedcore checkpoint rollback <manifest> {number}{selector} --yes"
 
     def rollback(self, round: int, *, adopt_unsigned: bool = False) -> list[int]:
         """Takes the checkpoint of ``round`` as the latest, knowingly: checks it, deletes every

@@ -1,10 +1,12 @@
 """Checkpoint keys: the files that hold them, and what a checkpoint derives from them.
 
-A key file holds 32 random bytes as 64 hex digits (and an optional newline). The server's
-checkpoint-authentication key comes from the file that ``FEDCORE_CHECKPOINT_KEY_FILE`` names,
-the KDC's state key from ``FEDCORE_KDC_STATE_KEY_FILE`` (on Kubernetes: Secrets mounted into
-that role's pod alone). Without the variable, a role uses ``<workdir>/keys/<name>.key`` and
-creates it (mode 0600 in a 0700 folder) when it is not there yet. A key is never logged or put
+A key file holds 32 random bytes as 64 hex digits (and an optional newline). A role's
+checkpoint-authentication key (the server's; a decentralized protocol's client's own) comes
+from the file that ``FEDCORE_CHECKPOINT_KEY_FILE`` names, the KDC's state key from
+``FEDCORE_KDC_STATE_KEY_FILE`` (on Kubernetes: Secrets mounted into that role's pod alone).
+Without the variable, a role uses its file in ``<workdir>/keys/`` (``checkpoint.key``,
+``kdc-state.key``, ``client-<i>-checkpoint.key``) and creates it (mode 0600 in a 0700 folder)
+when it is not there yet. A key is never logged or put
 in a message; what identifies it in messages is its key id, a digest that reveals nothing of it.
 
 From one key a checkpointer derives (HKDF-SHA256) an HMAC-SHA256 key that authenticates its
@@ -36,12 +38,15 @@ log = logging.getLogger(__name__)
 KEY_BYTES = 32
 NONCE_BYTES = 12
 CHECKPOINT_KEY_ENV = "FEDCORE_CHECKPOINT_KEY_FILE"
-"""The server's checkpoint-authentication key file (on Kubernetes: Secret ``<run>-server-keys``)."""
+"""A role's checkpoint-authentication key file: the server's (on Kubernetes: Secret
+``<run>-server-keys``) or a decentralized protocol's client's own (``<run>-client-<i>-keys``)."""
 KDC_STATE_KEY_ENV = "FEDCORE_KDC_STATE_KEY_FILE"
 """The KDC's state key file (on Kubernetes: Secret ``<run>-kdc-keys``)."""
 KEYS_FOLDER = "keys"
 """The folder under a role's workdir that holds its key when no variable names one."""
 CHECKPOINT_KEY_NAME = "checkpoint.key"
+CLIENT_CHECKPOINT_KEY_NAME = "client-{index}-checkpoint.key"
+"""A decentralized protocol's client's own key file in ``keys/``, ``{index}`` its index."""
 KDC_STATE_KEY_NAME = "kdc-state.key"
 _HEX = re.compile(r"[0-9a-fA-F]*")
 
@@ -174,6 +179,23 @@ def server_checkpoint_key(workdir: Path) -> bytes:
 def kdc_state_key(workdir: Path) -> bytes:
     """The KDC's state key (``FEDCORE_KDC_STATE_KEY_FILE`` or ``<workdir>/keys/kdc-state.key``)."""
     return role_key(KDC_STATE_KEY_ENV, workdir, KDC_STATE_KEY_NAME, what="KDC state key")
+
+
+def client_checkpoint_key_name(index: int) -> str:
+    """``client-<index>-checkpoint.key``: client ``index``'s own key file in ``keys/``."""
+    return CLIENT_CHECKPOINT_KEY_NAME.format(index=index)
+
+
+def client_checkpoint_key(workdir: Path, index: int) -> bytes:
+    """Client ``index``'s own checkpoint-authentication key, for a decentralized protocol whose
+    clients keep their state (``FEDCORE_CHECKPOINT_KEY_FILE`` or
+    ``<workdir>/keys/client-<index>-checkpoint.key``): no other party holds it."""
+    return role_key(
+        CHECKPOINT_KEY_ENV,
+        workdir,
+        client_checkpoint_key_name(index),
+        what=f"checkpoint key of client {index}",
+    )
 
 
 def key_file_for(env: str, workdir: Path, name: str) -> Path:

@@ -1,4 +1,5 @@
-"""The checkpoint store a run's spec names, and the checkpointers of its server and KDC."""
+"""The checkpoint store a run's spec names, and the checkpointers of its server, its KDC and
+(decentralized protocols) each client."""
 
 from __future__ import annotations
 
@@ -11,6 +12,9 @@ from fedcore.spec import CheckpointSpec
 
 KDC_FOLDER = "kdc"
 """The KDC's checkpoints live under ``<prefix>/kdc/``, apart from the server's."""
+CLIENTS_FOLDER = "clients"
+"""A decentralized protocol's client ``i`` keeps its own checkpoints under
+``<prefix>/clients/client-<i>/``."""
 
 
 def open_store(
@@ -77,4 +81,27 @@ def kdc_checkpointer(
         series="version",
         key=key,
         encrypt=key is not None,
+    )
+
+
+def client_checkpointer(
+    store: ObjectStore,
+    spec: CheckpointSpec,
+    *,
+    run: str,
+    fingerprint: str,
+    index: int,
+    key: bytes | None,
+) -> Checkpointer:
+    """Client ``index``'s own checkpoints (decentralized protocols, whose model lives on the
+    clients): ``clients/client-<index>/round-NNNNNNNN/``, signed with ``key``
+    (``client_checkpoint_key``, the client's own; None only to list them)."""
+    return Checkpointer(
+        store.child(f"{CLIENTS_FOLDER}/client-{index}"),
+        run=run,
+        fingerprint=fingerprint,
+        keep_last=spec.keep_last,
+        keep_every=spec.keep_every,
+        key=key,
+        selector=f"--client {index}",
     )

@@ -14,8 +14,9 @@ import signal
 import sys
 import threading
 from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import click
 from rich.console import Console
@@ -32,6 +33,9 @@ from fedcore.cli.crash import (
 )
 from fedcore.errors import FedcoreError, RunAborted, SpecError, SpecIssue
 from fedcore.local.threads import ROLE_THREADS
+
+if TYPE_CHECKING:
+    from fedcore.checkpoint import Checkpointer, ObjectStore
 
 stderr = Console(stderr=True)
 
@@ -1030,7 +1034,8 @@ KEY_OPTIONS = [
         type=click.Path(dir_okay=False, path_type=Path),
         default=None,
         help="The server's checkpoint key (default: $FEDCORE_CHECKPOINT_KEY_FILE, else "
-        "<workdir>/keys/checkpoint.key).",
+        "<workdir>/keys/checkpoint.key); with --client, that client's own (default: "
+        "<workdir>/keys/client-<i>-checkpoint.key).",
     ),
     click.option(
         "--kdc-key-file",
@@ -1049,6 +1054,35 @@ def key_options(func: Any) -> Any:
     return func
 
 
+KEY_NAMES = {"server": "checkpoint key", "kdc": "KDC state key"}
+"""What a key is called in messages, per side (a client's: ``checkpoint key of client <i>``)."""
+
+
+@dataclass
+class RunCheckpoints:
+    """A run's checkpoint store and the checkpointers over it, each with its key where found.
+
+    Attributes:
+        store: the run's store.
+        server: the server's rounds.
+        kdc: the KDC's state versions.
+        clients: a decentralized protocol's clients' own rounds, by index (empty otherwise).
+    """
+
+    store: ObjectStore
+    server: Checkpointer
+    kdc: Checkpointer
+    clients: dict[int, Checkpointer]
+
+    def sides(self) -> list[tuple[str, str, Checkpointer]]:
+        """(name, label of a number, checkpointer) of every side: server, KDC, each client."""
+        return [
+            ("server", "round", self.server),
+            ("kdc", "kdc version", self.kdc),
+            *((f"client-{i}", f"client {i} round", c) for i, c in self.clients.items()),
+        ]
+
+
 def _checkpointers(
     manifest: Path,
     workdir: Path | None,
@@ -1056,15 +1090,19 @@ def _checkpointers(
     key_file: Path | None = None,
     kdc_key_file: Path | None = None,
     require: str | None = None,
-) -> tuple[Any, Any, Any]:
-    """The run's store and its server and KDC checkpointers, each with its key when its file
-    exists (``require``: ``server`` or ``kdc``, whose key must be there). Keys are only read,
-    never created here."""
+) -> RunCheckpoints:
+    """The run's store and its checkpointers, each with its key when its file exists
+    (``require``: ``server``, ``kdc`` or ``client-<i>``, whose key must be there; with
+    ``client-<i>``, ``key_file`` is that client's). Keys are only read, never created here:
+    a client's only from ``--key-file`` or ``<workdir>/keys/client-<i>-checkpoint.key``."""
     from fedcore.checkpoint import (
         CHECKPOINT_KEY_ENV,
         CHECKPOINT_KEY_NAME,
         KDC_STATE_KEY_ENV,
         KDC_STATE_KEY_NAME,
+        KEYS_FOLDER,
+        client_checkpoint_key_name,
+        client_checkpointer,
         kdc_checkpointer,
         key_file_for,
         open_store,
@@ -1072,25 +1110,48 @@ def _checkpointers(
         server_checkpointer,
     )
     from fedcore.roles._common import spec_fingerprint
-    from fedcore.spec import load_manifest
+    from fedcore.spec import load_manifest, protocol_facts
 
     run = load_manifest(manifest)
     name = run.metadata.name
     spec = run.spec.checkpoint
     folder = workdir or Path("runs") / name
     store = open_store(spec, name=name, workdir=folder)
-    fingerprint = spec_fingerprint(run)
-    keys: dict[str, bytes | None] = {}
-    for side, given, env, file_name, what in (
-        ("server", key_file, CHECKPOINT_KEY_ENV, CHECKPOINT_KEY_NAME, "checkpoint key"),
-        ("kdc", kdc_key_file, KDC_STATE_KEY_ENV, KDC_STATE_KEY_NAME, "KDC state key"),
-    ):
-        path = given or key_file_for(env, folder, file_name)
-        keys[side] = read_key(path, what=what) if side == require or path.exists() else None
-    return (
-        store,
-        server_checkpointer(store, spec, run=name, fingerprint=fingerprint, key=keys["server"]),
-        kdc_checkpointer(store, spec, run=name, fingerprint=fingerprint, key=keys["kdc"]),
+    ids = {"run": name, "fingerprint": spec_fingerprint(run)}
+    client_key = key_file if require and require.startswith("client-") else None
+    files = {
+        "server": (key_file if client_key is None else None)
+        or key_file_for(CHECKPOINT_KEY_ENV, folder, CHECKPOINT_KEY_NAME),
+        "kdc": kdc_key_file or key_file_for(KDC_STATE_KEY_ENV, folder, KDC_STATE_KEY_NAME),
+    }
+    decentralized = protocol_facts(run.spec.protocol.name).decentralized
+    indexes = range(run.spec.clients.count) if decentralized else range(0)
+    for index in indexes:
+        side = f"client-{index}"
+        files[side] = (client_key if side == require else None) or (
+            folder / KEYS_FOLDER / client_checkpoint_key_name(index)
+        )
+    if require is not None and require not in files:
+        raise FedcoreError(
+            f"Run {name!r} has no checkpoints of {require}: only a decentralized protocol's "
+            f"clients (here {run.spec.clients.count}) keep their own."
+        )
+    keys = {
+        side: read_key(
+            path, what=KEY_NAMES.get(side, f"checkpoint key of {side.replace('-', ' ')}")
+        )
+        if side == require or path.exists()
+        else None
+        for side, path in files.items()
+    }
+    return RunCheckpoints(
+        store=store,
+        server=server_checkpointer(store, spec, key=keys["server"], **ids),
+        kdc=kdc_checkpointer(store, spec, key=keys["kdc"], **ids),
+        clients={
+            index: client_checkpointer(store, spec, index=index, key=keys[f"client-{index}"], **ids)
+            for index in indexes
+        },
     )
 
 
@@ -1111,15 +1172,20 @@ def checkpoint_list(
     verify: bool,
     as_json: bool,
 ) -> None:
-    """Lists the run's checkpoints: the server's rounds and the KDC's state versions."""
+    """Lists the run's checkpoints: the server's rounds, the KDC's state versions and, for a
+    decentralized protocol, each client's own rounds."""
     from fedcore.errors import CheckpointError
 
-    store, server_ckpt, kdc_ckpt = _checkpointers(
-        manifest, workdir, key_file=key_file, kdc_key_file=kdc_key_file
-    )
-    report: dict[str, Any] = {"store": store.describe(), "server": [], "kdc": []}
+    found = _checkpointers(manifest, workdir, key_file=key_file, kdc_key_file=kdc_key_file)
+    report: dict[str, Any] = {"store": found.store.describe(), "server": [], "kdc": []}
+    if found.clients:
+        report["clients"] = {str(index): [] for index in found.clients}
     bad = 0
-    for side, checkpointer in (("server", server_ckpt), ("kdc", kdc_ckpt)):
+    lines: list[str] = []
+    for side, label, checkpointer in found.sides():
+        entries = report["server" if side == "server" else "kdc" if side == "kdc" else "clients"]
+        if side.startswith("client-"):
+            entries = entries[side.removeprefix("client-")]
         if verify and checkpointer.signed:
             try:
                 record = checkpointer.latest_record()
@@ -1129,14 +1195,19 @@ def checkpoint_list(
                 bad += 1
         for info in checkpointer.entries():
             entry: dict[str, Any] = {
-                "round" if side == "server" else "version": info.round,
+                "version" if side == "kdc" else "round": info.round,
                 "bytes": info.bytes,
                 "marked": info.marked,
                 "location": info.location,
             }
             if verify and not checkpointer.signed:
                 entry["verified"] = False
-                entry["error"] = "no key to verify it with (--key-file, --kdc-key-file)"
+                entry["error"] = (
+                    "no key to verify it with (--key-file, --kdc-key-file)"
+                    if not side.startswith("client-")
+                    else f"no key to verify it with (keys/{side}-checkpoint.key, or "
+                    f"`checkpoint rollback --client` with --key-file)"
+                )
                 bad += 1
             elif verify:
                 try:
@@ -1146,22 +1217,20 @@ def checkpoint_list(
                     entry["verified"] = False
                     entry["error"] = str(exc)
                     bad += 1
-            report[side].append(entry)
+            entries.append(entry)
+            flags = ["marked" if entry["marked"] else ""]
+            if verify:
+                flags.append("ok" if entry["verified"] else f"BAD: {entry['error']}")
+            size = f"{entry['bytes'] / 1e6:.2f} MB" if entry["bytes"] >= 0 else "unreadable"
+            text = "  ".join(flag for flag in flags if flag)
+            lines.append(f"  {label} {info.round:>8}  {size:>12}  {text}".rstrip())
     if as_json:
         click.echo(json.dumps(report))
     else:
         click.echo(f"Checkpoints in {report['store']}:")
-        for side, label in (("server", "round"), ("kdc", "kdc version")):
-            for entry in report[side]:
-                flags = ["marked" if entry["marked"] else ""]
-                if verify:
-                    flags.append("ok" if entry["verified"] else f"BAD: {entry['error']}")
-                size = f"{entry['bytes'] / 1e6:.2f} MB" if entry["bytes"] >= 0 else "unreadable"
-                text = "  ".join(flag for flag in flags if flag)
-                click.echo(f"  {label} {entry[label.split()[-1]]:>8}  {size:>12}  {text}".rstrip())
-        if not report["server"] and not report["kdc"]:
-            click.echo("  (none)")
-        for side, label in (("server", "round"), ("kdc", "kdc version")):
+        for line in lines or ["  (none)"]:
+            click.echo(line)
+        for side, label, _ in found.sides():
             if side in report.get("latest", {}):
                 latest = report["latest"][side]
                 click.echo(f"  latest {label} record: {'none' if latest is None else latest}")
@@ -1175,8 +1244,7 @@ def checkpoint_list(
 @click.option("--note", default="", help="Why it is kept (stored with the mark).")
 def checkpoint_mark(manifest: Path, workdir: Path | None, round_: int, note: str) -> None:
     """Marks the checkpoint of ROUND to keep: retention never deletes it."""
-    _, server_ckpt, _ = _checkpointers(manifest, workdir)
-    server_ckpt.mark(round_, note)
+    _checkpointers(manifest, workdir).server.mark(round_, note)
     click.echo(f"Marked the checkpoint of round {round_} to keep.")
 
 
@@ -1185,8 +1253,7 @@ def checkpoint_mark(manifest: Path, workdir: Path | None, round_: int, note: str
 @click.argument("round_", metavar="ROUND", type=click.IntRange(0))
 def checkpoint_unmark(manifest: Path, workdir: Path | None, round_: int) -> None:
     """Removes the mark of ROUND; retention may then delete it after the next checkpoint."""
-    _, server_ckpt, _ = _checkpointers(manifest, workdir)
-    was = server_ckpt.unmark(round_)
+    was = _checkpointers(manifest, workdir).server.unmark(round_)
     click.echo(
         f"Unmarked the checkpoint of round {round_}."
         if was
@@ -1199,6 +1266,14 @@ def checkpoint_unmark(manifest: Path, workdir: Path | None, round_: int) -> None
 @key_options
 @click.argument("round_", metavar="ROUND", type=click.IntRange(0))
 @click.option("--kdc", is_flag=True, help="The KDC's state versions, not the server's rounds.")
+@click.option(
+    "--client",
+    "client",
+    type=click.IntRange(0),
+    default=None,
+    help="Client I's own rounds (a decentralized protocol's), not the server's; --key-file is "
+    "then that client's key.",
+)
 @click.option(
     "--adopt-unsigned",
     is_flag=True,
@@ -1213,18 +1288,21 @@ def checkpoint_rollback(
     kdc_key_file: Path | None,
     round_: int,
     kdc: bool,
+    client: int | None,
     adopt_unsigned: bool,
     yes: bool,
 ) -> None:
     """Takes the checkpoint of ROUND as the latest, knowingly: checks it with the key, deletes
     every newer checkpoint (tampered or not: copy them away first to keep them) and records
     ROUND as the latest, so that --resume starts from it."""
-    side = "kdc" if kdc else "server"
-    _, server_ckpt, kdc_ckpt = _checkpointers(
+    if kdc and client is not None:
+        raise click.UsageError("Pass --kdc or --client, not both.")
+    side = "kdc" if kdc else "server" if client is None else f"client-{client}"
+    found = _checkpointers(
         manifest, workdir, key_file=key_file, kdc_key_file=kdc_key_file, require=side
     )
-    checkpointer = kdc_ckpt if kdc else server_ckpt
-    label = "KDC version" if kdc else "round"
+    checkpointer = found.kdc if kdc else found.server if client is None else found.clients[client]
+    label = "KDC version" if kdc else "round" if client is None else f"client {client}'s round"
     newer = [n for n in checkpointer.rounds() if n > round_]
     if not yes:
         if not adopt_unsigned:
@@ -1249,7 +1327,7 @@ def checkpoint_history(manifest: Path, workdir: Path | None, as_json: bool) -> N
     attempt (a pod replaced mid-run leaves its events up to its last checkpoint there)."""
     from fedcore.roles._history import read_history
 
-    store, _, _ = _checkpointers(manifest, workdir)
+    store = _checkpointers(manifest, workdir).store
     attempts = read_history(store)
     if as_json:
         click.echo(json.dumps({"store": store.describe(), "attempts": attempts}))
@@ -1278,8 +1356,9 @@ def _event_line(event: dict[str, Any]) -> str:
 @checkpoint_args
 @click.option("--yes", is_flag=True, help="Really delete (without it, only list what would go).")
 def checkpoint_purge(manifest: Path, workdir: Path | None, yes: bool) -> None:
-    """Deletes every object of the run's checkpoint store: server, KDC, marks, leftovers."""
-    store, _, _ = _checkpointers(manifest, workdir)
+    """Deletes every object of the run's checkpoint store: server, KDC, clients, marks,
+    leftovers."""
+    store = _checkpointers(manifest, workdir).store
     keys = store.list("")
     if not yes:
         click.echo(f"Would delete {len(keys)} objects in {store.describe()}; pass --yes to do it.")

@@ -44,6 +44,7 @@ from fedcore.checkpoint import (
     KDC_STATE_KEY_ENV,
     KDC_STATE_KEY_NAME,
     KEYS_FOLDER,
+    client_checkpoint_key_name,
     ensure_key,
 )
 from fedcore.errors import RoleFailed, RunAborted
@@ -370,15 +371,21 @@ class LocalRun:
             )
 
     def _role_keys(self) -> dict[str, tuple[str, str]]:
-        """The key file (in ``keys/``) and its variable of each role that has one."""
+        """The key file (in ``keys/``) and its variable of each role process that has one: the
+        server, the KDC, and each client of a decentralized protocol (its own checkpoints)."""
+        facts = protocol_facts(self.run.spec.protocol.name)
         keys = {"server": (CHECKPOINT_KEY_NAME, CHECKPOINT_KEY_ENV)}
-        if protocol_facts(self.run.spec.protocol.name).needs_kdc:
+        if facts.needs_kdc:
             keys["kdc"] = (KDC_STATE_KEY_NAME, KDC_STATE_KEY_ENV)
+        if facts.decentralized and self.with_clients:  # a process per client (groups.py)
+            for index in range(self.run.spec.clients.count):
+                keys[f"client-{index}"] = (client_checkpoint_key_name(index), CHECKPOINT_KEY_ENV)
         return keys
 
     def role_env(self, name: str) -> dict[str, str]:
         """The environment of the role process ``name``: this one's, with the role's own key
-        file (the server's checkpoint key, the KDC's state key) and no other role's."""
+        file (the server's checkpoint key, the KDC's state key, a decentralized client's own
+        checkpoint key) and no other role's."""
         env = dict(os.environ)
         env.setdefault("OMP_NUM_THREADS", str(self.threads))
         env["PYTHONUNBUFFERED"] = "1"

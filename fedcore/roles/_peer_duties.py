@@ -4,7 +4,8 @@ The model lives on the clients, so each client role keeps its peer links (``Peer
 restores its state when the coordinator's round starts from an earlier round (a resumed or
 restarted coordinator), and does, when the coordinator's instruction asks, what the server
 role does for a central protocol: evaluate its model on the held-out split, write its own
-checkpoint (``clients/client-<i>/`` under the run's checkpoint store) and release its final
+checkpoint (``clients/client-<i>/`` under the run's checkpoint store, signed with the client's
+own key) and release its final
 model (``models/client-<i>.safetensors`` in its work folder). Only scalars go back to the
 coordinator.
 """
@@ -17,7 +18,13 @@ from pathlib import Path
 
 from safetensors.numpy import save_file
 
-from fedcore.checkpoint import Checkpointer, open_store
+from fedcore.checkpoint import (
+    Checkpointer,
+    CheckpointRefused,
+    client_checkpoint_key,
+    client_checkpointer,
+    open_store,
+)
 from fedcore.errors import CheckpointError, FedcoreError
 from fedcore.learning.data import client_test_dataset, test_dataset
 from fedcore.learning.models import build_model
@@ -32,8 +39,6 @@ from fedcore.transport import Limits, Payload, RetryPolicy, TlsBundle
 
 log = logging.getLogger(__name__)
 
-CLIENTS_FOLDER = "clients"
-"""Each client's checkpoints live under ``<store>/clients/client-<i>/``."""
 MODELS_FOLDER = "models"
 """Each client's released model is ``<workdir>/models/client-<i>.safetensors``."""
 
@@ -68,17 +73,22 @@ class PeerSettings:
         )
 
 
-def client_checkpointer(run: FederatedRun, workdir: Path, index: int) -> Checkpointer:
-    """Client ``index``'s own checkpoints, under ``clients/client-<i>/`` of the run's store."""
+def own_checkpointer(run: FederatedRun, workdir: Path, index: int) -> Checkpointer:
+    """Client ``index``'s own checkpoints, under ``clients/client-<i>/`` of the run's store,
+    signed with its own key (``client_checkpoint_key``).
+
+    Raises:
+        CheckpointKeyError: the key cannot be read or created.
+    """
     spec = run.spec.checkpoint
     name = run.metadata.name
-    store = open_store(spec, name=name, workdir=workdir).child(f"{CLIENTS_FOLDER}/client-{index}")
-    return Checkpointer(
-        store,
+    return client_checkpointer(
+        open_store(spec, name=name, workdir=workdir),
+        spec,
         run=name,
         fingerprint=spec_fingerprint(run),
-        keep_last=spec.keep_last,
-        keep_every=spec.keep_every,
+        index=index,
+        key=client_checkpoint_key(workdir, index),
     )
 
 
@@ -135,7 +145,7 @@ class PeerDuties:
     def checkpointer(self) -> Checkpointer:
         """This client's checkpointer (opened on first use)."""
         if self._checkpointer is None:
-            self._checkpointer = client_checkpointer(self.run, self.workdir, self.index)
+            self._checkpointer = own_checkpointer(self.run, self.workdir, self.index)
         return self._checkpointer
 
     def start(self) -> None:
@@ -168,9 +178,15 @@ class PeerDuties:
         try:
             state = self.checkpointer.load(base)
         except CheckpointError as exc:
+            adopt = (
+                f" To take it knowingly, `{self.checkpointer.rollback_command(base)} "
+                f"--adopt-unsigned` checks its sums and signs it with this client's key."
+                if isinstance(exc, CheckpointRefused) and "unsigned" in exc.reason
+                else ""
+            )
             raise CheckpointError(
                 f"Client {self.index} must resume from its checkpoint of round {base}, which "
-                f"it cannot read: {exc}"
+                f"it cannot read: {exc}{adopt}"
             ) from exc
         self.protocol.load_state_dict(state["protocol"])
         log.info("Restored the state of round %d from this client's checkpoint.", base)

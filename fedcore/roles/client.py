@@ -307,7 +307,12 @@ class Client:
                             last = (int(message.meta["round"]), int(message.meta["attempt"]))
                             instruction = self._instruction(message)  # decompressed once
                             keys = await self._keys(last[0], instruction)
-                            await session.send(self._upload(last, instruction, keys))
+                            try:
+                                upload = self._upload(last, instruction, keys)
+                            except FedcoreError as exc:
+                                await self._say_failed(session, last, exc)
+                                raise
+                            await session.send(upload)
                             rounds += 1
                             self.protocol.after_upload(last[0])
                             # Trained in the task's bytes and sent them: the next task of the
@@ -339,6 +344,31 @@ class Client:
                 self.kdc.close()
             if self.duties is not None:
                 self.duties.close()
+
+    async def _say_failed(self, session: Any, task_id: tuple[int, int], exc: Exception) -> None:
+        """Tells the server why this client cannot answer the task (a checkpoint it cannot
+        restore, a lost peer) before it leaves, so the run's failure names the cause rather
+        than a disconnection; a server already gone is no reason for another error. A site's
+        client sends the error's kind only: its message may name the site's own paths."""
+        text = (
+            f"see site {self.guard.site}'s log of client {self.index}"
+            if self.guard is not None
+            else str(exc)[:1000]
+        )
+        report = Payload(
+            meta={
+                "kind": "failed",
+                "round": task_id[0],
+                "attempt": task_id[1],
+                "reason": type(exc).__name__,
+                "message": text,
+            }
+        )
+        try:
+            await session.send(report)
+            await session.finish(GOODBYE_SECONDS)  # the server hears it first
+        except FedcoreError as lost:
+            log.info("Could not tell the server why this client stops: %s", lost)
 
     def _refused(self, task: Payload) -> SiteRefused | None:
         """The site's refusal of ``task``, None when it has no guard or the guard allows it.

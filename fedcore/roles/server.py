@@ -215,14 +215,20 @@ class RoundBoard(SessionHandler):
                 session.send(Payload(meta={"kind": "ack", "status": status}))
         elif kind == "refused":
             self.server.site_refused(index, message)
-            with self.cond:
-                attempt = self.current
-                if attempt is not None and attempt.pending(index):
-                    attempt.failed[index] = "refused"
-                self.cond.notify_all()
-            session.close()  # the client leaves: heard
+            self._left(index, session, "refused")
+        elif kind == "failed":
+            self._left(index, session, f"failed: {self.server.client_failed(index, message)}")
         else:
             raise MessageRejected(f"A client sent a message of unknown kind {kind!r}.")
+
+    def _left(self, index: int, session: ServerSession, why: str) -> None:
+        """A client said why it leaves: its pending task fails with ``why``, its session ends."""
+        with self.cond:
+            attempt = self.current
+            if attempt is not None and attempt.pending(index):
+                attempt.failed[index] = why
+            self.cond.notify_all()
+        session.close()  # the client leaves: heard
 
     def closed(self, session: ServerSession) -> None:
         index = self.server.client_index(session.peer)
@@ -537,28 +543,30 @@ class Server:
     def site_refused(self, index: int, message: Payload) -> None:
         """Records a site's client refusing a task (its site's policy): event ``site_refused``
         with the site's reason and message (bounded), and the log."""
-        reason, text = (
-            "".join(c if c.isprintable() else " " for c in str(message.meta.get(key) or ""))
-            for key in ("reason", "message")
-        )  # one line each: a client's words go into the log and the events
-        reason, text = reason[:64] or "Refused", text[:1000]
+        reason, text = _client_words(message, default="Refused")
         site = self.spec.site_of(index)
+        round_ = _round_of(message)
         log.warning(
-            "Client %d (site %s) refused round %s: %s (%s)",
-            index,
-            site,
-            message.meta.get("round"),
-            text,
-            reason,
+            "Client %d (site %s) refused round %s: %s (%s)", index, site, round_, text, reason
         )
         self.events.emit(
             "site_refused",
             site=site,
             client=index,
-            round=message.meta.get("round"),
+            round=round_,
             reason=reason,
             message=text,
         )
+
+    def client_failed(self, index: int, message: Payload) -> str:
+        """Records a client that cannot answer its task and leaves (a checkpoint it cannot
+        restore, a lost peer): event ``client_failed`` and the log, with its reason and message
+        (bounded, one line). Returns the message, for the attempt's failure."""
+        reason, text = _client_words(message, default="Failed")
+        round_ = _round_of(message)
+        log.error("Client %d failed round %s and leaves: %s (%s)", index, round_, text, reason)
+        self.events.emit("client_failed", client=index, round=round_, reason=reason)
+        return f"{reason}: {text}"
 
     def without_revoked(self, attempt: Attempt) -> Attempt:
         """Moves the uploads of clients whose site was revoked meanwhile to ``failed``
@@ -1058,3 +1066,20 @@ def run_server(
         server.events.close()
         if server.kdc is not None:
             server.kdc.close()
+
+
+def _client_words(message: Payload, *, default: str) -> tuple[str, str]:
+    """A client's ``reason`` (64 characters at most, else ``default``) and ``message`` (1000)
+    as single printable lines: a client's words go into the log, the events and the run's
+    failure."""
+    reason, text = (
+        "".join(c if c.isprintable() else " " for c in str(message.meta.get(key) or ""))
+        for key in ("reason", "message")
+    )
+    return reason[:64] or default, text[:1000]
+
+
+def _round_of(message: Payload) -> int | None:
+    """The round a client's message names, when it is an integer (None otherwise)."""
+    round_ = message.meta.get("round")
+    return round_ if isinstance(round_, int) and not isinstance(round_, bool) else None

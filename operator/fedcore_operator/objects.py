@@ -4,8 +4,9 @@ Nothing here talks to the API server. Each builder takes a ``RunContext`` and re
 object as a plain dict, labelled with the run and owned by it (garbage collection removes
 them all with the run). Certificates and keys are the random part: the run's CA is made once
 and kept in a Secret in the operator's own namespace (never the run's; see ``ca_secret``); a
-pod's certificate Secret is issued only when it is missing; the server's and KDC's checkpoint
-keys (``keys_secret``) are drawn once per run and never replaced.
+pod's certificate Secret is issued only when it is missing; the checkpoint keys of the server,
+the KDC and a decentralized protocol's clients (``keys_secret``) are drawn once per run and
+never replaced.
 """
 
 from __future__ import annotations
@@ -41,10 +42,12 @@ KEY_BYTES = 32
 ROLE_KEYS = {
     "server": ("checkpoint.key", "FEDCORE_CHECKPOINT_KEY_FILE"),
     "kdc": ("state.key", "FEDCORE_KDC_STATE_KEY_FILE"),
+    "client": ("checkpoint.key", "FEDCORE_CHECKPOINT_KEY_FILE"),
 }
-"""Per role that has one, its key's file name in ``<run>-<role>-keys`` and the variable that
-names it in that role's pod alone (fedcore/checkpoint/_keys.py; docs/operations.md, "On
-Kubernetes (the operator's contract)"). Clients get no key."""
+"""Per role that has one, its key's file name in its pod's key Secret and the variable that
+names it in that pod alone (fedcore/checkpoint/_keys.py; docs/operations.md, "On Kubernetes
+(the operator's contract)"). A client has one only in a decentralized protocol, whose clients
+keep their own checkpoints (``role_has_key``): each its own Secret ``<run>-client-<i>-keys``."""
 KEY_FILE_ENVS = frozenset(env for _, env in ROLE_KEYS.values())
 MANIFEST_DIR = "/etc/fedcore/run"
 MANIFEST_FILE = "run.yaml"
@@ -113,9 +116,10 @@ def tls_secret_name(pod: str) -> str:
     return f"{pod}-tls"
 
 
-def keys_secret_name(run: str, role: str) -> str:
-    """``<run>-server-keys`` or ``<run>-kdc-keys``: the role's checkpoint key, its pod's alone."""
-    return f"{run}-{role}-keys"
+def keys_secret_name(run: str, role: str, index: int | None = None) -> str:
+    """``<run>-server-keys``, ``<run>-kdc-keys`` or ``<run>-client-<i>-keys``: the role's
+    checkpoint key, its pod's alone."""
+    return f"{pod_name(run, role, index)}-keys"
 
 
 def ca_secret_name(namespace: str, run: str) -> str:
@@ -266,32 +270,59 @@ def pod_identities(ctx: RunContext) -> list[tuple[str, str, int | None]]:
     return identities
 
 
-def key_roles(ctx: RunContext) -> list[str]:
-    """The roles that get a key Secret: the KDC (when the protocol has one) and the server."""
-    return [role for role in ("kdc", "server") if role != "kdc" or ctx.needs_kdc]
+KeyHolder = tuple[str, int | None]
+"""A pod that holds a key: its role and, for a client, its index."""
 
 
-def keys_secret(ctx: RunContext, role: str, key_hex: str) -> Object:
-    """The Secret ``<run>-<role>-keys`` holding the role's key ``key_hex`` (64 lowercase hex
-    digits, drawn by the caller: ``secrets.token_hex(KEY_BYTES)``).
+def role_has_key(ctx: RunContext, role: str) -> bool:
+    """Whether the role's pods hold a key: the server and the KDC always, a client only in a
+    decentralized protocol (its own checkpoints)."""
+    return role in ROLE_KEYS and (role != "client" or ctx.decentralized)
+
+
+def key_roles(ctx: RunContext) -> list[KeyHolder]:
+    """The pods that get a key Secret: the KDC (when the protocol has one), the server and,
+    in a decentralized protocol, every client this cluster runs."""
+    holders: list[KeyHolder] = [("kdc", None)] if ctx.needs_kdc else []
+    holders.append(("server", None))
+    if role_has_key(ctx, "client"):
+        holders += [("client", index) for index in range(ctx.local_clients)]
+    return holders
+
+
+def keys_secret(ctx: RunContext, role: str, key_hex: str, index: int | None = None) -> Object:
+    """The Secret ``keys_secret_name`` holding the key ``key_hex`` of the role's pod (client
+    ``index``'s) (64 lowercase hex digits, drawn by the caller: ``secrets.token_hex(KEY_BYTES)``).
 
     Owned by the run like the pods' certificate Secrets, so it lives exactly as long as the
     run, across recreated pods and suspensions: a new key would make the run's own
-    checkpoints unreadable. Only that role's pod mounts it (``_pod``).
+    checkpoints unreadable. Only that pod mounts it (``_pod``).
 
     Raises:
-        ValueError: ``role`` has no key, or ``key_hex`` is not 64 lowercase hex digits.
+        ValueError: the role has no key here, or ``key_hex`` is not 64 lowercase hex digits.
     """
-    if role not in ROLE_KEYS:
-        raise ValueError(f"Role {role!r} has no key Secret.")
+    if not role_has_key(ctx, role) or (role == "client") != (index is not None):
+        raise ValueError(f"Role {role!r} has no key Secret in run {ctx.name!r}.")
+    return key_secret_object(
+        _metadata(ctx, keys_secret_name(ctx.name, role, index), role_labels(ctx.name, role, index)),
+        ROLE_KEYS[role][0],
+        key_hex,
+    )
+
+
+def key_secret_object(metadata: dict[str, Any], file_name: str, key_hex: str) -> Object:
+    """A key Secret: ``file_name`` holding ``key_hex`` (64 lowercase hex digits).
+
+    Raises:
+        ValueError: ``key_hex`` is not 64 lowercase hex digits.
+    """
     if len(key_hex) != 2 * KEY_BYTES or set(key_hex) - set("0123456789abcdef"):
         raise ValueError(f"A key is {2 * KEY_BYTES} lowercase hex digits.")
-    file_name, _ = ROLE_KEYS[role]
     return {
         "apiVersion": "v1",
         "kind": "Secret",
         "type": "Opaque",
-        "metadata": _metadata(ctx, keys_secret_name(ctx.name, role), role_labels(ctx.name, role)),
+        "metadata": metadata,
         "stringData": {file_name: key_hex},
     }
 
@@ -852,7 +883,7 @@ def _pod(
         {"name": "PYTHONDONTWRITEBYTECODE", "value": "1"},
         *({"name": key, "value": value} for key, value in sorted(settings.extra_env.items())),
     ]
-    keys = ROLE_KEYS.get(role)
+    keys = ROLE_KEYS[role] if role_has_key(ctx, role) else None
     if keys is not None:
         common_env.append({"name": keys[1], "value": f"{KEYS_DIR}/{keys[0]}"})
     container: dict[str, Any] = {
@@ -927,7 +958,10 @@ def _pod(
         spec["volumes"].append(
             {
                 "name": "keys",
-                "secret": {"secretName": keys_secret_name(ctx.name, role), "defaultMode": 0o440},
+                "secret": {
+                    "secretName": keys_secret_name(ctx.name, role, index),
+                    "defaultMode": 0o440,
+                },
             }
         )
     if ctx.at_sites and role in ("server", "kdc"):
@@ -1043,9 +1077,9 @@ def lock_pod(pod: Object, built: Object) -> Object:
     are dropped; the restart policy, ServiceAccount and token mount are the built pod's; the
     pod's securityContext keeps only non-root ids, group settings and confined profiles over
     the built one (no sysctls, SELinux or Windows options); the operator's volumes are its own
-    (the server's and KDC's ``keys`` among them; a client has none, and a template's ``secret``
-    volume never stays, so no template gives a pod another role's key), and of the template's
-    only kinds in ``TEMPLATE_VOLUME_KINDS`` under new names stay; every
+    (the ``keys`` of the server, the KDC and a decentralized protocol's client, each its own;
+    a template's ``secret`` volume never stays, so no template gives a pod another's key), and
+    of the template's only kinds in ``TEMPLATE_VOLUME_KINDS`` under new names stay; every
     container, init container and sidecar alike gets ``_lock_container``; AppArmor and seccomp
     annotations that say ``unconfined`` are dropped. Returns a new object.
     """

@@ -26,9 +26,10 @@ The rules it encodes (``fedcore_operator.reconcile`` applies them):
 
 Certificates and keys are the random part: the plan only says which pods' certificate Secrets
 are missing (``IssueCertificates``); whoever applies it loads the run's CA from its Secret in the
-operator's namespace, or mints and creates one, and issues them. Likewise it says which of the
-server's and KDC's checkpoint key Secrets are missing (``IssueKeys``, once per run: one that
-exists is never replaced); the applier draws the keys. A CA Secret still in the run's
+operator's namespace, or mints and creates one, and issues them. Likewise it says which
+checkpoint key Secrets are missing, the server's, the KDC's and (decentralized protocols) each
+client's (``IssueKeys``, once per run: one that exists is never replaced); the applier draws
+the keys. A CA Secret still in the run's
 namespace (where operators before issue 19 kept it) is moved there first (``MoveCa``).
 The CA Secrets of deleted runs, which no owner reference can remove across namespaces, are
 found by ``orphaned_ca_secrets``.
@@ -216,11 +217,12 @@ class IssueKeys:
 
     Attributes:
         context: the run.
-        roles: ``server`` and, for protocols with a KDC, ``kdc`` (``objects.key_roles``).
+        roles: ``("server", None)``, for protocols with a KDC ``("kdc", None)``, and for
+            decentralized ones ``("client", i)`` per client (``objects.key_roles``).
     """
 
     context: objects.RunContext
-    roles: tuple[str, ...]
+    roles: tuple[objects.KeyHolder, ...]
 
 
 @dataclass(frozen=True)
@@ -432,9 +434,9 @@ class _Planner:
         if wanted:
             self.steps.append(IssueCertificates(self.ctx, wanted))
         keys = tuple(
-            role
-            for role in objects.key_roles(self.ctx)
-            if objects.keys_secret_name(self.name, role) not in existing
+            (role, index)
+            for role, index in objects.key_roles(self.ctx)
+            if objects.keys_secret_name(self.name, role, index) not in existing
         )
         if keys:
             self.steps.append(IssueKeys(self.ctx, keys))

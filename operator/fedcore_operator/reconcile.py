@@ -190,8 +190,8 @@ class Reconciler:
             ctx = step.context
             self._create_all(
                 [
-                    objects.keys_secret(ctx, role, token_hex(objects.KEY_BYTES))
-                    for role in step.roles
+                    objects.keys_secret(ctx, role, token_hex(objects.KEY_BYTES), index)
+                    for role, index in step.roles
                 ],
                 outcome,
             )

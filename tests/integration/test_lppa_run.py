@@ -22,6 +22,8 @@ import pytest
 import yaml
 from safetensors.numpy import load_file
 
+from fedcore.checkpoint import read_key
+from fedcore.checkpoint._keys import SealKey
 from fedcore.errors import PeerLost, RoleFailed, RunAborted
 from fedcore.local.runner import LocalRun, peer_arguments
 from fedcore.observe.events import read_events
@@ -115,6 +117,7 @@ def test_the_lppa_example_trains_over_peer_links_and_each_client_keeps_its_model
     for i in range(count):
         folder = work / "checkpoints" / "clients" / f"client-{i}"
         assert sorted(p.name for p in folder.iterdir()) == [
+            "latest-round.json",
             "round-00000050",
             "round-00000100",
             "round-00000150",
@@ -428,6 +431,54 @@ def test_a_lost_peer_fails_the_run_clearly_and_resume_ends_as_the_uninterrupted_
     assert len(restored) == 4
     graph, _ = peer_graph(run.spec)
     assert graph.neighbours(1) == (0, 2)
+
+
+def test_each_client_signs_its_own_checkpoints_and_a_changed_one_stops_the_resume_naming_it(
+    tmp_path: Path,
+) -> None:
+    # Prepare: a finished run (checkpoints of rounds 3 and 6), taken back to round 3.
+    manifest = small_manifest(tmp_path / "run.yaml")
+    run = quietly_load(manifest)
+    work = tmp_path / "work"
+    assert LocalRun(run, manifest, workdir=work).execute().phase == "Succeeded"
+    back = fedcore(
+        "checkpoint", "rollback", str(manifest), "3", "--workdir", str(work), "--yes", cwd=tmp_path
+    )
+    assert back.returncode == 0, back.stderr
+    clients = work / "checkpoints" / "clients"
+    key_ids = {
+        index: json.loads(
+            (clients / f"client-{index}" / "round-00000003" / "MANIFEST.json").read_text()
+        )["key_id"]
+        for index in range(4)
+    }
+    own_ids = {
+        index: SealKey(read_key(work / "keys" / f"client-{index}-checkpoint.key")).key_id
+        for index in range(4)
+    }
+    state = clients / "client-2" / "round-00000003" / "state.json"
+    original = state.read_bytes()
+    state.write_bytes(original.replace(b'"round": 3', b'"round": 4'))
+    # Execute: resume with client 2's checkpoint changed, then with it put back.
+    with pytest.raises(RunAborted) as caught:
+        LocalRun(run, manifest, workdir=work, resume=True).execute()
+    state.write_bytes(original)
+    resumed = LocalRun(run, manifest, workdir=work, resume=True).execute()
+    # Assert: each client signed with its own key (no two alike, none the server's); the
+    # changed checkpoint stopped the resume naming client 2, the round and why; put back,
+    # the resume ends as the uninterrupted run.
+    assert key_ids == own_ids and len(set(key_ids.values())) == 4
+    assert SealKey(read_key(work / "keys" / "checkpoint.key")).key_id not in key_ids.values()
+    message = str(caught.value)
+    assert caught.value.reason == "PeerLost"
+    assert message.startswith("Round 4 lost client 2 (failed: CheckpointError: Client 2 must ")
+    assert "resume from its checkpoint of round 3" in message and "fails its checksum" in message
+    assert "Once what client 2 reported is fixed, `fedcore run --resume`" in message
+    assert resumed.phase == "Succeeded"
+    whole = simulate_decentralized(run, evaluate=False)
+    for index, weights in whole.clients.items():
+        released = load_file(str(work / "models" / f"client-{index}.safetensors"))
+        assert all(np.array_equal(released[n], v) for n, v in weights.items()), index
 
 
 def test_a_client_that_cannot_start_fails_the_run_at_once_naming_it(

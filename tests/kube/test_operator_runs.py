@@ -395,6 +395,22 @@ def test_lppa_clients_train_over_their_peer_links_through_the_headless_service_n
     assert status["finalMetrics"]["roundsCompleted"] == 10
     assert status["finalMetrics"]["accuracy"] > 0.1  # better than chance on 10 classes
     clients = range(4)
+    # Each client signed its own checkpoints with its own key Secret, which no other pod has.
+    mounts = key_mounts(control_plane, namespace)
+    for i in clients:
+        assert mounts[f"mesh-client-{i}"] == [f"mesh-client-{i}-keys"], mounts
+        log = kubelet.log_of(namespace, f"mesh-client-{i}")
+        assert (
+            f"Using the checkpoint key of client {i} in /etc/fedcore/keys/checkpoint.key" in log
+        ), log[-3000:]
+    assert mounts["mesh-server"] == ["mesh-server-keys"], mounts
+    client_keys = [
+        secret
+        for secret in listed(control_plane, namespace, "secrets")
+        if secret["metadata"]["name"].startswith("mesh-client-")
+        and secret["metadata"]["name"].endswith("-keys")
+    ]
+    assert len({base64.b64decode(s["data"]["checkpoint.key"]) for s in client_keys}) == 4
     for i in clients:
         name = f"client-{i}.mesh-clients.{namespace}.svc.cluster.local"
         assert kubelet.dns.answered.get(name) == kubelet.pod_ip(namespace, f"mesh-client-{i}")

@@ -19,6 +19,7 @@ from fedcore.checkpoint import (
     CheckpointRefused,
     LocalObjectStore,
     TensorFile,
+    client_checkpoint_key,
     ensure_key,
     join_tensors,
     kdc_state_key,
@@ -1265,16 +1266,22 @@ def test_role_keys_without_variables_are_distinct_files_made_in_the_workdir(
     assert server_checkpoint_key(tmp_path) == server
 
 
+def _local_run(example: str, folder: Path, monkeypatch: pytest.MonkeyPatch) -> Any:
+    """A ``LocalRun`` of ``examples/<example>`` in ``folder``, started from a shell that names
+    a key file of its own (which no role may be handed)."""
+    from fedcore.local.runner import LocalRun
+    from fedcore.spec import load_manifest
+
+    manifest = Path(__file__).resolve().parents[2] / "examples" / example
+    monkeypatch.setenv(CHECKPOINT_KEY_ENV, "/from/the/shell.key")
+    return LocalRun(load_manifest(manifest), manifest, workdir=folder, metrics=False)
+
+
 def test_local_run_gives_server_and_kdc_their_own_key_file_kept_across_starts(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     # Prepare
-    from fedcore.local.runner import LocalRun
-    from fedcore.spec import load_manifest
-
-    manifest = Path(__file__).resolve().parents[2] / "examples" / "digits-mpdp.yaml"
-    monkeypatch.setenv(CHECKPOINT_KEY_ENV, "/from/the/shell.key")
-    run = LocalRun(load_manifest(manifest), manifest, workdir=tmp_path / "run", metrics=False)
+    run = _local_run("digits-mpdp.yaml", tmp_path / "run", monkeypatch)
     # Execute
     run._prepare()
     first = {name: read_key(tmp_path / "run" / "keys" / name) for name in KEY_NAMES}
@@ -1290,6 +1297,48 @@ def test_local_run_gives_server_and_kdc_their_own_key_file_kept_across_starts(
     assert envs["kdc"][KDC_STATE_KEY_ENV] == str(keys / "kdc-state.key")
     assert KDC_STATE_KEY_ENV not in envs["server"] and CHECKPOINT_KEY_ENV not in envs["kdc"]
     assert not {CHECKPOINT_KEY_ENV, KDC_STATE_KEY_ENV} & set(envs["client-0"])
+
+
+def test_local_run_gives_each_decentralized_client_its_own_key_file_and_no_other(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Prepare: lppa's clients keep their own checkpoints.
+    run = _local_run("digits-lppa.yaml", tmp_path / "run", monkeypatch)
+    count = run.run.spec.clients.count
+    # Execute
+    run._prepare()
+    keys = (tmp_path / "run" / "keys").absolute()
+    files = {i: keys / f"client-{i}-checkpoint.key" for i in range(count)}
+    first = {i: read_key(path) for i, path in files.items()}
+    run._prepare()  # a resume
+    envs = {i: run.role_env(f"client-{i}") for i in range(count)}
+    # Assert: one key per client, kept, each handed to its own process alone.
+    assert {i: read_key(path) for i, path in files.items()} == first
+    assert len(set(first.values()) | {read_key(keys / "checkpoint.key")}) == count + 1
+    assert all(_mode(path) == 0o600 for path in files.values())
+    for i, env in envs.items():
+        assert env[CHECKPOINT_KEY_ENV] == str(files[i])
+        assert KDC_STATE_KEY_ENV not in env
+    assert run.role_env("server")[CHECKPOINT_KEY_ENV] == str(keys / "checkpoint.key")
+
+
+def test_client_checkpoint_key_is_the_named_file_else_its_own_in_the_workdir(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Prepare
+    monkeypatch.delenv(CHECKPOINT_KEY_ENV, raising=False)
+    # Execute
+    two = client_checkpoint_key(tmp_path, 2)
+    five = client_checkpoint_key(tmp_path, 5)
+    monkeypatch.setenv(CHECKPOINT_KEY_ENV, str(tmp_path / "keys" / "client-5-checkpoint.key"))
+    named = client_checkpoint_key(tmp_path, 2)  # a pod's mounted Secret: that file, whatever
+    monkeypatch.setenv(CHECKPOINT_KEY_ENV, str(tmp_path / "missing.key"))
+    # Assert
+    assert two != five
+    assert read_key(tmp_path / "keys" / "client-2-checkpoint.key") == two
+    assert named == five
+    with pytest.raises(CheckpointKeyError, match="checkpoint key of client 2"):
+        client_checkpoint_key(tmp_path, 2)  # a named file is never created
 
 
 KEY_NAMES = ("checkpoint.key", "kdc-state.key")

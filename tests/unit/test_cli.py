@@ -323,6 +323,110 @@ def test_checkpoint_list_mark_unmark_and_verify_on_the_local_folder(
     assert "was not marked" in again.output
 
 
+@pytest.fixture
+def client_checkpointed(tmp_path: Path) -> dict[str, Any]:
+    """The lppa example's run folder: clients 0-7 each with its own key and checkpoints of
+    rounds 1-2, but client 3's from before signed checkpoints (unsigned, no key file)."""
+    from fedcore.checkpoint import client_checkpointer, ensure_key, open_store
+    from fedcore.roles._common import spec_fingerprint
+    from fedcore.spec import load_manifest
+
+    manifest = tmp_path / "run.yaml"
+    manifest.write_text((REPO / "examples" / "digits-lppa.yaml").read_text(), encoding="utf-8")
+    run = load_manifest(manifest)
+    work = tmp_path / "work"
+    store = open_store(run.spec.checkpoint, name=run.metadata.name, workdir=work)
+    ids = {"run": run.metadata.name, "fingerprint": spec_fingerprint(run)}
+    for index in range(run.spec.clients.count):
+        key = (
+            None if index == 3 else ensure_key(work / "keys" / f"client-{index}-checkpoint.key")[0]
+        )
+        own = client_checkpointer(store, run.spec.checkpoint, index=index, key=key, **ids)
+        for round_ in (1, 2):
+            own.save(round_, {"round": round_, "protocol": {"w": np.full(3, index + round_)}})
+    return {"manifest": manifest, "work": work, "store": work / "checkpoints"}
+
+
+def test_checkpoint_list_verifies_each_decentralized_clients_own_checkpoints_with_its_key(
+    cli: CliRunner, client_checkpointed: dict[str, Any]
+) -> None:
+    # Prepare: client 5's round 2 changed by a writer of the store.
+    args = [str(client_checkpointed["manifest"]), "--workdir", str(client_checkpointed["work"])]
+    part = client_checkpointed["store"] / "clients" / "client-5" / "round-00000002" / "state.json"
+    part.write_text(part.read_text().replace('"round": 2', '"round": 7'))
+    # Execute
+    listed = cli.invoke(main, ["checkpoint", "list", *args, "--verify", "--json"])
+    text = cli.invoke(main, ["checkpoint", "list", *args, "--verify"])
+    # Assert: every client's rounds, checked with its own key; the changed one and the
+    # unsigned ones (client 3 has no key file) are BAD, and the command exits 1.
+    assert listed.exit_code == 1, listed.output
+    report = json.loads(listed.stdout)
+    verified = {
+        (int(i), e["round"]): e["verified"] for i, es in report["clients"].items() for e in es
+    }
+    bad = {where for where, ok in verified.items() if not ok}
+    assert len(verified) == 16 and bad == {(3, 1), (3, 2), (5, 2)}
+    assert report["latest"]["client-0"] == 2 and "client-3" not in report["latest"]
+    assert report["server"] == [] and report["kdc"] == []
+    assert "client 5 round        2" in text.stdout and "fails its checksum" in text.stdout
+    assert "client 3 round        1" in text.stdout and "no key to verify it with" in text.stdout
+
+
+def test_checkpoint_rollback_of_one_client_adopts_its_unsigned_checkpoint_with_its_key(
+    cli: CliRunner, client_checkpointed: dict[str, Any]
+) -> None:
+    # Prepare: client 3's key, as a resumed run would have made it.
+    from fedcore.checkpoint import Checkpointer, LocalObjectStore, ensure_key
+
+    work = client_checkpointed["work"]
+    args = [str(client_checkpointed["manifest"]), "--workdir", str(work)]
+    key, _ = ensure_key(work / "keys" / "client-3-checkpoint.key")
+    # Execute
+    refused = cli.invoke(main, ["checkpoint", "rollback", *args, "1", "--client", "3"])
+    dry = cli.invoke(
+        main, ["checkpoint", "rollback", *args, "1", "--client", "3", "--adopt-unsigned"]
+    )
+    done = cli.invoke(
+        main,
+        ["checkpoint", "rollback", *args, "1", "--client", "3", "--adopt-unsigned", "--yes"],
+    )
+    both = cli.invoke(main, ["checkpoint", "rollback", *args, "1", "--client", "3", "--kdc"])
+    central = cli.invoke(
+        main, ["checkpoint", "rollback", str(EXAMPLE), "--workdir", str(work), "1", "--client", "0"]
+    )
+    # Assert: refused without --adopt-unsigned, naming why; then signed with client 3's key,
+    # round 2 deleted, and no other client touched.
+    assert refused.exit_code == 1 and "it is unsigned" in refused.output
+    assert "delete client 3's rounds [2]" in dry.stdout
+    assert done.exit_code == 0, done.output
+    assert "client 3's round 1 is now the latest; deleted client 3's rounds [2]" in done.stdout
+    own = Checkpointer(
+        LocalObjectStore(client_checkpointed["store"] / "clients" / "client-3"),
+        run="digits-lppa",
+        fingerprint=json.loads(
+            (
+                client_checkpointed["store"]
+                / "clients"
+                / "client-3"
+                / "round-00000001"
+                / "MANIFEST.json"
+            ).read_text()
+        )["fingerprint"],
+        keep_last=5,
+        key=key,
+    )
+    assert own.rounds() == [1] and own.load(1)["protocol"]["w"].tolist() == [4, 4, 4]
+    assert own.latest_record() is not None
+    other = client_checkpointed["store"] / "clients" / "client-4"
+    assert sorted(p.name for p in other.iterdir() if p.name.startswith("round-")) == [
+        "round-00000001",
+        "round-00000002",
+    ]
+    assert both.exit_code == 2 and "Pass --kdc or --client, not both" in both.output
+    assert central.exit_code == 1
+    assert "only a decentralized protocol's clients" in central.output
+
+
 def test_checkpoint_mark_of_a_missing_round_exits_1_naming_what_is_there(
     cli: CliRunner, checkpointed: dict[str, Any]
 ) -> None:

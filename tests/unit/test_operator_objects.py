@@ -818,11 +818,33 @@ def test_server_and_kdc_pods_mount_only_their_own_key_and_clients_none() -> None
 
 def test_a_run_without_a_kdc_has_a_server_key_only() -> None:
     ctx = context(manifest("fedavg"))
-    assert objects.key_roles(ctx) == ["server"]
-    assert objects.key_roles(context(manifest("mpdp"))) == ["kdc", "server"]
+    assert objects.key_roles(ctx) == [("server", None)]
+    assert objects.key_roles(context(manifest("mpdp"))) == [("kdc", None), ("server", None)]
     assert key_wiring(objects.server_pod(ctx, resume=False))["secrets"] == {
         "demo-server-keys": 0o440
     }
+
+
+def test_each_client_of_a_decentralized_protocol_mounts_its_own_key_and_no_other() -> None:
+    # Prepare: lppa's clients keep their own checkpoints (in S3, to be resumable).
+    s3 = {"s3": {"bucket": "runs", "credentialsSecret": "c"}}
+    ctx = context(manifest("lppa", checkpoint=s3))
+
+    # Execute
+    holders = objects.key_roles(ctx)
+    clients = [key_wiring(objects.client_pod(ctx, index)) for index in range(3)]
+    server = key_wiring(objects.server_pod(ctx, resume=False))
+
+    # Assert: a Secret per client, each mounted read-only into its own pod alone, and named
+    # by the same variable the server's pod uses for its own key.
+    assert holders == [("server", None), ("client", 0), ("client", 1), ("client", 2)]
+    for index, wiring in enumerate(clients):
+        assert wiring == {
+            "secrets": {f"demo-client-{index}-keys": 0o440},
+            "mounts": [("fedcore", "/etc/fedcore/keys", True)],
+            "env": {"FEDCORE_CHECKPOINT_KEY_FILE": "/etc/fedcore/keys/checkpoint.key"},
+        }
+    assert server["secrets"] == {"demo-server-keys": 0o440}
 
 
 def test_key_secret_holds_the_key_as_hex_and_is_owned_by_the_run() -> None:
@@ -847,12 +869,24 @@ def test_key_secret_holds_the_key_as_hex_and_is_owned_by_the_run() -> None:
     for bad_role, bad_key in (("client", key), ("server", key.upper()), ("server", key[:-2])):
         with pytest.raises(ValueError):
             objects.keys_secret(ctx, bad_role, bad_key)
+    # A decentralized protocol's client has one, named after its pod, and needs its index.
+    lppa = context(manifest("lppa"))
+    client = objects.keys_secret(lppa, "client", key, 2)
+    assert client["metadata"]["name"] == "demo-client-2-keys"
+    assert client["stringData"] == {"checkpoint.key": key}
+    assert client["metadata"]["labels"][objects.INDEX_LABEL] == "2"
+    assert client["metadata"]["ownerReferences"] == [objects.owner_reference(lppa)]
+    with pytest.raises(ValueError):
+        objects.keys_secret(lppa, "client", key)
 
 
 def test_key_secret_names_are_never_the_runs_longest() -> None:
     longest = objects.longest_name("r" * 40, 1)
     for role in ("server", "kdc"):
         assert len(objects.keys_secret_name("r" * 40, role)) < len(longest)
+    # A client's key Secret is one character longer than its TLS Secret: still far within a
+    # Secret name's 253 (a DNS subdomain); the 63 of a DNS label bind Services and pods.
+    assert len(objects.keys_secret_name("r" * 40, "client", 0)) == len(longest) + 1 <= 253
 
 
 KEY_THIEF_TEMPLATE: dict[str, Any] = {
@@ -890,6 +924,31 @@ KEY_THIEF_TEMPLATE: dict[str, Any] = {
         ],
     }
 }
+
+
+def test_a_template_gives_no_decentralized_client_another_clients_key() -> None:
+    # Prepare: client 0's template asks for client 1's key Secret and the server's.
+    ctx = context(manifest("lppa"))
+    built = objects.client_pod(ctx, 0)
+    template = copy.deepcopy(KEY_THIEF_TEMPLATE)
+    template["spec"]["volumes"].append(
+        {"name": "peer", "secret": {"secretName": "demo-client-1-keys"}}
+    )
+    template["spec"]["containers"][0]["envFrom"] = [{"secretRef": {"name": "demo-client-1-keys"}}]
+
+    # Execute
+    pod = objects.apply_pod_template(built, template)
+
+    # Assert: its own key, as built, and nothing of another's.
+    wiring = key_wiring(pod)
+    assert wiring["secrets"] == {"demo-client-0-keys": 0o440}
+    assert "demo-client-1-keys" not in json.dumps(pod)
+    assert "demo-server-keys" not in json.dumps(pod)
+    fedcore = pod["spec"]["containers"][0]
+    assert {item["name"]: item.get("value") for item in fedcore["env"]}[
+        "FEDCORE_CHECKPOINT_KEY_FILE"
+    ] == "/etc/fedcore/keys/checkpoint.key"
+    assert restricted_violations(pod) == []
 
 
 @pytest.mark.parametrize("role", ["client", "kdc", "server"])

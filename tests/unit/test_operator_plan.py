@@ -84,16 +84,17 @@ def owned(body: Object) -> dict[str, list[Object]]:
         {"kind": "Secret", "metadata": {"name": objects.tls_secret_name(pod)}, "data": CA_DATA}
         for pod, _, _ in objects.pod_identities(ctx)
     ]
-    secrets += [keys_listed(ctx, role) for role in objects.key_roles(ctx)]
+    secrets += [keys_listed(ctx, holder) for holder in objects.key_roles(ctx)]
     listed: dict[str, list[Object]] = {"Secret": secrets}
     for obj in objects.static_objects(ctx):
         listed.setdefault(obj["kind"], []).append(copy.deepcopy(obj))
     return listed
 
 
-def keys_listed(ctx: objects.RunContext, role: str) -> Object:
-    """A role's key Secret as the API server lists it (base64 data, no stringData)."""
-    secret = objects.keys_secret(ctx, role, "ab" * 32)
+def keys_listed(ctx: objects.RunContext, holder: objects.KeyHolder) -> Object:
+    """A pod's key Secret as the API server lists it (base64 data, no stringData)."""
+    role, index = holder
+    secret = objects.keys_secret(ctx, role, "ab" * 32, index)
     data = {name: "YWJhYg==" for name in secret.pop("stringData")}
     return {**secret, "data": data}
 
@@ -216,7 +217,7 @@ def summary(steps: tuple[Step, ...]) -> list[tuple[Any, ...]]:
         elif isinstance(step, IssueCertificates):
             result.append(("issue", *(pod for pod, _, _ in step.identities)))
         elif isinstance(step, IssueKeys):
-            result.append(("keys", *(f"demo-{role}-keys" for role in step.roles)))
+            result.append(("keys", *(objects.keys_secret_name("demo", *h) for h in step.roles)))
         elif isinstance(step, MoveCa):
             result.append(("move CA", f"Secret/{step.legacy['metadata']['name']}"))
         elif isinstance(step, Note):
@@ -900,13 +901,15 @@ def test_plan_builds_the_pods_and_certificates_it_names() -> None:
     assert list(clients.objects) == [objects.client_pod(ctx, index) for index in range(3)]
 
 
-@pytest.mark.parametrize("protocol", ["fedavg", "mpdp"])
+@pytest.mark.parametrize("protocol", ["fedavg", "mpdp", "lppa"])
 def test_key_secrets_are_planned_before_the_first_pod_and_never_again(protocol: str) -> None:
     # Prepare: the first pass of a run, then passes over its life once its Secrets are listed:
     # pods failed and recreated, suspended, resumed, finished.
     body = run_body(protocol)
     ctx = context(body)
     kdc = ["kdc"] if protocol == "mpdp" else []
+    # A decentralized protocol's clients keep their own checkpoints, each with its own key.
+    clients = [("client", index) for index in range(3)] if protocol == "lppa" else []
     later = {
         "running": observe(body, running(*kdc, "server", *ALL_CLIENTS)),
         "server failed": observe(
@@ -923,9 +926,10 @@ def test_key_secrets_are_planned_before_the_first_pod_and_never_again(protocol: 
     first = plan(observe(body, fresh=True))
     afterwards = {name: plan(observed) for name, observed in later.items()}
 
-    # Assert: one IssueKeys, for the KDC (when there is one) and the server, before any pod.
+    # Assert: one IssueKeys, for the KDC (when there is one), the server and (lppa) each
+    # client, before any pod.
     issued = [step for step in first.steps if isinstance(step, IssueKeys)]
-    assert issued == [IssueKeys(ctx, (*kdc, "server"))]
+    assert issued == [IssueKeys(ctx, (*((r, None) for r in kdc), ("server", None), *clients))]
     first_pod = next(
         index
         for index, step in enumerate(first.steps)

@@ -253,6 +253,29 @@ def test_fail_in_a_decentralized_protocol_is_peer_lost_with_the_resume_hint() ->
     assert "`fedcore run --resume` restarts every client" in str(caught.value)
 
 
+def test_peer_lost_names_the_client_that_reported_its_own_failure_first() -> None:
+    # Prepare: client 5 could not restore its checkpoint; its neighbours 4 and 6 reported
+    # losing it, client 0 just went.
+    spec = spec_of(per_round='"100%"')
+    policy = policy_of(spec, "Fail", decentralized=True)
+    failed = {
+        0: "disconnected",
+        4: "failed: PeerLost: Client 4 lost its neighbour client 5",
+        5: "failed: CheckpointError: Client 5 cannot read its checkpoint of round 6",
+        6: "failed: PeerLost: Client 6 lost its neighbour client 5",
+    }
+    # Execute
+    with pytest.raises(RunAborted) as caught:
+        play_round(7, policy, RecordingServer(), scripted(failed), ledger_of(spec))
+    # Assert: the cause, then who lost it, then the rest; the hint says to fix the cause.
+    text = str(caught.value)
+    assert text.startswith(
+        f"Round 7 lost client 5 ({failed[5]}), client 4 ({failed[4]}), client 6 ({failed[6]}), "
+        f"client 0 (disconnected). "
+    )
+    assert "Once what client 5 reported is fixed, `fedcore run --resume` restarts" in text
+
+
 def test_only_fail_stops_an_attempt_at_its_first_failure_and_retries_bound_the_attempts() -> None:
     spec = spec_of()
     assert not policy_of(spec, "Skip").stop_on_failure

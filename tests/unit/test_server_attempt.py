@@ -31,3 +31,23 @@ def test_a_released_attempt_keeps_metas_and_lets_go_of_every_tensor() -> None:
     assert {k: p.meta for k, p in attempt.plans.items()} == {0: {"round": 3}, 1: {"round": 3}}
     assert attempt.uploads[0].meta == {"num_examples": 5} and not attempt.uploads[0].tensors
     assert attempt.settled() and not attempt.pending(0) and not attempt.pending(1)
+
+
+def test_a_clients_own_words_reach_the_log_as_one_bounded_line() -> None:
+    # Prepare: what a hostile client may send as its reason and message (kind "failed" or
+    # "refused"): control characters, a forged log line, far too much text.
+    from fedcore.roles.server import _client_words, _round_of
+
+    message = Payload(
+        meta={"reason": "Bad\nERROR forged" + "r" * 100, "message": "x\r\n\x1b[31m" + "m" * 5000}
+    )
+    # Execute
+    reason, text = _client_words(message, default="Failed")
+    empty = _client_words(Payload(meta={}), default="Failed")
+    # Assert
+    assert reason == ("Bad ERROR forged" + "r" * 100)[:64]
+    assert text == ("x   [31m" + "m" * 5000)[:1000]
+    assert all(c.isprintable() for c in reason + text)
+    assert empty == ("Failed", "")
+    rounds = [_round_of(Payload(meta={"round": r})) for r in (4, "4" * 5000, True, None)]
+    assert rounds == [4, None, None, None]

@@ -34,6 +34,7 @@ from fedcore_operator.site.plan import (
     MAX_CLIENT_RESTARTS,
     HubProblem,
     IssueClientCertificates,
+    IssueClientKeys,
     Offer,
     ReportToHub,
     SiteObserved,
@@ -331,6 +332,8 @@ def summary(steps: tuple[SiteStep, ...]) -> list[tuple[Any, ...]]:
             found.append(("create", names))
         elif isinstance(step, IssueClientCertificates):
             found.append(("certificates", step.indices, step.renew))
+        elif isinstance(step, IssueClientKeys):
+            found.append(("keys", step.indices))
         elif isinstance(step, ReportToHub):
             found.append(("report", step.verdict, step.reason))
         elif isinstance(step, DeletePod):
@@ -594,6 +597,48 @@ def test_a_decentralized_client_pod_dials_every_peer_at_the_hub() -> None:
     assert policy["spec"]["ingress"] == [
         {"from": list(RELAY_FROM), "ports": [{"protocol": "TCP", "port": SETTINGS.peer_port}]}
     ]
+
+
+def test_a_decentralized_sites_clients_get_their_own_checkpoint_keys_drawn_once() -> None:
+    # Prepare: hospital-a approves the consortium on lppa, whose clients keep their own
+    # checkpoints; a later pass lists what the first made, the key Secrets among them.
+    spec = approval(digest_of(LPPA_MANIFEST), floor={"protocols": ["lppa"]})
+    hub = offer(LPPA_MANIFEST)
+    first = observe(spec, hub=hub)
+    ctx = context(spec, LPPA_MANIFEST)
+    keys = [site_objects.client_keys_secret(ctx, index, "ab" * 32) for index in (0, 1)]
+    made = owned(ctx, digest_of(LPPA_MANIFEST))
+    settled = replace(
+        observe(spec, hub=hub, pods=(listed_pod(0), listed_pod(1))),
+        body=participation(
+            spec, {"reported": {"verdict": "Approved", "digest": digest_of(LPPA_MANIFEST)}}
+        ),
+        owned=made,
+    )
+    with_keys = replace(settled, owned={**made, "Secret": [*made["Secret"], *map(as_listed, keys)]})
+    # Execute
+    decided = plan(first)
+    lost = plan(settled)  # the key Secrets went (deleted by hand): drawn again
+    later = plan(with_keys)
+    pod = site_objects.client_pod(ctx, 1, digest_of(LPPA_MANIFEST))
+    # Assert: the keys are drawn here (the hub never sees them) before the pods, once; each
+    # pod mounts its own, named after the Participation, owned by it.
+    steps = summary(decided.steps)
+    assert steps.index(("keys", (0, 1))) < steps.index(("create", PODS_A))
+    assert summary(lost.steps) == [("keys", (0, 1))]
+    assert summary(later.steps) == [] and later.phase == "Running"
+    assert [secret["metadata"]["name"] for secret in keys] == [
+        "consortium-a-client-0-keys",
+        "consortium-a-client-1-keys",
+    ]
+    assert keys[0]["stringData"] == {"checkpoint.key": "ab" * 32}
+    assert keys[0]["metadata"]["ownerReferences"] == [site_objects.owner_reference(ctx)]
+    volumes = {v["name"]: v for v in pod["spec"]["volumes"]}
+    assert volumes["keys"]["secret"]["secretName"] == "consortium-a-client-1-keys"
+    assert env(pod)["FEDCORE_CHECKPOINT_KEY_FILE"] == "/etc/fedcore/keys/checkpoint.key"
+    # A centralized protocol's site clients keep no checkpoints, and get no key.
+    central = plan(observe(approval(), hub=offer()))
+    assert not [step for step in central.steps if isinstance(step, IssueClientKeys)]
 
 
 def test_a_centralized_client_pod_takes_no_relay() -> None:

@@ -206,6 +206,25 @@ def client_tls_secret(
     }
 
 
+def client_keys_name(participation: str, index: int) -> str:
+    """The Secret with client ``index``'s own checkpoint key (a decentralized protocol's),
+    drawn here: the hub never sees it."""
+    return objects.keys_secret_name(participation, CLIENT_ROLE, index)
+
+
+def client_keys_secret(ctx: SiteContext, index: int, key_hex: str) -> Object:
+    """Client ``index``'s checkpoint key Secret (``key_hex``: 64 lowercase hex digits drawn by
+    the caller), mounted into that client's pod alone (``objects.client_pod``).
+
+    Raises:
+        ValueError: ``key_hex`` is not 64 lowercase hex digits.
+    """
+    file_name, _ = objects.ROLE_KEYS[CLIENT_ROLE]
+    return objects.key_secret_object(
+        _metadata(ctx, client_keys_name(ctx.name, index), index), file_name, key_hex
+    )
+
+
 def client_pod(ctx: SiteContext, index: int, digest: str) -> Object:
     """Client ``index``'s pod: the run operator's client pod, pointed at the hub."""
     pod = objects.client_pod(ctx.run_context(digest), index)

@@ -174,6 +174,15 @@ class IssueClientCertificates:
 
 
 @dataclass(frozen=True)
+class IssueClientKeys:
+    """Draw a checkpoint key for each of these clients (a decentralized protocol's, which keep
+    their own checkpoints) and create its Secret; one that exists is never replaced."""
+
+    context: SiteContext
+    indices: tuple[int, ...]
+
+
+@dataclass(frozen=True)
 class ReportToHub:
     """Tell the hub the site's verdict on the run (``/v1/run/approval``, ``refusal`` or
     ``withdrawal``); the status patch records it only once the hub took it."""
@@ -184,7 +193,15 @@ class ReportToHub:
     message: str = ""
 
 
-SiteStep = CreateObjects | PatchObject | DeletePod | IssueClientCertificates | ReportToHub | Note
+SiteStep = (
+    CreateObjects
+    | PatchObject
+    | DeletePod
+    | IssueClientCertificates
+    | IssueClientKeys
+    | ReportToHub
+    | Note
+)
 
 
 @dataclass(frozen=True)
@@ -450,6 +467,7 @@ class _SitePlanner:
         if not ended:
             self.ensure_static(ctx, digest)
             self.ensure_certificates(ctx, offer)
+            self.ensure_keys(ctx, digest)
             create: list[Object] = []
             pods = {pod["metadata"]["name"]: pod for pod in self.o.pods}
             for name, index in names.items():
@@ -498,6 +516,19 @@ class _SitePlanner:
             self.steps.append(IssueClientCertificates(ctx, tuple(missing), offer.run_ca))
         if stale:
             self.steps.append(IssueClientCertificates(ctx, tuple(stale), offer.run_ca, renew=True))
+
+    def ensure_keys(self, ctx: SiteContext, digest: str) -> None:
+        """A checkpoint key for each client that has none, for a decentralized protocol."""
+        if not ctx.run_context(digest).decentralized:
+            return
+        secrets = {s["metadata"]["name"] for s in self.o.owned.get("Secret", [])}
+        missing = tuple(
+            index
+            for index in ctx.clients
+            if site_objects.client_keys_name(self.name, index) not in secrets
+        )
+        if missing:
+            self.steps.append(IssueClientKeys(ctx, missing))
 
     def ensure_static(self, ctx: SiteContext, digest: str) -> None:
         built = [

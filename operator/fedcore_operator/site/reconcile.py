@@ -10,7 +10,8 @@ It renews the certificate at half its life.
 run it serves (``GET /v1/run``, with the site's certificate), reviews it (cached per spec
 generation and digest: the review computes the planned epsilon), lists what the
 Participation owns, hands all that to the pure ``plan`` and carries out its steps. Client
-keys are made here and only their certificate requests go to the hub. For a decentralized
+keys are made here and only their certificate requests go to the hub; so are a decentralized
+protocol's clients' checkpoint keys, which never leave the cluster. For a decentralized
 protocol, ``SiteRelay`` answers the hub's relays to the site's client pods.
 """
 
@@ -25,6 +26,7 @@ import socket
 import threading
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
+from secrets import token_hex
 from typing import Any
 
 from kubernetes.client.exceptions import ApiException
@@ -44,6 +46,7 @@ from fedcore_operator.site.plan import (
     KINDS,
     HubProblem,
     IssueClientCertificates,
+    IssueClientKeys,
     Offer,
     ReportToHub,
     SiteObserved,
@@ -408,6 +411,16 @@ class SiteReconciler:
         """Carries out one step; returns False only for a report the hub did not take."""
         if isinstance(step, IssueClientCertificates):
             self._issue(step, namespace, outcome)
+        elif isinstance(step, IssueClientKeys):
+            self._create_all(
+                [
+                    site_objects.client_keys_secret(
+                        step.context, index, token_hex(objects.KEY_BYTES)
+                    )
+                    for index in step.indices
+                ],
+                outcome,
+            )
         elif isinstance(step, ReportToHub):
             return self._report(step, outcome)
         else:
