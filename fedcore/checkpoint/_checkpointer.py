@@ -24,9 +24,10 @@ A checkpointer without a key reads and writes the unsigned format of version 1 (
 before signed checkpoints; the tools list with it): a checkpoint without a valid manifest
 (half-written) is never read, one whose parts fail their checksum or that belongs to another run is
 skipped and the previous good one is used. The tensors are streamed to the store and read back
-into one buffer, so a checkpoint needs little memory beyond the state itself (the KDC's
-encrypted parts, which are small, are held whole). The KDC uses the same format under its own
-prefix, with ``series="version"`` (its state has versions, not rounds).
+into one buffer, so a checkpoint needs little memory beyond the state itself; encrypted (the
+KDC's, a decentralized client's), they are sealed in chunks of 4 MiB as they stream and opened
+in place. The KDC uses the same format under its own prefix, with ``series="version"`` (its
+state has versions, not rounds).
 """
 
 from __future__ import annotations
@@ -43,7 +44,7 @@ from typing import Any
 
 import numpy as np
 
-from fedcore.checkpoint._keys import SealKey
+from fedcore.checkpoint._keys import NONCE_BYTES, TAG_BYTES, SealKey
 from fedcore.checkpoint._objects import ObjectStore
 from fedcore.checkpoint._tensors import TensorFile, read_tensors
 from fedcore.errors import CheckpointError
@@ -57,6 +58,12 @@ UNSIGNED_VERSION = 1
 """Unsigned manifests: checkpointers without a key, and every fedcore before version 2."""
 LATEST_FORMAT = "fedcore-checkpoint-latest"
 ENCRYPTION = "AES-256-GCM"
+"""Each part one AES-256-GCM message (the KDC's, before 2026-11-27; still read)."""
+CHUNKED_ENCRYPTION = "AES-256-GCM-CHUNKS"
+"""The state part one AES-256-GCM message, the tensors part a sequence of them, each
+``CHUNK_BYTES`` of plaintext (the last shorter), so that a part of any size streams and no
+message exceeds what one AES-GCM call takes (2 GiB). What every encrypting writer writes."""
+CHUNK_BYTES = 4 << 20
 TENSOR_REF = "__tensor__"
 PARTS = ("state.json", "tensors.safetensors")
 MANIFEST = "MANIFEST.json"
@@ -282,38 +289,33 @@ class Checkpointer:
         """Writes the state and the tensors of ``round``; returns their manifest entries."""
         prefix = self._prefix(round)
         seal = self._seal
+        chunks: Iterator[bytes | memoryview] = layout.chunks()
+        expected = layout.size
         if seal is not None and seal.encrypts:
-            stored = seal.encrypt(state_json, self._associated(round, PARTS[0]))
-            self.store.put(prefix + PARTS[0], stored)
-            sealed = seal.encrypt(
-                b"".join(bytes(chunk) for chunk in layout.chunks()),
-                self._associated(round, PARTS[1]),
+            state_json = seal.encrypt(state_json, self._associated(round, PARTS[0]))
+            associated = self._associated(round, PARTS[1])
+            chunks = (
+                seal.encrypt(block, _chunk_associated(associated, index, last))
+                for index, block, last in _blocks(layout.chunks(), CHUNK_BYTES)
             )
-            self.store.put(prefix + PARTS[1], sealed)
-            parts = {
-                PARTS[0]: _entry_of(stored),
-                PARTS[1]: _entry_of(sealed),
-            }
-        else:
-            self.store.put(prefix + PARTS[0], state_json)
-            digest = hashlib.sha256()
+            expected = _sealed_size(layout.size, CHUNK_BYTES)
+        self.store.put(prefix + PARTS[0], state_json)
+        digest = hashlib.sha256()
 
-            def hashed() -> Iterator[memoryview]:
-                for chunk in layout.chunks():
-                    digest.update(chunk)
-                    yield chunk
+        def hashed() -> Iterator[bytes | memoryview]:
+            for chunk in chunks:
+                digest.update(chunk)
+                yield chunk
 
-            written = self.store.put_stream(prefix + PARTS[1], hashed())
-            if written != layout.size:
-                raise CheckpointError(
-                    f"The tensors of {self._at(round)} came out as {written} bytes, "
-                    f"not {layout.size}."
-                )
-            parts = {
-                PARTS[0]: _entry_of(state_json),
-                PARTS[1]: {"sha256": digest.hexdigest(), "bytes": written},
-            }
-        return parts
+        written = self.store.put_stream(prefix + PARTS[1], hashed())
+        if written != expected:
+            raise CheckpointError(
+                f"The tensors of {self._at(round)} came out as {written} bytes, not {expected}."
+            )
+        return {
+            PARTS[0]: _entry_of(state_json),
+            PARTS[1]: {"sha256": digest.hexdigest(), "bytes": written},
+        }
 
     def _publish(self, round: int, parts: dict[str, Any], needed: int) -> None:
         """Writes the manifest of ``round`` (which publishes it) and, with a key, the latest
@@ -333,7 +335,7 @@ class Checkpointer:
                 series=self.series,
                 time=int(time.time()),
                 key_id=seal.key_id,
-                encryption=ENCRYPTION if seal.encrypts else None,
+                encryption=CHUNKED_ENCRYPTION if seal.encrypts else None,
                 previous=None
                 if self._head is None
                 else {"round": self._head.round, "manifest_sha256": self._head.manifest_sha256},
@@ -579,7 +581,9 @@ class Checkpointer:
                 f"its manifest says {manifest.get('series')} {manifest.get('round')!r} "
                 f"(moved or replaced)",
             )
-        if manifest.get("encryption") != (ENCRYPTION if seal.encrypts else None):
+        if manifest.get("encryption") not in (
+            (ENCRYPTION, CHUNKED_ENCRYPTION) if seal.encrypts else (None,)
+        ):
             raise self._refuse(
                 round, f"it is encrypted as {manifest.get('encryption')!r}, which this role is not"
             )
@@ -603,25 +607,31 @@ class Checkpointer:
         manifest, digest = self._manifest(round)
         prefix = self._prefix(round)
         entries = manifest["parts"]
-        data: dict[str, bytes | bytearray] = {}
+        raw: dict[str, bytearray] = {}
         for name in PARTS:
             try:
                 size = int(entries[name]["bytes"])
-                data[name] = self.store.read_exact(prefix + name, size)
+                raw[name] = self.store.read_exact(prefix + name, size)
             except (CheckpointError, KeyError, TypeError, ValueError) as exc:
                 raise self._refuse(
                     round, f"its part {name} cannot be read as written ({exc})"
                 ) from exc
-            if hashlib.sha256(data[name]).hexdigest() != entries[name].get("sha256"):
+            if hashlib.sha256(raw[name]).hexdigest() != entries[name].get("sha256"):
                 raise self._refuse(
                     round,
                     f"its part {name} fails its checksum (sha256): the object was replaced or "
                     f"damaged",
                 )
+        data: dict[str, bytes | bytearray] = dict(raw)
         if seal.encrypts:
+            chunked = manifest["encryption"] == CHUNKED_ENCRYPTION
             for name in PARTS:
+                associated = self._associated(round, name)
                 try:
-                    data[name] = seal.decrypt(data[name], self._associated(round, name))
+                    if chunked and name == PARTS[1]:
+                        data[name] = _open_chunks(seal, raw[name], associated, CHUNK_BYTES)
+                    else:
+                        data[name] = seal.decrypt(raw[name], associated)
                 except ValueError as exc:
                     raise self._refuse(
                         round, f"its part {name} does not decrypt ({exc}): tampered or another key"
@@ -944,6 +954,60 @@ def _canonical(value: Any) -> bytes:
     return json.dumps(
         value, sort_keys=True, separators=(",", ":"), ensure_ascii=True, allow_nan=False
     ).encode("ascii")
+
+
+def _blocks(chunks: Iterator[memoryview], size: int) -> Iterator[tuple[int, bytes, bool]]:
+    """``chunks`` cut into blocks of ``size`` bytes (the last shorter, or empty when there is
+    nothing): (index, block, whether it is the last)."""
+    pending = bytearray()
+    index = 0
+    for chunk in chunks:
+        pending += chunk
+        while len(pending) > size:  # hold one full block back: it may be the last
+            yield index, bytes(pending[:size]), False
+            del pending[:size]
+            index += 1
+    yield index, bytes(pending), True
+
+
+def _chunk_associated(associated: bytes, index: int, last: bool) -> bytes:
+    """A chunk's associated data: its part's, its index and whether it is the last, so that
+    chunks cannot be reordered, dropped or the part cut short at a chunk's end."""
+    return associated + b"\0" + index.to_bytes(8, "big") + (b"\1" if last else b"\0")
+
+
+def _sealed_size(size: int, chunk: int) -> int:
+    """The stored bytes of ``size`` bytes sealed in chunks of ``chunk``: a nonce and a tag
+    per chunk, and at least one chunk."""
+    count = max(1, -(-size // chunk))
+    return size + count * (NONCE_BYTES + TAG_BYTES)
+
+
+def _open_chunks(seal: SealKey, data: bytearray, associated: bytes, chunk: int) -> bytearray:
+    """Decrypts a part sealed in chunks, in place: each chunk's plaintext lands before its
+    own ciphertext's start, so the buffer is reused and only one chunk is held apart.
+
+    Raises:
+        ValueError: a chunk does not decrypt, or the part's size is not that of sealed chunks.
+    """
+    stored = chunk + NONCE_BYTES + TAG_BYTES
+    view = memoryview(data)
+    read = written = index = 0
+    try:
+        while True:
+            end = min(read + stored, len(data))
+            if end - read < NONCE_BYTES + TAG_BYTES:
+                raise ValueError(f"chunk {index} is cut short")
+            last = end == len(data)
+            plain = seal.decrypt(view[read:end], _chunk_associated(associated, index, last))
+            view[written : written + len(plain)] = plain
+            read, written, index = end, written + len(plain), index + 1
+            if last:
+                break
+    finally:
+        view.release()
+    del data[written:]
+    return data
 
 
 def _entry_of(data: bytes) -> dict[str, Any]:

@@ -37,6 +37,8 @@ log = logging.getLogger(__name__)
 
 KEY_BYTES = 32
 NONCE_BYTES = 12
+TAG_BYTES = 16
+"""An AES-GCM tag."""
 CHECKPOINT_KEY_ENV = "FEDCORE_CHECKPOINT_KEY_FILE"
 """A role's checkpoint-authentication key file: the server's (on Kubernetes: Secret
 ``<run>-server-keys``) or a decentralized protocol's client's own (``<run>-client-<i>-keys``)."""
@@ -243,7 +245,7 @@ class SealKey:
         nonce = os.urandom(NONCE_BYTES)
         return nonce + self._aead.encrypt(nonce, data, associated)
 
-    def decrypt(self, data: bytes | bytearray, associated: bytes) -> bytes:
+    def decrypt(self, data: bytes | bytearray | memoryview, associated: bytes) -> bytes:
         """Inverse of ``encrypt``.
 
         Raises:
@@ -251,7 +253,7 @@ class SealKey:
                 was encrypted under another key.
         """
         assert self._aead is not None
-        if len(data) < NONCE_BYTES + 16:
+        if len(data) < NONCE_BYTES + TAG_BYTES:
             raise ValueError("too short to be a ciphertext")
         view = memoryview(data)
         try:

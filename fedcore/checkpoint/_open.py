@@ -94,8 +94,10 @@ def client_checkpointer(
     key: bytes | None,
 ) -> Checkpointer:
     """Client ``index``'s own checkpoints (decentralized protocols, whose model lives on the
-    clients): ``clients/client-<index>/round-NNNNNNNN/``, signed with ``key``
-    (``client_checkpoint_key``, the client's own; None only to list them)."""
+    clients): ``clients/client-<index>/round-NNNNNNNN/``, encrypted (AES-256-GCM) and signed
+    under keys derived from ``key`` (``client_checkpoint_key``, the client's own; None only to
+    list them): whoever else reads the store (the coordinator, another client, with the same
+    S3 credentials) learns nothing of the client's model."""
     return Checkpointer(
         store.child(f"{CLIENTS_FOLDER}/client-{index}"),
         run=run,
@@ -103,5 +105,6 @@ def client_checkpointer(
         keep_last=spec.keep_last,
         keep_every=spec.keep_every,
         key=key,
+        encrypt=key is not None,
         selector=f"--client {index}",
     )

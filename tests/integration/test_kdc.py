@@ -387,7 +387,7 @@ def test_kdc_state_in_the_store_is_encrypted_under_a_key_only_the_kdc_holds(
     # Assert
     assert secret not in stored and secret.hex().encode() not in stored
     assert b"pairwise-seeds" not in stored  # the state's JSON is ciphertext too
-    assert manifest["encryption"] == "AES-256-GCM" and manifest["version"] == 2
+    assert manifest["encryption"] == "AES-256-GCM-CHUNKS" and manifest["version"] == 2
     assert oct(key_file.stat().st_mode & 0o777) == "0o600"
     assert key_file.read_text().strip() not in stored.decode("latin-1")
 

@@ -456,9 +456,13 @@ def test_each_client_signs_its_own_checkpoints_and_a_changed_one_stops_the_resum
         index: SealKey(read_key(work / "keys" / f"client-{index}-checkpoint.key")).key_id
         for index in range(4)
     }
+    # What a reader of the store (the coordinator, another client) finds: ciphertext only.
+    stored = b"".join(p.read_bytes() for p in clients.rglob("*") if p.is_file())
+    released = load_file(str(work / "models" / "client-0.safetensors"))
+    window = next(iter(released.values())).tobytes()[:32]
     state = clients / "client-2" / "round-00000003" / "state.json"
     original = state.read_bytes()
-    state.write_bytes(original.replace(b'"round": 3', b'"round": 4'))
+    state.write_bytes(original[:-1] + bytes([original[-1] ^ 1]))
     # Execute: resume with client 2's checkpoint changed, then with it put back.
     with pytest.raises(RunAborted) as caught:
         LocalRun(run, manifest, workdir=work, resume=True).execute()
@@ -468,6 +472,7 @@ def test_each_client_signs_its_own_checkpoints_and_a_changed_one_stops_the_resum
     # changed checkpoint stopped the resume naming client 2, the round and why; put back,
     # the resume ends as the uninterrupted run.
     assert key_ids == own_ids and len(set(key_ids.values())) == 4
+    assert window not in stored and b"theta" not in stored
     assert SealKey(read_key(work / "keys" / "checkpoint.key")).key_id not in key_ids.values()
     message = str(caught.value)
     assert caught.value.reason == "PeerLost"

@@ -83,7 +83,7 @@ def _assert_same_tree(actual: Any, expected: Any, path: str = "") -> None:
 
 
 def _checkpointer(store: LocalObjectStore, *, keep_last: int = 5, **kwargs: Any) -> Checkpointer:
-    """A signed checkpointer (``key=None``: the unsigned format of the decentralized clients)."""
+    """A signed checkpointer (``key=None``: the unsigned format of version 1)."""
     options = {"run": RUN, "fingerprint": FINGERPRINT, "key": KEY, **kwargs}
     return Checkpointer(store, keep_last=keep_last, **options)
 
@@ -675,12 +675,16 @@ def _peak_extra_bytes(action: Any) -> tuple[Any, int]:
 
 
 @pytest.mark.skipif(not Path("/proc/self/clear_refs").exists(), reason="needs Linux /proc")
-def test_checkpointer_streams_a_large_state_with_bounded_extra_memory(tmp_path: Path) -> None:
+@pytest.mark.parametrize("encrypt", [False, True], ids=["signed", "encrypted"])
+def test_checkpointer_streams_a_large_state_with_bounded_extra_memory(
+    tmp_path: Path, encrypt: bool
+) -> None:
     # Prepare: 256 MB of tensors. The library path (save: whole file in memory; load: the
-    # file, a copy of each tensor, then another copy) peaks at 2-3x that.
+    # file, a copy of each tensor, then another copy) peaks at 2-3x that; so did encrypting
+    # each part whole (and a part past 2 GiB could not be encrypted at all).
     size = 256 * 2**20
     state = {"weights": {f"layer{i}": np.full(size // 4 // 8, i, np.float32) for i in range(8)}}
-    checkpointer = _checkpointer(LocalObjectStore(tmp_path), keep_last=1)
+    checkpointer = _checkpointer(LocalObjectStore(tmp_path), keep_last=1, encrypt=encrypt)
     # Execute
     _, saving = _peak_extra_bytes(lambda: checkpointer.save(1, state))
     loaded, loading = _peak_extra_bytes(lambda: checkpointer.load(1))
@@ -764,8 +768,10 @@ def _manifest(root: Path, round: int, series: str = "round") -> dict[str, Any]:
     return manifest
 
 
-def _write_manifest(root: Path, round: int, manifest: dict[str, Any]) -> None:
-    path = root / f"round-{round:08d}" / "MANIFEST.json"
+def _write_manifest(
+    root: Path, round: int, manifest: dict[str, Any], series: str = "round"
+) -> None:
+    path = root / f"{series}-{round:08d}" / "MANIFEST.json"
     path.write_text(json.dumps(manifest, indent=1), encoding="utf-8")
 
 
@@ -1106,7 +1112,86 @@ def test_kdc_state_round_trips_encrypted_and_no_object_holds_its_secret(tmp_path
     _assert_same_tree(loaded[1], state)
     assert secret.encode() not in stored and b"master" not in stored
     assert np.arange(4.0).tobytes() not in stored
-    assert _manifest(tmp_path / "kdc", 1, "version")["encryption"] == "AES-256-GCM"
+    assert _manifest(tmp_path / "kdc", 1, "version")["encryption"] == "AES-256-GCM-CHUNKS"
+
+
+@pytest.mark.parametrize("size", [0, 1, 4 << 20, (4 << 20) + 1, (8 << 20) + 5])
+def test_encrypted_tensors_go_in_chunks_that_round_trip_any_size(tmp_path: Path, size: int) -> None:
+    # Prepare: tensors of 0 bytes, one, exactly a chunk, a chunk and a byte, two and some.
+    rng = np.random.default_rng(size)
+    state = {"t": rng.integers(0, 256, size, dtype=np.uint8), "round": 2}
+    store = LocalObjectStore(tmp_path)
+    # Execute
+    _kdc(store).save(1, state)
+    loaded = _kdc(store).load(1)
+    stored = (tmp_path / "kdc" / "version-00000001" / "tensors.safetensors").read_bytes()
+    # Assert: equal, and nothing of the tensor in the clear (a 16-byte window of it).
+    _assert_same_tree(loaded, state)
+    if size >= 16:
+        assert state["t"][size // 2 : size // 2 + 16].tobytes() not in stored
+
+
+def test_encrypted_tensor_chunks_cut_short_swapped_or_moved_are_refused(tmp_path: Path) -> None:
+    # Prepare: tensors of two chunks. (In a checkpoint, the signed manifest's sums refuse such
+    # a part first; the chunks' own associated data refuse it without them.)
+    from fedcore.checkpoint._checkpointer import CHUNK_BYTES, _open_chunks
+    from fedcore.checkpoint._keys import SealKey
+
+    seal = SealKey(KEY, encrypt=True)
+    store = LocalObjectStore(tmp_path)
+    _kdc(store).save(1, {"t": np.arange(CHUNK_BYTES // 8 + 3, dtype=np.float64)})
+    stored = (tmp_path / "kdc" / "version-00000001" / "tensors.safetensors").read_bytes()
+    associated = _kdc(store)._associated(1, "tensors.safetensors")
+    first = CHUNK_BYTES + 28
+    whole = bytes(_open_chunks(seal, bytearray(stored), associated, CHUNK_BYTES))
+    # Execute / Assert: the chunks open as they are, and fail cut at a chunk's end, swapped,
+    # or under another part's associated data.
+    assert len(whole) > CHUNK_BYTES
+    for data in {
+        "cut": stored[:first],
+        "swapped": stored[first:] + stored[:first],
+        "flipped": stored[:10] + bytes([stored[10] ^ 1]) + stored[11:],
+    }.values():
+        with pytest.raises(ValueError):
+            _open_chunks(seal, bytearray(data), associated, CHUNK_BYTES)
+    with pytest.raises(ValueError):
+        _open_chunks(seal, bytearray(stored), associated + b"x", CHUNK_BYTES)
+
+
+def test_an_encrypted_checkpoint_of_the_earlier_whole_part_format_is_still_read(
+    tmp_path: Path,
+) -> None:
+    # Prepare: a KDC checkpoint as written before 2026-11-27: each part one AES-GCM message.
+    from fedcore.checkpoint._checkpointer import MANIFEST_DOMAIN, _canonical
+    from fedcore.checkpoint._keys import SealKey
+
+    seal = SealKey(KEY, encrypt=True)
+    store = LocalObjectStore(tmp_path)
+    state = {"protocol": {"master": "ab" * 32}, "noise": np.arange(5.0)}
+    _kdc(store).save(1, state)
+    folder = tmp_path / "kdc" / "version-00000001"
+    checkpointer = _kdc(store)
+    tree, tensors = split_tensors(state)
+    parts = {
+        "state.json": json.dumps(tree).encode(),
+        "tensors.safetensors": b"".join(bytes(c) for c in TensorFile.of(tensors).chunks()),
+    }
+    manifest = _manifest(tmp_path / "kdc", 1, "version")
+    manifest.pop("tag")
+    for name, data in parts.items():
+        sealed = seal.encrypt(data, checkpointer._associated(1, name))
+        (folder / name).write_bytes(sealed)
+        manifest["parts"][name] = {
+            "sha256": hashlib.sha256(sealed).hexdigest(),
+            "bytes": len(sealed),
+        }
+    manifest["encryption"] = "AES-256-GCM"
+    manifest["tag"] = seal.tag(MANIFEST_DOMAIN, _canonical(manifest))
+    _write_manifest(tmp_path / "kdc", 1, manifest, "version")
+    # Execute
+    again = _kdc(store).load(1)
+    # Assert
+    _assert_same_tree(again, state)
 
 
 def test_kdc_state_with_tampered_ciphertext_is_refused(tmp_path: Path) -> None:

@@ -353,7 +353,9 @@ def test_checkpoint_list_verifies_each_decentralized_clients_own_checkpoints_wit
     # Prepare: client 5's round 2 changed by a writer of the store.
     args = [str(client_checkpointed["manifest"]), "--workdir", str(client_checkpointed["work"])]
     part = client_checkpointed["store"] / "clients" / "client-5" / "round-00000002" / "state.json"
-    part.write_text(part.read_text().replace('"round": 2', '"round": 7'))
+    data = bytearray(part.read_bytes())
+    data[-1] ^= 1
+    part.write_bytes(bytes(data))
     # Execute
     listed = cli.invoke(main, ["checkpoint", "list", *args, "--verify", "--json"])
     text = cli.invoke(main, ["checkpoint", "list", *args, "--verify"])
@@ -376,7 +378,11 @@ def test_checkpoint_rollback_of_one_client_adopts_its_unsigned_checkpoint_with_i
     cli: CliRunner, client_checkpointed: dict[str, Any]
 ) -> None:
     # Prepare: client 3's key, as a resumed run would have made it.
-    from fedcore.checkpoint import Checkpointer, LocalObjectStore, ensure_key
+    from fedcore.checkpoint import client_checkpointer, ensure_key, open_store
+    from fedcore.roles._common import spec_fingerprint
+    from fedcore.spec import load_manifest
+
+    run = load_manifest(client_checkpointed["manifest"])
 
     work = client_checkpointed["work"]
     args = [str(client_checkpointed["manifest"]), "--workdir", str(work)]
@@ -400,19 +406,12 @@ def test_checkpoint_rollback_of_one_client_adopts_its_unsigned_checkpoint_with_i
     assert "delete client 3's rounds [2]" in dry.stdout
     assert done.exit_code == 0, done.output
     assert "client 3's round 1 is now the latest; deleted client 3's rounds [2]" in done.stdout
-    own = Checkpointer(
-        LocalObjectStore(client_checkpointed["store"] / "clients" / "client-3"),
-        run="digits-lppa",
-        fingerprint=json.loads(
-            (
-                client_checkpointed["store"]
-                / "clients"
-                / "client-3"
-                / "round-00000001"
-                / "MANIFEST.json"
-            ).read_text()
-        )["fingerprint"],
-        keep_last=5,
+    own = client_checkpointer(
+        open_store(run.spec.checkpoint, name=run.metadata.name, workdir=work),
+        run.spec.checkpoint,
+        run=run.metadata.name,
+        fingerprint=spec_fingerprint(run),
+        index=3,
         key=key,
     )
     assert own.rounds() == [1] and own.load(1)["protocol"]["w"].tolist() == [4, 4, 4]
