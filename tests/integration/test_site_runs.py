@@ -25,6 +25,8 @@ import pytest
 import yaml
 from safetensors.numpy import load_file
 
+from fedcore.checkpoint import read_key
+from fedcore.checkpoint._keys import SealKey
 from fedcore.sites.consortium import ConsortiumRun, site_policies
 from fedcore.sites.hub import HubEndpoint
 from fedcore.sites.policy import spec_digest
@@ -369,6 +371,17 @@ def test_lppa_links_between_sites_go_through_the_hubs_relay_as_ciphertext(
             carried += sum(kind == 23 for kind in kinds)
             assert b"Link" not in stream and b"round" not in stream
     assert carried > 6 * 2 * 6  # encrypted records: every link carried messages every round
+    # Each client's checkpoints are its site's, encrypted with a key that exists only there.
+    work = tmp_path / "work"
+    for site, clients in (("north", range(3)), ("south", range(3, 6))):
+        for index in clients:
+            key = next((work / "sites" / site).rglob(f"client-{index}-checkpoint.key"))
+            manifests = list((work / "sites" / site).rglob(f"client-{index}/round-*/MANIFEST.json"))
+            assert len(manifests) == 2 and key.stat().st_mode & 0o077 == 0
+            for manifest in map(json.loads, (m.read_text() for m in manifests)):
+                assert manifest["encryption"] == "AES-256-GCM-CHUNKS"
+                assert manifest["key_id"] == SealKey(read_key(key)).key_id
+    assert not list((work / "hub").rglob("client-*-checkpoint.key"))
 
 
 def _tls_records(stream: bytes) -> list[int]:
