@@ -28,6 +28,7 @@ from fedcore.cli.crash import (
     EXIT_TERMINATED,
     LOG_DIR_KEY,
     one_line,
+    output_closed,
     raise_interrupt,
     report_internal_error,
 )
@@ -251,7 +252,8 @@ _CLICK_OUTCOMES = (click.ClickException, click.exceptions.Exit, click.Abort)
 class FedcoreGroup(click.Group):
     """A click group that turns every FedcoreError into a red one-liner and exit code 1, and
     anything unexpected into one ``InternalError`` line, a log file and exit code 70
-    (``fedcore.cli.crash``). Click's own usage errors (exit 2) and interrupts pass through."""
+    (``fedcore.cli.crash``). Click's own usage errors (exit 2) and interrupts pass through; an
+    output whose reader went away (``| head``) ends it quietly (exit 141)."""
 
     def invoke(self, ctx: click.Context) -> Any:
         try:
@@ -262,6 +264,8 @@ class FedcoreGroup(click.Group):
             fail(exc)
         except _CLICK_OUTCOMES:
             raise
+        except BrokenPipeError:
+            output_closed()
         except Exception as exc:
             log_dir = ctx.meta.get(LOG_DIR_KEY)
             report_internal_error(exc, log_dir if isinstance(log_dir, Path) else None)
@@ -274,6 +278,8 @@ class FedcoreGroup(click.Group):
             return super().main(*args, **kwargs)
         except _CLICK_OUTCOMES:
             raise
+        except BrokenPipeError:
+            output_closed()
         except Exception as exc:
             report_internal_error(exc)
 

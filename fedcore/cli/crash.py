@@ -32,6 +32,9 @@ EXIT_INTERRUPTED = 130
 """Ctrl-C or SIGTERM during ``fedcore run`` (128 + SIGINT)."""
 EXIT_TERMINATED = 143
 """A role process stopped by SIGTERM (a deleted pod) or SIGINT (128 + SIGTERM)."""
+EXIT_BROKEN_PIPE = 141
+"""Whoever read the output went away (``fedcore checkpoint list | head``): 128 + SIGPIPE, as
+a Unix tool killed by the signal would end."""
 
 LOG_DIR_KEY = "fedcore.log_dir"
 """The ``click.Context.meta`` key under which a command names its run's log folder."""
@@ -105,6 +108,20 @@ def report_internal_error(exc: BaseException, log_dir: Path | None = None) -> No
     with contextlib.suppress(Exception):  # stderr itself broken: nothing more can be said
         click.echo(f"{click.style('InternalError', fg='red', bold=True)}: {line}", err=True)
     sys.exit(EXIT_INTERNAL)
+
+
+def output_closed() -> None:
+    """Ends the command quietly when the reader of its output went away (a ``BrokenPipeError``
+    writing to stdout): no error line, no log, exit :data:`EXIT_BROKEN_PIPE`. Stdout is pointed
+    at the null device first, so that the interpreter's last flush does not fail again.
+
+    Raises:
+        SystemExit: always.
+    """
+    with contextlib.suppress(OSError, ValueError):
+        null = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(null, sys.stdout.fileno())
+    sys.exit(EXIT_BROKEN_PIPE)
 
 
 def raise_interrupt(*_: object) -> None:

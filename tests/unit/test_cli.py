@@ -1206,3 +1206,28 @@ def test_a_role_ending_with_exit_now_leaves_no_semaphore_behind(how: str, tmp_pa
         assert not Path("/dev/shm", f"sem.{name}").exists()
     else:  # the check can fail: without the finalizers the tracker finds the leak
         assert leaked, done.stderr
+
+
+def test_output_piped_to_a_reader_that_went_away_ends_quietly_without_a_crash_log(
+    tmp_path: Path, client_checkpointed: dict[str, Any]
+) -> None:
+    # Prepare: `fedcore checkpoint list ... | head -0`: the reader closes its end before the
+    # command writes its first line (it is still importing), so the write fails with EPIPE.
+    args = [str(client_checkpointed["manifest"]), "--workdir", str(client_checkpointed["work"])]
+    home = tmp_path / "home"
+    env = {"PATH": "/usr/bin:/bin", "HOME": str(home), "XDG_CACHE_HOME": str(home / ".cache")}
+    process = subprocess.Popen(
+        [sys.executable, "-m", "fedcore", "checkpoint", "list", *args],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        env=env,
+    )
+    assert process.stdout is not None and process.stderr is not None
+    process.stdout.close()
+    # Execute
+    stderr = process.stderr.read().decode()
+    code = process.wait(timeout=60)
+    # Assert: the exit a Unix tool would give, no error line, no internal-error log.
+    assert code == 141, stderr
+    assert "InternalError" not in stderr and "Traceback" not in stderr and "Exception" not in stderr
+    assert not list(home.rglob("internal-error-*.log"))
