@@ -190,15 +190,20 @@ class RoundPolicy:
 
     def _lost(self, round_: int, report: AttemptReport) -> Settlement:
         """The verdict on a failure under the ``Fail`` dropout policy."""
-        # A client that said why it failed comes first, then its neighbours, which lost it.
+        # A client that said why it failed comes first; then, when it did, only who lost a
+        # peer after it (their words repeat its loss); then every other failure.
         order = sorted(report.failed.items(), key=lambda item: (_rank(item[1]), item[0]))
-        lost = ", ".join(f"client {k} ({why})" for k, why in order)
+        cause = any(_rank(why) == 0 for _, why in order)
+        peers = [k for k, why in order if cause and _rank(why) == 1]
+        lost = ", ".join(
+            [f"client {k} ({why})" for k, why in order if k not in peers]
+            + ([f"{_clients(peers)} (lost a peer link after it)"] if peers else [])
+        )
         name = self.spec.protocol.name
         if self.facts.decentralized:
             said = [k for k, why in order if _rank(why) == 0]
             then = (
-                f"Once what client{'s' if len(said) > 1 else ''} "
-                f"{', '.join(map(str, said))} reported is fixed, `fedcore run --resume`"
+                f"Once what {_clients(said)} reported is fixed, `fedcore run --resume`"
                 if said
                 else "`fedcore run --resume`"
             )
@@ -218,6 +223,11 @@ class RoundPolicy:
             reason="ClientLost",
             message=f"Round {round_} lost {lost}; protocol {name!r} cannot go on without a client.",
         )
+
+
+def _clients(indexes: Sequence[int]) -> str:
+    """``client 3`` or ``clients 0, 1, 4``."""
+    return f"client{'s' if len(indexes) > 1 else ''} {', '.join(map(str, indexes))}"
 
 
 def _rank(why: str) -> int:

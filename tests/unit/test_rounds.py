@@ -267,13 +267,20 @@ def test_peer_lost_names_the_client_that_reported_its_own_failure_first() -> Non
     # Execute
     with pytest.raises(RunAborted) as caught:
         play_round(7, policy, RecordingServer(), scripted(failed), ledger_of(spec))
-    # Assert: the cause, then who lost it, then the rest; the hint says to fix the cause.
+    # Assert: the cause, then the rest, then who lost it (once: their words repeat the
+    # cause's loss); the hint says to fix the cause.
     text = str(caught.value)
     assert text.startswith(
-        f"Round 7 lost client 5 ({failed[5]}), client 4 ({failed[4]}), client 6 ({failed[6]}), "
-        f"client 0 (disconnected). "
+        f"Round 7 lost client 5 ({failed[5]}), client 0 (disconnected), clients 4, 6 (lost a "
+        f"peer link after it). "
     )
     assert "Once what client 5 reported is fixed, `fedcore run --resume` restarts" in text
+    # Without a cause, each loss is said in full.
+    alone = {4: failed[4], 6: failed[6]}
+    with pytest.raises(RunAborted) as caught:
+        play_round(7, policy, RecordingServer(), scripted(alone), ledger_of(spec))
+    assert str(caught.value).startswith(f"Round 7 lost client 4 ({failed[4]}), client 6 (")
+    assert "`fedcore run --resume` restarts" in str(caught.value)
 
 
 def test_only_fail_stops_an_attempt_at_its_first_failure_and_retries_bound_the_attempts() -> None:
