@@ -958,15 +958,21 @@ def _canonical(value: Any) -> bytes:
 
 def _blocks(chunks: Iterator[memoryview], size: int) -> Iterator[tuple[int, bytes, bool]]:
     """``chunks`` cut into blocks of ``size`` bytes (the last shorter, or empty when there is
-    nothing): (index, block, whether it is the last)."""
+    nothing): (index, block, whether it is the last). At most one block is held, however
+    large a chunk is, and no byte is moved twice within it."""
     pending = bytearray()
     index = 0
     for chunk in chunks:
-        pending += chunk
-        while len(pending) > size:  # hold one full block back: it may be the last
-            yield index, bytes(pending[:size]), False
-            del pending[:size]
-            index += 1
+        view = memoryview(chunk).cast("B")
+        at = 0
+        while at < len(view):
+            if len(pending) == size:  # more follows: this full block is not the last
+                yield index, bytes(pending), False
+                pending.clear()
+                index += 1
+            take = min(size - len(pending), len(view) - at)
+            pending += view[at : at + take]
+            at += take
     yield index, bytes(pending), True
 
 

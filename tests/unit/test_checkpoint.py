@@ -10,6 +10,8 @@ from typing import Any
 
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from fedcore.checkpoint import (
     CHECKPOINT_KEY_ENV,
@@ -682,8 +684,10 @@ def test_checkpointer_streams_a_large_state_with_bounded_extra_memory(
     # Prepare: 256 MB of tensors. The library path (save: whole file in memory; load: the
     # file, a copy of each tensor, then another copy) peaks at 2-3x that; so did encrypting
     # each part whole (and a part past 2 GiB could not be encrypted at all).
+    # One tensor is 192 MB: no path may hold a whole tensor apart.
     size = 256 * 2**20
-    state = {"weights": {f"layer{i}": np.full(size // 4 // 8, i, np.float32) for i in range(8)}}
+    state = {"weights": {f"layer{i}": np.full(size // 4 // 32, i, np.float32) for i in range(8)}}
+    state["weights"]["big"] = np.full(size // 4 * 3 // 4, 9, np.float32)
     checkpointer = _checkpointer(LocalObjectStore(tmp_path), keep_last=1, encrypt=encrypt)
     # Execute
     _, saving = _peak_extra_bytes(lambda: checkpointer.save(1, state))
@@ -1427,3 +1431,24 @@ def test_client_checkpoint_key_is_the_named_file_else_its_own_in_the_workdir(
 
 
 KEY_NAMES = ("checkpoint.key", "kdc-state.key")
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.integers(0, 50), max_size=12), st.integers(1, 16))
+def test_blocks_cut_any_chunking_into_full_blocks_and_one_last(sizes: list[int], size: int) -> None:
+    # Prepare: chunks of the given sizes, of distinct bytes.
+    from fedcore.checkpoint._checkpointer import _blocks
+
+    data = bytes(i % 251 for i in range(sum(sizes)))
+    chunks, at = [], 0
+    for n in sizes:
+        chunks.append(memoryview(data[at : at + n]))
+        at += n
+    # Execute
+    blocks = list(_blocks(iter(chunks), size))
+    # Assert: in order, whole, every block full but the last, and the last one flagged.
+    assert [index for index, _, _ in blocks] == list(range(len(blocks)))
+    assert b"".join(block for _, block, _ in blocks) == data
+    assert [last for _, _, last in blocks] == [False] * (len(blocks) - 1) + [True]
+    assert all(len(block) == size for _, block, _ in blocks[:-1])
+    assert 0 < len(blocks[-1][1]) <= size or data == b""
