@@ -3,12 +3,16 @@
 For each model size it builds a state of float32 tensors (the shape of a server checkpoint:
 ``protocol.weights``) and measures, in this one process, alternating, ``--repeats`` times:
 
-* **checkpoint write**: ``Checkpointer.save`` to an ``S3ObjectStore`` (state.json, the tensors
-  streamed as a multipart upload, the manifest with checksums, pruning the previous one);
+* **checkpoint write**: ``Checkpointer.save`` to an ``S3ObjectStore`` with a key, as the server
+  writes (state.json, the tensors streamed as a multipart upload, the signed manifest with
+  checksums, the latest record, pruning the previous one);
+* **encrypted write**: the same with ``encrypt=True``, as the KDC and a decentralized protocol's
+  clients write (the tensors sealed with AES-256-GCM in 4 MiB chunks on the way);
 * **raw upload**: boto3's ``upload_fileobj`` (its default managed transfer: 8 MiB parts, 10
   threads) of the very bytes of that checkpoint's tensors file;
 * **checkpoint read**: ``Checkpointer.load`` (manifest, ranged parallel reads into one
   buffer, checksums, arrays as views of it);
+* **encrypted read**: the same of the encrypted checkpoint (the chunks opened in place);
 * **raw download**: boto3's ``download_fileobj`` of the same object into memory.
 
 The S3 server is SeaweedFS (``weed mini``, what the tests use) on loopback, started here. It
@@ -45,7 +49,16 @@ BEGIN = "<!-- checkpoint:begin -->"
 END = "<!-- checkpoint:end -->"
 BUCKET = "bench"
 MB = 10**6
-SIDES = ("checkpoint write", "raw upload", "checkpoint read", "raw download")
+SIDES = (
+    "checkpoint write",
+    "encrypted write",
+    "raw upload",
+    "checkpoint read",
+    "encrypted read",
+    "raw download",
+)
+KEY = bytes(range(32))
+"""The benchmark's checkpoint key (a role's key is 32 random bytes)."""
 
 
 def peak_extra(action: Callable[[], Any]) -> tuple[float, int]:
@@ -87,13 +100,17 @@ def measure(
     store = S3ObjectStore(
         BUCKET, prefix=f"ckpt-{size}", endpoint=endpoint, client=client, retry_seconds=60
     )
-    checkpointer = Checkpointer(store, run="bench", fingerprint="bench", keep_last=1)
+    signed = Checkpointer(store, run="bench", fingerprint="bench", keep_last=1, key=KEY)
+    encrypted = Checkpointer(
+        store.child("encrypted"), run="bench", fingerprint="bench", keep_last=1, key=KEY,
+        encrypt=True,
+    )  # fmt: skip
     raw_key = f"raw-{size}/tensors.safetensors"
     results: dict[str, list[dict[str, float]]] = {side: [] for side in SIDES}
     for repeat in range(repeats):
-        steps = _steps(checkpointer, client, state, raw, raw_key, repeat + 1)
+        steps = _steps(signed, encrypted, client, state, raw, raw_key, repeat + 1)
         if repeat % 2:  # alternate which side goes first
-            steps = [steps[1], steps[0], steps[3], steps[2]]
+            steps = [*reversed(steps[:3]), *reversed(steps[3:])]
         for side, action in steps:
             seconds, peak = peak_extra(action)
             results[side].append({"seconds": seconds, "peak": peak, "bytes": len(raw)})
@@ -102,25 +119,29 @@ def measure(
             + ", ".join(f"{s} {results[s][-1]['seconds']:.2f} s" for s in SIDES),
             file=sys.stderr,
         )
-    loaded = checkpointer.load(repeats)
-    for name, array in state["protocol"]["weights"].items():
-        assert np.array_equal(loaded["protocol"]["weights"][name], array), name
+    for checkpointer in (signed, encrypted):
+        loaded = checkpointer.load(repeats)
+        for name, array in state["protocol"]["weights"].items():
+            assert np.array_equal(loaded["protocol"]["weights"][name], array), name
     return results
 
 
 def _steps(
-    checkpointer: Checkpointer,
+    signed: Checkpointer,
+    encrypted: Checkpointer,
     client: Any,
     state: dict[str, Any],
     raw: bytes,
     raw_key: str,
     round_: int,
 ) -> list[tuple[str, Callable[[], Any]]]:
-    """The four sides of one repeat, in SIDES order."""
+    """The sides of one repeat, in SIDES order (the writes, then the reads)."""
     return [
-        ("checkpoint write", lambda: checkpointer.save(round_, state)),
+        ("checkpoint write", lambda: signed.save(round_, state)),
+        ("encrypted write", lambda: encrypted.save(round_, state)),
         ("raw upload", lambda: client.upload_fileobj(io.BytesIO(raw), BUCKET, raw_key)),
-        ("checkpoint read", lambda: checkpointer.load(round_)),
+        ("checkpoint read", lambda: signed.load(round_)),
+        ("encrypted read", lambda: encrypted.load(round_)),
         ("raw download", lambda: _download(client, raw_key)),
     ]
 
@@ -139,7 +160,9 @@ def summarize(results: dict[str, list[dict[str, float]]]) -> dict[str, float]:
         out[f"{side} peak"] = statistics.median(r["peak"] for r in runs)
     for ours, theirs, name in (
         ("checkpoint write", "raw upload", "write"),
+        ("encrypted write", "raw upload", "encrypted write"),
         ("checkpoint read", "raw download", "read"),
+        ("encrypted read", "raw download", "encrypted read"),
     ):
         out[f"{name} ratio"] = statistics.median(
             a["seconds"] / b["seconds"] for a, b in zip(results[ours], results[theirs], strict=True)
@@ -165,41 +188,51 @@ def render(rows: dict[int, dict[str, float]], repeats: dict[int, int]) -> str:
         f"boto3 {boto3.__version__}, fedcore {fedcore.__version__}, against SeaweedFS "
         "(`weed mini`) on loopback, on the same disk; each size "
         + ", ".join(f"{size / MB:.0f} MB: {n} repeats" for size, n in repeats.items())
-        + ", the four sides alternating; medians shown.",
+        + ", the six sides alternating; medians shown.",
         "",
-        "The state is 8 float32 tensors (`protocol.weights`). *Checkpoint write* is "
-        "`Checkpointer.save` (state.json, the tensors streamed as a multipart upload of 16 MiB "
-        "parts, 4 at a time, sha256 computed on the way, the manifest last, the previous "
-        "checkpoint pruned); *raw upload* is boto3's `upload_fileobj` (8 MiB parts, 10 threads) "
-        "of the same tensors file's bytes. *Checkpoint read* is `Checkpointer.load` (manifest, "
-        "16 MiB ranged GETs 4 at a time into one buffer, sha256 checked, arrays as views of the "
-        "buffer); *raw download* is `download_fileobj` into memory. Peak memory is the process's "
-        "peak RSS above what it held before the call (the model itself is not counted).",
+        "The state is 8 float32 tensors (`protocol.weights`). *Signed write* is "
+        "`Checkpointer.save` with a key, as the server writes (state.json, the tensors streamed "
+        "as a multipart upload of 16 MiB parts, 4 at a time, sha256 computed on the way, the "
+        "signed manifest and latest record last, the previous checkpoint pruned); *encrypted "
+        "write* is the same with the parts encrypted, as the KDC and a decentralized protocol's "
+        "clients write (AES-256-GCM, the tensors in 4 MiB chunks sealed on the way); *raw "
+        "upload* is boto3's `upload_fileobj` (8 MiB parts, 10 threads) of the same tensors "
+        "file's bytes. The reads are `Checkpointer.load` (manifest, 16 MiB ranged GETs 4 at a "
+        "time into one buffer, sha256 checked, the chunks opened in place when encrypted, arrays "
+        "as views of the buffer) and, *raw download*, `download_fileobj` into memory. Peak "
+        "memory is the process's peak RSS above what it held before the call (the model itself "
+        "is not counted).",
         "",
-        "| model | write MB/s: checkpoint / raw | time ratio | read MB/s: checkpoint / raw "
-        "| time ratio | peak extra MiB: ckpt write / raw up / ckpt read / raw down |",
-        "|---|---|---|---|---|---|",
+        "| model | write MB/s: signed / encrypted / raw | time ratio: signed / encrypted "
+        "| read MB/s: signed / encrypted / raw | time ratio: signed / encrypted "
+        "| peak extra MiB, write: signed / encrypted / raw | peak extra MiB, read: signed / "
+        "encrypted / raw |",
+        "|---|---|---|---|---|---|---|",
     ]
     for size, row in rows.items():
         lines.append(
             f"| {size / MB:.0f} MB | {row['checkpoint write MB/s']:.0f} / "
-            f"{row['raw upload MB/s']:.0f} | {row['write ratio']:.2f}x | "
-            f"{row['checkpoint read MB/s']:.0f} / {row['raw download MB/s']:.0f} | "
-            f"{row['read ratio']:.2f}x | {mib(row['checkpoint write peak'])} / "
-            f"{mib(row['raw upload peak'])} / {mib(row['checkpoint read peak'])} / "
+            f"{row['encrypted write MB/s']:.0f} / {row['raw upload MB/s']:.0f} | "
+            f"{row['write ratio']:.2f}x / {row['encrypted write ratio']:.2f}x | "
+            f"{row['checkpoint read MB/s']:.0f} / {row['encrypted read MB/s']:.0f} / "
+            f"{row['raw download MB/s']:.0f} | {row['read ratio']:.2f}x / "
+            f"{row['encrypted read ratio']:.2f}x | {mib(row['checkpoint write peak'])} / "
+            f"{mib(row['encrypted write peak'])} / {mib(row['raw upload peak'])} | "
+            f"{mib(row['checkpoint read peak'])} / {mib(row['encrypted read peak'])} / "
             f"{mib(row['raw download peak'])} |"
         )
     lines += [
         "",
         "A time ratio above 1 means the checkpoint took longer than the raw transfer of the same "
         "bytes (median of the per-repeat ratios). What the checkpoint adds: hashing every byte "
-        "with sha256 (on both ways), the small state.json and manifest objects, and on read the "
-        "header checks. The read's peak is the one buffer the tensors live in afterwards (they "
-        "are views of it), so a checkpoint of N bytes needs about N bytes to load and little "
-        "beyond the model to save. Peaks smaller than the memory the allocator kept from an "
-        "earlier step read as 0 (the 10 MB row); the 1 GB row is the telling one: the write "
-        "holds at most 4 parts in flight plus the one being cut, the read one model-sized "
-        "buffer.",
+        "with sha256 (on both ways), the small state.json, manifest and latest-record objects, "
+        "on read the header checks, and, encrypted, AES-256-GCM over every byte (a chunk is "
+        "sealed while the previous parts upload, and opened in the buffer it was read into). "
+        "The read's peak is the one buffer the tensors live in afterwards (they are views of "
+        "it), so a checkpoint of N bytes needs about N bytes to load and little beyond the "
+        "model to save. Peaks smaller than the memory the allocator kept from an earlier step "
+        "read as 0 (the 10 MB row); the 1 GB row is the telling one: the write holds at most "
+        "4 parts in flight plus the one being cut, the read one model-sized buffer.",
         END,
     ]
     return "\n".join(lines)
