@@ -4,10 +4,9 @@ The model lives on the clients, so each client role keeps its peer links (``Peer
 restores its state when the coordinator's round starts from an earlier round (a resumed or
 restarted coordinator), and does, when the coordinator's instruction asks, what the server
 role does for a central protocol: evaluate its model on the held-out split, write its own
-checkpoint (``clients/client-<i>/`` under the run's checkpoint store, signed with the client's
-own key) and release its final
-model (``models/client-<i>.safetensors`` in its work folder). Only scalars go back to the
-coordinator.
+checkpoint (``clients/client-<i>/`` under the run's checkpoint store, encrypted and signed
+with the client's own key) and release its final model (``models/client-<i>.safetensors`` in
+its work folder). Only scalars go back to the coordinator.
 """
 
 from __future__ import annotations
@@ -75,7 +74,7 @@ class PeerSettings:
 
 def own_checkpointer(run: FederatedRun, workdir: Path, index: int) -> Checkpointer:
     """Client ``index``'s own checkpoints, under ``clients/client-<i>/`` of the run's store,
-    signed with its own key (``client_checkpoint_key``).
+    encrypted and signed with its own key (``client_checkpoint_key``).
 
     Raises:
         CheckpointKeyError: the key cannot be read or created.

@@ -43,6 +43,7 @@ from fedcore.sites.binding import SiteBinding
 from fedcore.sites.policy import RoundGuard, SiteRefused
 from fedcore.spec import FederatedRun, protocol_facts
 from fedcore.transport import (
+    AsyncClientSession,
     AsyncRpcClient,
     Identity,
     Payload,
@@ -345,7 +346,9 @@ class Client:
             if self.duties is not None:
                 self.duties.close()
 
-    async def _say_failed(self, session: Any, task_id: tuple[int, int], exc: Exception) -> None:
+    async def _say_failed(
+        self, session: AsyncClientSession, task_id: tuple[int, int], exc: Exception
+    ) -> None:
         """Tells the server why this client cannot answer the task (a checkpoint it cannot
         restore, a lost peer) before it leaves, so the run's failure names the cause rather
         than a disconnection; a server already gone is no reason for another error. A site's
