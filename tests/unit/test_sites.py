@@ -682,3 +682,44 @@ def test_hub_serve_refuses_a_run_without_sites(cli: CliRunner, tmp_path: Path) -
     assert "InvalidOptions" in result.stderr
     assert "lists no spec.sites" in result.stderr
     assert not (hub / "runs").exists()
+
+
+class _Heard:
+    """Stands in for a client's session to the server: keeps what the client says."""
+
+    def __init__(self) -> None:
+        self.sent: list[Any] = []
+
+    async def send(self, message: Any) -> None:
+        self.sent.append(message)
+
+    async def finish(self, seconds: float) -> None:
+        pass
+
+
+@pytest.mark.parametrize("site", [None, "hospital-b"])
+def test_a_client_that_fails_a_task_tells_the_server_why_but_a_sites_keeps_its_paths(
+    site: str | None,
+) -> None:
+    # Prepare: a failure whose message names a path of the client's machine.
+    import asyncio
+    from types import SimpleNamespace
+
+    from fedcore.errors import CheckpointError
+    from fedcore.roles.client import Client
+
+    guard = None if site is None else SimpleNamespace(site=site)
+    client = SimpleNamespace(guard=guard, index=4)
+    session = _Heard()
+    error = CheckpointError("Cannot read /data/ward-7/checkpoints/round-3/state.json.")
+    # Execute
+    asyncio.run(Client._say_failed(client, session, (3, 1), error))  # type: ignore[arg-type]
+    # Assert: the kind always; the message only where no site keeps its own machine's paths.
+    (said,) = session.sent
+    assert said.meta["kind"] == "failed" and said.meta["reason"] == "CheckpointError"
+    assert (said.meta["round"], said.meta["attempt"]) == (3, 1)
+    if site is None:
+        assert said.meta["message"] == str(error)
+    else:
+        assert "/data" not in json.dumps(said.meta)
+        assert said.meta["message"] == "see site hospital-b's log of client 4"
