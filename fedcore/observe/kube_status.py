@@ -22,8 +22,10 @@ from fedcore.spec import API_VERSION, FederatedRun
 log = logging.getLogger(__name__)
 
 SERVICEACCOUNT_DIR = "/var/run/secrets/kubernetes.io/serviceaccount"
-RETRIABLE_REASONS = frozenset({"Interrupted", "QuorumLost", "CheckpointFailed"})
-"""Failures a recreated server pod may get past; any other failure ends the run."""
+RETRIABLE_REASONS = frozenset({"Interrupted", "QuorumLost", "CheckpointFailed", "PeerLost"})
+"""Failures a recreated server pod may get past; any other failure ends the run. PeerLost (a
+decentralized run lost a client): the operator restarts every pod of the run, each from its own
+checkpoint."""
 FLUSH_SECONDS = 10.0
 
 

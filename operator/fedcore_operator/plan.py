@@ -8,16 +8,17 @@ random number, so the same observation always gives the same plan.
 
 The rules it encodes (``fedcore_operator.reconcile`` applies them):
 
-- Missing Secrets (pods' certificates, the server's and KDC's keys), ConfigMap,
-  ServiceAccounts, RBAC, Services and NetworkPolicies are created and drifted fields of the
-  latter (``UPDATABLE``) patched back, then the KDC, server and client pods in that order, each
-  waiting for the one before to be ready.
+- Missing Secrets (pods' certificates; the server's, KDC's and decentralized clients' keys),
+  ConfigMap, ServiceAccounts, RBAC, Services and NetworkPolicies are created and drifted fields
+  of the latter (``UPDATABLE``) patched back, then the KDC, server and client pods in that
+  order, each waiting for the one before to be ready.
 - A failed pod is deleted at once (grace 0) and recreated in the same pass while the run's
   failed pods stay within ``spec.backoffLimit``; past it the run fails
   (``BackoffLimitExceeded``). A failed server whose own report (``status.outcome``) says the
   failure is not retriable ends the run with the server's reason; a succeeded server ends it
   with ``Succeeded``. Which client failures end a run in the server is the protocol's dropout
-  policy; the operator only sees what the server reported.
+  policy; the operator only sees what the server reported. A decentralized run's pods are
+  never replaced alone: any failed pod restarts them all, once (``_restart_peer_graph``).
 - ``spec.suspend`` removes every pod and stops the active clock; ``activeDeadlineSeconds``
   counts active time only and fails the run (``DeadlineExceeded``) past it.
 - A finished run is never restarted: its pods that have not ended are deleted, except that
@@ -622,6 +623,8 @@ class _Planner:
                 self._remove_pods(keep_finished=True)
                 self._count_roles()
                 return False
+            if self.ctx.decentralized:
+                return self._restart_peer_graph(pod, code, why)
             restarts = int(self.status.get("restarts") or 0) + 1
             self.status["restarts"] = restarts
             failed = self.status.setdefault("failedPods", {})
@@ -647,6 +650,54 @@ class _Planner:
             )
             self._delete_pod(pod, grace=0)
             del self.pods[pod["metadata"]["name"]]
+        return True
+
+    def _restart_peer_graph(self, pod: Object, code: int | None, why: str) -> bool:
+        """A pod of a decentralized run failed: every client's state assumes every other
+        (noise, mixing weights), so no pod can be replaced alone. Every pod of the run is
+        deleted, one restart counted; the server is made again with resume, then the clients,
+        each of which restores its own checkpoint of the round the server resumes from (a
+        consistent cut: the server checkpoints only once every client did). Other pods that
+        failed in the same pass are recorded with it.
+
+        Returns False when the run reached a terminal phase in this pass.
+        """
+        limit = self.ctx.run.spec.backoff_limit
+        restarts = int(self.status.get("restarts") or 0) + 1
+        self.status["restarts"] = restarts
+        action = "RunFailed" if restarts > limit else "Recreated"
+        failed = self.status.setdefault("failedPods", {})
+        broken = [pod] + [
+            other
+            for other in self.pods.values()
+            if other is not pod and pod_phase(other) == "Failed" and not terminating(other)
+        ]
+        for each in broken:
+            each_role = each["metadata"].get("labels", {}).get(objects.ROLE_LABEL) or ""
+            failed[each_role] = failed.get(each_role, 0) + 1
+            self._record_failure(each, each_role, pod_exit(each)[0], action)
+        name = pod["metadata"]["name"]
+        if restarts > limit:
+            self._finish(
+                "Failed",
+                "BackoffLimitExceeded",
+                f"Pod {name} failed (exit code {code}: {why}) and the run's pods were already "
+                f"restarted {restarts - 1} times (spec.backoffLimit {limit}).",
+            )
+            self._remove_pods(keep_finished=True)
+            self._count_roles()
+            return False
+        self.steps.append(
+            Note(
+                f"Pod {name} failed (exit code {code}: {why}); protocol "
+                f"{self.ctx.run.spec.protocol.name!r} runs on a fixed peer graph, so every pod "
+                f"of the run starts again from its checkpoint ({restarts} of spec.backoffLimit "
+                f"{limit}).",
+                warning=True,
+            )
+        )
+        for name in sorted(self.pods):
+            self._delete_pod(self.pods.pop(name), grace=0)
         return True
 
     def _start_pods(self) -> None:

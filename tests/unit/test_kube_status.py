@@ -60,6 +60,8 @@ def test_checkpoint_finished_and_failed_events() -> None:
     assert fatal["outcome"]["retriable"] is False
     transient = status_patch(RUN, {"event": "failed", "reason": "QuorumLost", "message": "m"})
     assert transient["outcome"]["retriable"] is True
+    lost = status_patch(RUN, {"event": "failed", "reason": "PeerLost", "message": "m"})
+    assert lost["outcome"]["retriable"] is True  # the operator restarts every pod
     assert status_patch(RUN, {"event": "progress"}) == {}
 
 

@@ -476,6 +476,57 @@ def failed_client(protocol: str) -> Callable[[], Situation]:
     return situation
 
 
+def failed_peer(*, server_too: bool) -> Callable[[], Situation]:
+    """A client pod of a decentralized run (lppa) failed, and with it (``server_too``) the
+    server, which said PeerLost, retriable: no pod is replaced alone; every pod of the run is
+    deleted, one restart counted, and the server made again with resume (the clients follow
+    once it is ready, each restoring its own checkpoint)."""
+
+    def situation() -> Situation:
+        status: Object = {"phase": "Running", "restarts": 0}
+        pods = [*running("client-0", "client-2"), pod("client-1", "Failed", exit_code=137)]
+        if server_too:
+            status["outcome"] = {
+                "phase": "Failed",
+                "reason": "PeerLost",
+                "message": "Round 2 lost client 1.",
+                "retriable": True,
+            }
+            pods.insert(0, pod("server", "Failed", exit_code=1))
+        else:
+            pods.insert(0, pod("server"))
+        failures = [failure("demo-client-1", "client", 137, "Recreated")]
+        if server_too:
+            failures.insert(0, failure("demo-server", "server", 1, "Recreated"))
+        first = "server" if server_too else "client-1"
+        code = 1 if server_too else 137
+        return Situation(
+            observe(run_body("lppa", status=status), pods),
+            steps=[
+                (
+                    "warn",
+                    f"Pod demo-{first} failed (exit code {code}: Error); protocol 'lppa' runs on "
+                    "a fixed peer graph, so every pod of the run starts again from its "
+                    "checkpoint (1 of spec.backoffLimit 6).",
+                ),
+                *(("delete", f"Pod/demo-{name}", 0) for name in (*ALL_CLIENTS, "server")),
+                ("create", "Pod/demo-server (resume)"),
+            ],
+            phase="Pending",
+            reason="WaitingForServer",
+            conditions=WAITING_FOR_SERVER,
+            status={
+                "restarts": 1,
+                "failures": failures,
+                "roles": roles(  # every pod is going: none runs
+                    server={"failed": 1} if server_too else None, clients={"failed": 1}
+                ),
+            },
+        )
+
+    return situation
+
+
 def failed_server(outcome: Object | None) -> Callable[[], Situation]:
     """The server pod failed and said the failure is retriable, or said nothing (killed)."""
 
@@ -508,11 +559,12 @@ def failed_server(outcome: Object | None) -> Callable[[], Situation]:
 
 
 def server_failed_for_good() -> Situation:
-    """The server stopped the run: a Fail-policy protocol lost a client (not retriable)."""
+    """The server stopped the run for good (not retriable: its checkpoint was refused), which
+    a decentralized run's pods do not get past by restarting either."""
     outcome = {
         "phase": "Failed",
-        "reason": "PeerLost",
-        "message": "Round 2 lost client 1.",
+        "reason": "CheckpointInvalid",
+        "message": "The checkpoint of round 2 is refused.",
         "retriable": False,
     }
     pods = [pod("server", "Failed", exit_code=1), pod("client-0", "Succeeded")]
@@ -520,15 +572,15 @@ def server_failed_for_good() -> Situation:
     return Situation(
         observe(run_body("lppa", status={"phase": "Running", "outcome": outcome}), pods),
         steps=[
-            ("note", "Failed: PeerLost"),
+            ("note", "Failed: CheckpointInvalid"),
             ("delete", "Pod/demo-client-1", None),
             ("delete", "Pod/demo-client-2", None),
         ],
         phase="Failed",
-        reason="PeerLost",
-        conditions=finished("PeerLost", succeeded=False),
+        reason="CheckpointInvalid",
+        conditions=finished("CheckpointInvalid", succeeded=False),
         status={
-            "message": "Round 2 lost client 1.",
+            "message": "The checkpoint of round 2 is refused.",
             "completionTime": stamp(),
             "restarts": 0,
             "failures": [failure("demo-server", "server", 1, "RunFailed")],
@@ -826,13 +878,16 @@ SITUATIONS: dict[str, Callable[[], Situation]] = {
     "server ready: clients created together": server_ready,
     "failed client, dropout policy Skip (fedavg)": failed_client("fedavg"),
     "failed client, dropout policy Redo (mpdp)": failed_client("mpdp"),
-    "failed client, dropout policy Fail (lppa)": failed_client("lppa"),
+    "failed client, dropout policy Fail (lppa): every pod restarts": failed_peer(server_too=False),
+    "failed client and server (PeerLost, retriable): every pod restarts once": failed_peer(
+        server_too=True
+    ),
     "failed server, retriable report (QuorumLost)": failed_server(
         {"phase": "Failed", "reason": "QuorumLost", "retriable": True}
     ),
     "failed server, no report (killed)": failed_server(None),
     "failed server whose key Secret is missing": failed_server_whose_keys_are_missing,
-    "failed server, not retriable (PeerLost)": server_failed_for_good,
+    "failed server, not retriable (CheckpointInvalid)": server_failed_for_good,
     "backoffLimit exhausted": backoff_limit_exhausted,
     "suspend": suspend,
     "unsuspend resumes": unsuspend,
@@ -1104,3 +1159,20 @@ def test_plan_records_the_kubelets_reason_for_a_failed_pod() -> None:
         "OOMKilled",
         "Recreated",
     )
+
+
+def test_a_decentralized_run_past_its_backoff_limit_fails_naming_the_pod() -> None:
+    # Prepare: lppa's pods were restarted backoffLimit (6) times; client 2 fails again.
+    body = run_body("lppa", status={"phase": "Running", "restarts": 6})
+    pods = [*running("server", "client-0", "client-1"), pod("client-2", "Failed", exit_code=1)]
+    # Execute
+    result = plan(observe(body, pods))
+    # Assert: the run ends, the still running pods go, the failure is recorded as RunFailed.
+    assert result.phase == "Failed" and result.status["reason"] == "BackoffLimitExceeded"
+    assert result.status["message"] == (
+        "Pod demo-client-2 failed (exit code 1: Error) and the run's pods were already "
+        "restarted 6 times (spec.backoffLimit 6)."
+    )
+    assert result.status["failures"][-1] == failure("demo-client-2", "client", 1, "RunFailed")
+    deleted = sorted(step.name for step in result.steps if isinstance(step, DeletePod))
+    assert deleted == ["demo-client-0", "demo-client-1", "demo-server"]
