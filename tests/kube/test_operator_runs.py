@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import base64
 import json
+import re
 import signal
 import time
 from collections.abc import Iterator
@@ -400,9 +401,12 @@ def test_lppa_clients_train_over_their_peer_links_through_the_headless_service_n
     for i in clients:
         assert mounts[f"mesh-client-{i}"] == [f"mesh-client-{i}-keys"], mounts
         log = kubelet.log_of(namespace, f"mesh-client-{i}")
-        assert (
-            f"Using the checkpoint key of client {i} in /etc/fedcore/keys/checkpoint.key" in log
-        ), log[-3000:]
+        # (the fake kubelet maps /etc/fedcore/keys to a folder of its own)
+        used = (
+            rf"Using the checkpoint key of client {i} in \S+/checkpoint\.key "
+            r"\(FEDCORE_CHECKPOINT_KEY_FILE\)"
+        )
+        assert re.search(used, log), log[-3000:]
     assert mounts["mesh-server"] == ["mesh-server-keys"], mounts
     client_keys = [
         secret
@@ -419,6 +423,65 @@ def test_lppa_clients_train_over_their_peer_links_through_the_headless_service_n
             if j != i:
                 assert f"Peer link to client {j} is up." in log, log[-3000:]
                 assert f"Peer link from client {j} is up." in log, log[-3000:]
+
+
+def test_a_killed_lppa_client_restarts_every_pod_which_resume_from_their_own_checkpoints(
+    control_plane: ControlPlane,
+    kubelet: FakeKubelet,
+    operator: OperatorProcess,
+    namespace: str,
+    s3: S3Server,
+) -> None:
+    """A decentralized run cannot replace one client alone (its neighbours' states assume it):
+    the operator restarts every pod, once; each client restores its own checkpoint (in S3,
+    encrypted with its own key Secret) of the round the coordinator resumes from."""
+    s3.client().create_bucket(Bucket="runs")  # type: ignore[attr-defined]
+    create_credentials(control_plane, namespace)
+    body = yaml.safe_load((ROOT / "examples/digits-lppa.yaml").read_text())
+    body["metadata"]["name"] = "ring"
+    spec = body["spec"]
+    spec["protocol"]["lppa"]["topology"] = {"kind": "Complete"}
+    spec["clients"]["count"] = 3
+    spec["rounds"] = 300
+    spec["evaluation"]["everyRounds"] = 100
+    spec["checkpoint"] = {
+        "everyRounds": 10,
+        "s3": {
+            "bucket": "runs",
+            "endpoint": s3.endpoint,
+            "credentialsSecret": "s3-credentials",
+            "retrySeconds": 30,
+        },
+    }
+    spec["backoffLimit"] = 2
+    control_plane.kubectl("apply", "-n", namespace, "-f", "-", input=yaml.safe_dump(body))
+    show = debug(control_plane, kubelet, operator, namespace, "ring")
+    wait_for_run(
+        control_plane, namespace, "ring",
+        lambda r: ((r.get("status") or {}).get("lastCheckpoint") or {}).get("round", 0) >= 20,
+        timeout=180, what="a checkpoint of round 20", debug=show,
+    )  # fmt: skip
+    kubelet.kill(namespace, "ring-client-1", signal.SIGKILL)
+    run = wait_for_run(
+        control_plane, namespace, "ring", phase_is("Succeeded", "Failed"), timeout=300,
+        what="end", debug=show,
+    )  # fmt: skip
+    status = run["status"]
+    assert status["phase"] == "Succeeded", (status, show())
+    assert status["restarts"] == 1 and status["round"] == 300
+    killed = [f for f in status["failures"] if f["pod"] == "ring-client-1"]
+    assert [(f["role"], f["action"]) for f in killed] == [("client", "Recreated")]
+    assert "Resumed from the checkpoint of round" in kubelet.log_of(namespace, "ring-server")
+    for index in range(3):
+        log = kubelet.log_of(namespace, f"ring-client-{index}")
+        assert "Restored the state of round" in log, log[-3000:]
+    # What a reader of the bucket finds of a client: ciphertext under that client's own key.
+    objects = s3.client().list_objects_v2(Bucket="runs", Prefix="ring/checkpoints/clients/")  # type: ignore[attr-defined]
+    manifests = [o["Key"] for o in objects["Contents"] if o["Key"].endswith("MANIFEST.json")]
+    assert manifests
+    for key in manifests:
+        manifest = json.loads(s3.client().get_object(Bucket="runs", Key=key)["Body"].read())  # type: ignore[attr-defined]
+        assert manifest["encryption"] == "AES-256-GCM-CHUNKS", key
 
 
 def test_secagg_with_distributed_dp_runs_from_the_pods_own_tls_identities(
