@@ -625,22 +625,13 @@ class _Planner:
                 return False
             if self.ctx.decentralized:
                 return self._restart_peer_graph(pod, code, why)
-            restarts = int(self.status.get("restarts") or 0) + 1
-            self.status["restarts"] = restarts
-            failed = self.status.setdefault("failedPods", {})
-            failed[role] = failed.get(role, 0) + 1
-            self._record_failure(pod, role, code, "RunFailed" if restarts > limit else "Recreated")
+            restarts = self._count_restart([pod])
             if restarts > limit:
-                self._finish(
-                    "Failed",
-                    "BackoffLimitExceeded",
+                return self._give_up(
                     f"Pod {pod['metadata']['name']} failed (exit code {code}: {why}) and "
                     f"{restarts - 1} failed pods were already recreated (spec.backoffLimit "
-                    f"{limit}).",
+                    f"{limit})."
                 )
-                self._remove_pods(keep_finished=True)
-                self._count_roles()
-                return False
             self.steps.append(
                 Note(
                     f"Pod {pod['metadata']['name']} failed (exit code {code}: {why}); "
@@ -663,30 +654,20 @@ class _Planner:
         Returns False when the run reached a terminal phase in this pass.
         """
         limit = self.ctx.run.spec.backoff_limit
-        restarts = int(self.status.get("restarts") or 0) + 1
-        self.status["restarts"] = restarts
-        action = "RunFailed" if restarts > limit else "Recreated"
-        failed = self.status.setdefault("failedPods", {})
-        broken = [pod] + [
-            other
-            for other in self.pods.values()
-            if other is not pod and pod_phase(other) == "Failed" and not terminating(other)
-        ]
-        for each in broken:
-            each_role = each["metadata"].get("labels", {}).get(objects.ROLE_LABEL) or ""
-            failed[each_role] = failed.get(each_role, 0) + 1
-            self._record_failure(each, each_role, pod_exit(each)[0], action)
+        restarts = self._count_restart(
+            [pod]
+            + [
+                other
+                for other in self.pods.values()
+                if other is not pod and pod_phase(other) == "Failed" and not terminating(other)
+            ]
+        )
         name = pod["metadata"]["name"]
         if restarts > limit:
-            self._finish(
-                "Failed",
-                "BackoffLimitExceeded",
+            return self._give_up(
                 f"Pod {name} failed (exit code {code}: {why}) and the run's pods were already "
-                f"restarted {restarts - 1} times (spec.backoffLimit {limit}).",
+                f"restarted {restarts - 1} times (spec.backoffLimit {limit})."
             )
-            self._remove_pods(keep_finished=True)
-            self._count_roles()
-            return False
         self.steps.append(
             Note(
                 f"Pod {name} failed (exit code {code}: {why}); protocol "
@@ -699,6 +680,26 @@ class _Planner:
         for name in sorted(self.pods):
             self._delete_pod(self.pods.pop(name), grace=0)
         return True
+
+    def _count_restart(self, failed: list[Object]) -> int:
+        """Counts one restart for these failed pods (``status.restarts``, each in its role's
+        failed count and in ``status.failures``); returns the restarts so far."""
+        restarts = int(self.status.get("restarts") or 0) + 1
+        self.status["restarts"] = restarts
+        action = "RunFailed" if restarts > self.ctx.run.spec.backoff_limit else "Recreated"
+        counts = self.status.setdefault("failedPods", {})
+        for pod in failed:
+            role = pod["metadata"].get("labels", {}).get(objects.ROLE_LABEL)
+            counts[role] = counts.get(role, 0) + 1
+            self._record_failure(pod, role, pod_exit(pod)[0], action)
+        return restarts
+
+    def _give_up(self, message: str) -> bool:
+        """Ends the run past ``spec.backoffLimit``; returns False (a terminal phase)."""
+        self._finish("Failed", "BackoffLimitExceeded", message)
+        self._remove_pods(keep_finished=True)
+        self._count_roles()
+        return False
 
     def _start_pods(self) -> None:
         """Creates missing pods in order: KDC ready, then server ready, then clients."""

@@ -128,6 +128,30 @@ def s3(tmp_path: Path) -> Iterator[S3Server]:
         server.stop()
 
 
+def apply_until_checkpoint(
+    plane: ControlPlane,
+    kubelet: FakeKubelet,
+    operator: OperatorProcess,
+    namespace: str,
+    s3: S3Server,
+    body: dict[str, Any],
+    round_: int,
+) -> Any:
+    """Makes the bucket ``runs`` and the credentials Secret, applies the run ``body``, and
+    waits for its checkpoint of ``round_``; returns its debug printer."""
+    s3.client().create_bucket(Bucket="runs")  # type: ignore[attr-defined]
+    create_credentials(plane, namespace)
+    name = body["metadata"]["name"]
+    plane.kubectl("apply", "-n", namespace, "-f", "-", input=yaml.safe_dump(body))
+    show = debug(plane, kubelet, operator, namespace, name)
+    wait_for_run(
+        plane, namespace, name,
+        lambda r: ((r.get("status") or {}).get("lastCheckpoint") or {}).get("round", 0) >= round_,
+        timeout=180, what=f"a checkpoint of round {round_}", debug=show,
+    )  # fmt: skip
+    return show
+
+
 def create_credentials(plane: ControlPlane, namespace: str) -> None:
     secret = {
         "apiVersion": "v1",
@@ -177,20 +201,8 @@ def test_killed_server_pod_is_recreated_and_resumes_from_its_checkpoint(
     namespace: str,
     s3: S3Server,
 ) -> None:
-    s3.client().create_bucket(Bucket="runs")  # type: ignore[attr-defined]
-    create_credentials(control_plane, namespace)
     body = s3_run("phoenix", s3, "runs", rounds=30)
-    control_plane.kubectl("apply", "-n", namespace, "-f", "-", input=yaml.safe_dump(body))
-    show = debug(control_plane, kubelet, operator, namespace, "phoenix")
-    wait_for_run(
-        control_plane,
-        namespace,
-        "phoenix",
-        lambda r: ((r.get("status") or {}).get("lastCheckpoint") or {}).get("round", 0) >= 3,
-        timeout=180,
-        what="a checkpoint of round 3",
-        debug=show,
-    )
+    show = apply_until_checkpoint(control_plane, kubelet, operator, namespace, s3, body, 3)
     keys = run_keys(control_plane, namespace, "phoenix")
     assert list(keys) == ["phoenix-server-keys"]
     kubelet.kill(namespace, "phoenix-server", signal.SIGKILL)
@@ -435,8 +447,6 @@ def test_a_killed_lppa_client_restarts_every_pod_which_resume_from_their_own_che
     """A decentralized run cannot replace one client alone (its neighbours' states assume it):
     the operator restarts every pod, once; each client restores its own checkpoint (in S3,
     encrypted with its own key Secret) of the round the coordinator resumes from."""
-    s3.client().create_bucket(Bucket="runs")  # type: ignore[attr-defined]
-    create_credentials(control_plane, namespace)
     body = yaml.safe_load((ROOT / "examples/digits-lppa.yaml").read_text())
     body["metadata"]["name"] = "ring"
     spec = body["spec"]
@@ -454,13 +464,7 @@ def test_a_killed_lppa_client_restarts_every_pod_which_resume_from_their_own_che
         },
     }
     spec["backoffLimit"] = 2
-    control_plane.kubectl("apply", "-n", namespace, "-f", "-", input=yaml.safe_dump(body))
-    show = debug(control_plane, kubelet, operator, namespace, "ring")
-    wait_for_run(
-        control_plane, namespace, "ring",
-        lambda r: ((r.get("status") or {}).get("lastCheckpoint") or {}).get("round", 0) >= 20,
-        timeout=180, what="a checkpoint of round 20", debug=show,
-    )  # fmt: skip
+    show = apply_until_checkpoint(control_plane, kubelet, operator, namespace, s3, body, 20)
     kubelet.kill(namespace, "ring-client-1", signal.SIGKILL)
     run = wait_for_run(
         control_plane, namespace, "ring", phase_is("Succeeded", "Failed"), timeout=300,

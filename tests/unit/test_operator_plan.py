@@ -476,6 +476,25 @@ def failed_client(protocol: str) -> Callable[[], Situation]:
     return situation
 
 
+def server_restarting(
+    observed: Observed, warning: str, deleted: list[str], status: Object
+) -> Situation:
+    """A pass that warns, deletes these pods (grace 0) and makes the server again with resume,
+    then waits for it; one restart counted, ``status`` the rest of the status."""
+    return Situation(
+        observed,
+        steps=[
+            ("warn", warning),
+            *(("delete", f"Pod/demo-{name}", 0) for name in deleted),
+            ("create", "Pod/demo-server (resume)"),
+        ],
+        phase="Pending",
+        reason="WaitingForServer",
+        conditions=WAITING_FOR_SERVER,
+        status={"restarts": 1, **status},
+    )
+
+
 def failed_peer(*, server_too: bool) -> Callable[[], Situation]:
     """A client pod of a decentralized run (lppa) failed, and with it (``server_too``) the
     server, which said PeerLost, retriable: no pod is replaced alone; every pod of the run is
@@ -500,23 +519,15 @@ def failed_peer(*, server_too: bool) -> Callable[[], Situation]:
             failures.insert(0, failure("demo-server", "server", 1, "Recreated"))
         first = "server" if server_too else "client-1"
         code = 1 if server_too else 137
-        return Situation(
+        return server_restarting(
             observe(run_body("lppa", status=status), pods),
-            steps=[
-                (
-                    "warn",
-                    f"Pod demo-{first} failed (exit code {code}: Error); protocol 'lppa' runs on "
-                    "a fixed peer graph, so every pod of the run starts again from its "
-                    "checkpoint (1 of spec.backoffLimit 6).",
-                ),
-                *(("delete", f"Pod/demo-{name}", 0) for name in (*ALL_CLIENTS, "server")),
-                ("create", "Pod/demo-server (resume)"),
-            ],
-            phase="Pending",
-            reason="WaitingForServer",
-            conditions=WAITING_FOR_SERVER,
-            status={
-                "restarts": 1,
+            (
+                f"Pod demo-{first} failed (exit code {code}: Error); protocol 'lppa' runs on a "
+                "fixed peer graph, so every pod of the run starts again from its checkpoint "
+                "(1 of spec.backoffLimit 6)."
+            ),
+            [*ALL_CLIENTS, "server"],
+            {
                 "failures": failures,
                 "roles": roles(  # every pod is going: none runs
                     server={"failed": 1} if server_too else None, clients={"failed": 1}
@@ -535,24 +546,12 @@ def failed_server(outcome: Object | None) -> Callable[[], Situation]:
         if outcome is not None:
             status["outcome"] = outcome
         pods = [pod("server", "Failed", exit_code=1), *running(*ALL_CLIENTS)]
-        return Situation(
+        return server_restarting(
             observe(run_body(status=status), pods),
-            steps=[
-                (
-                    "warn",
-                    "Pod demo-server failed (exit code 1: Error); recreating it "
-                    "(1 of spec.backoffLimit 6).",
-                ),
-                ("delete", "Pod/demo-server", 0),
-                ("create", "Pod/demo-server (resume)"),
-            ],
-            phase="Pending",
-            reason="WaitingForServer",
-            conditions=WAITING_FOR_SERVER,
-            status={
-                "restarts": 1,
-                "roles": roles(server={"failed": 1}, clients={"running": 3, "ready": 3}),
-            },
+            "Pod demo-server failed (exit code 1: Error); recreating it "
+            "(1 of spec.backoffLimit 6).",
+            ["server"],
+            {"roles": roles(server={"failed": 1}, clients={"running": 3, "ready": 3})},
         )
 
     return situation
