@@ -62,7 +62,10 @@ class SiteBinding:
 
     def bind(self, run: FederatedRun) -> FederatedRun:
         """The run as this site's clients read it: each of its clients' data source taken
-        from the approval (its '{index}' the client's index at the site), the rest unchanged.
+        from the approval (its '{index}' the client's index at the site), and their own
+        checkpoints (a decentralized protocol's) in the site's folder, never in the hub's S3
+        store (another organization's bucket, whose credentials the site does not hold); the
+        rest unchanged.
 
         Raises:
             FedcoreError: the run is not the one approved, or not at this site.
@@ -75,6 +78,11 @@ class SiteBinding:
             raise FedcoreError(
                 f"The manifest of run {run.metadata.name!r} is not the one site {self.site!r} "
                 f"approved (approved {self.digest}, this one {spec_digest(run)})."
+            )
+        if run.spec.checkpoint.s3 is not None:
+            checkpoint = run.spec.checkpoint.model_copy(update={"s3": None})
+            run = run.model_copy(
+                update={"spec": run.spec.model_copy(update={"checkpoint": checkpoint})}
             )
         if own is None or self.approval.data is None:
             return run

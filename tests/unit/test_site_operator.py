@@ -641,6 +641,26 @@ def test_a_decentralized_sites_clients_get_their_own_checkpoint_keys_drawn_once(
     assert not [step for step in central.steps if isinstance(step, IssueClientKeys)]
 
 
+def test_a_sites_decentralized_client_pod_names_none_of_the_hubs_store_credentials() -> None:
+    # Prepare: the hub keeps its checkpoints in its bucket, with a Secret of its cluster.
+    text = text_of(
+        document(
+            {
+                ("spec", "protocol"): {"name": "lppa", "lppa": {"topology": {"kind": "Ring"}}},
+                ("spec", "privacy"): DELETE,
+                ("spec", "checkpoint"): {"s3": {"bucket": "hub", "credentialsSecret": "hub-s3"}},
+            }
+        )
+    )
+    spec = approval(digest_of(text), floor={"protocols": ["lppa"]})
+    # Execute
+    pod = site_objects.client_pod(context(spec, text), 0, digest_of(text))
+    # Assert: the pod would not start without that Secret here, and the site's clients keep
+    # their own checkpoints in the site's volume, never in another organization's bucket.
+    assert "hub-s3" not in json.dumps(pod)
+    assert "envFrom" not in pod["spec"]["containers"][0]
+
+
 def test_a_centralized_client_pod_takes_no_relay() -> None:
     ctx = replace(context(approval()), relay_from=RELAY_FROM)
     policy = site_objects.network_policy(ctx, ["192.0.2.7/32"], DIGEST)

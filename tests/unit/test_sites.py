@@ -187,6 +187,28 @@ def test_bind_without_data_in_the_approval_leaves_the_run_as_it_is(
     assert binding.bind(consortium) is consortium
 
 
+def test_bind_keeps_the_sites_clients_out_of_the_hubs_checkpoint_store(
+    consortium: FederatedRun,
+) -> None:
+    # Prepare: the hub keeps its checkpoints in its own bucket, with its own credentials.
+    s3 = {"bucket": "hub-runs", "credentialsSecret": "hub-s3"}
+    checkpoint = consortium.spec.checkpoint.model_copy(
+        update={"s3": type(consortium.spec.checkpoint).model_validate({"s3": s3}).s3}
+    )
+    run = consortium.model_copy(
+        update={"spec": consortium.spec.model_copy(update={"checkpoint": checkpoint})}
+    )
+    binding = SiteBinding("hospital-c", spec_digest(run), _approval(run, 1, None))
+    # Execute
+    bound = binding.bind(run)
+    # Assert: the site's clients keep theirs in the site's folder; the rest as approved.
+    assert run.spec.checkpoint.s3 is not None and bound.spec.checkpoint.s3 is None
+    assert bound.spec.checkpoint.local == run.spec.checkpoint.local
+    assert bound.spec.model_dump(exclude={"checkpoint"}) == run.spec.model_dump(
+        exclude={"checkpoint"}
+    )
+
+
 def test_bind_refuses_a_run_without_clients_at_the_site(consortium: FederatedRun) -> None:
     # Prepare
     binding = SiteBinding(
