@@ -25,7 +25,7 @@ SERVICEACCOUNT_DIR = "/var/run/secrets/kubernetes.io/serviceaccount"
 RETRIABLE_REASONS = frozenset({"Interrupted", "QuorumLost", "CheckpointFailed", "PeerLost"})
 """Failures a recreated server pod may get past; any other failure ends the run. PeerLost (a
 decentralized run lost a client): the operator restarts every pod of the run, each from its own
-checkpoint."""
+checkpoint; not where the clients are at sites, whose pods it cannot restart."""
 FLUSH_SECONDS = 10.0
 
 
@@ -98,7 +98,8 @@ def status_patch(run: FederatedRun, event: dict[str, Any]) -> dict[str, Any]:
                 "phase": "Failed",
                 "reason": reason,
                 "message": str(event.get("message") or "")[:1024],
-                "retriable": reason in RETRIABLE_REASONS,
+                "retriable": reason in RETRIABLE_REASONS
+                and not (reason == "PeerLost" and run.spec.sites is not None),
             }
         }
     return patch

@@ -62,6 +62,10 @@ def test_checkpoint_finished_and_failed_events() -> None:
     assert transient["outcome"]["retriable"] is True
     lost = status_patch(RUN, {"event": "failed", "reason": "PeerLost", "message": "m"})
     assert lost["outcome"]["retriable"] is True  # the operator restarts every pod
+    sites = [{"name": "a", "clients": 2}, {"name": "b", "clients": 2}]
+    at_sites = RUN.model_copy(update={"spec": RUN.spec.model_copy(update={"sites": sites})})
+    lost_there = status_patch(at_sites, {"event": "failed", "reason": "PeerLost", "message": "m"})
+    assert lost_there["outcome"]["retriable"] is False  # the sites' pods are not its to restart
     assert status_patch(RUN, {"event": "progress"}) == {}
 
 
