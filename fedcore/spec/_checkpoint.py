@@ -47,8 +47,10 @@ class S3StoreSpec(SpecModel):
         None,
         pattern=r"^[a-z0-9]([-a-z0-9.]*[a-z0-9])?$",
         description="credentialsSecret names a Kubernetes Secret with AWS_ACCESS_KEY_ID and "
-        "AWS_SECRET_ACCESS_KEY that the operator passes to the server. Locally (and when "
-        "unset) credentials come from the environment or an AWS profile.",
+        "AWS_SECRET_ACCESS_KEY that the operator passes to the server, the KDC and a "
+        "decentralized protocol's clients (each encrypts its own checkpoints with its own "
+        "key; a site's clients never get it). Locally (and when unset) credentials come from "
+        "the environment or an AWS profile.",
     )
     server_side_encryption: Literal["AES256", "aws:kms"] | None = Field(
         None,
