@@ -1139,8 +1139,11 @@ def _checkpointers(
         )
     if require is not None and require not in files:
         raise FedcoreError(
-            f"Run {name!r} has no checkpoints of {require}: only a decentralized protocol's "
-            f"clients (here {run.spec.clients.count}) keep their own."
+            f"Run {name!r} has no client {require.removeprefix('client-')}: its clients are "
+            f"0 to {run.spec.clients.count - 1}."
+            if decentralized
+            else f"Run {name!r} has no checkpoints of {require}: only a decentralized "
+            f"protocol's clients keep their own."
         )
     keys = {
         side: read_key(
@@ -1189,9 +1192,8 @@ def checkpoint_list(
     bad = 0
     lines: list[str] = []
     for side, label, checkpointer in found.sides():
-        entries = report["server" if side == "server" else "kdc" if side == "kdc" else "clients"]
-        if side.startswith("client-"):
-            entries = entries[side.removeprefix("client-")]
+        client = side.removeprefix("client-")
+        entries = report["clients"][client] if client != side else report[side]
         if verify and checkpointer.signed:
             try:
                 record = checkpointer.latest_record()

@@ -72,13 +72,9 @@ class PeerSettings:
         )
 
 
-def own_checkpointer(run: FederatedRun, workdir: Path, index: int) -> Checkpointer:
+def own_checkpointer(run: FederatedRun, workdir: Path, index: int, key: bytes) -> Checkpointer:
     """Client ``index``'s own checkpoints, under ``clients/client-<i>/`` of the run's store,
-    encrypted and signed with its own key (``client_checkpoint_key``).
-
-    Raises:
-        CheckpointKeyError: the key cannot be read or created.
-    """
+    encrypted and signed with its own ``key`` (``client_checkpoint_key``)."""
     spec = run.spec.checkpoint
     name = run.metadata.name
     return client_checkpointer(
@@ -87,7 +83,7 @@ def own_checkpointer(run: FederatedRun, workdir: Path, index: int) -> Checkpoint
         run=name,
         fingerprint=spec_fingerprint(run),
         index=index,
-        key=client_checkpoint_key(workdir, index),
+        key=key,
     )
 
 
@@ -122,6 +118,10 @@ class PeerDuties:
         self.index = index
         self.workdir = config.workdir
         self.protocol: PeerClientProtocol = protocol
+        # Read now, as the server and the KDC read theirs before they serve: a key file that
+        # is missing or malformed stops the client at start, naming it, not at its first
+        # checkpoint. The store is opened on first use (boto3 costs start-up time).
+        self._key = client_checkpoint_key(self.workdir, index)
         self.mesh = PeerMesh(
             plan,
             tls,
@@ -144,7 +144,7 @@ class PeerDuties:
     def checkpointer(self) -> Checkpointer:
         """This client's checkpointer (opened on first use)."""
         if self._checkpointer is None:
-            self._checkpointer = own_checkpointer(self.run, self.workdir, self.index)
+            self._checkpointer = own_checkpointer(self.run, self.workdir, self.index, self._key)
         return self._checkpointer
 
     def start(self) -> None:

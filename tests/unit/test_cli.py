@@ -397,6 +397,7 @@ def test_checkpoint_rollback_of_one_client_adopts_its_unsigned_checkpoint_with_i
         ["checkpoint", "rollback", *args, "1", "--client", "3", "--adopt-unsigned", "--yes"],
     )
     both = cli.invoke(main, ["checkpoint", "rollback", *args, "1", "--client", "3", "--kdc"])
+    beyond = cli.invoke(main, ["checkpoint", "rollback", *args, "1", "--client", "9"])
     central = cli.invoke(
         main, ["checkpoint", "rollback", str(EXAMPLE), "--workdir", str(work), "1", "--client", "0"]
     )
@@ -422,6 +423,8 @@ def test_checkpoint_rollback_of_one_client_adopts_its_unsigned_checkpoint_with_i
         "round-00000002",
     ]
     assert both.exit_code == 2 and "Pass --kdc or --client, not both" in both.output
+    assert beyond.exit_code == 1
+    assert "Run 'digits-lppa' has no client 9: its clients are 0 to 7." in beyond.output
     assert central.exit_code == 1
     assert "only a decentralized protocol's clients" in central.output
 
@@ -1231,3 +1234,39 @@ def test_output_piped_to_a_reader_that_went_away_ends_quietly_without_a_crash_lo
     assert code == 141, stderr
     assert "InternalError" not in stderr and "Traceback" not in stderr and "Exception" not in stderr
     assert not list(home.rglob("internal-error-*.log"))
+
+
+@pytest.mark.usefixtures("root_logging")
+def test_an_lppa_client_with_a_malformed_key_file_stops_at_start_naming_it(
+    cli: CliRunner, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Prepare: client 0's mounted key file holds 63 hex digits (a Secret written by hand).
+    _, bundles = issue_run_bundles("digits-lppa", num_clients=8)
+    bundles["client-0"].write(tmp_path / "client-0")
+    key = tmp_path / "checkpoint.key"
+    key.write_text("ab" * 31 + "a\n", encoding="ascii")
+    monkeypatch.setenv("FEDCORE_CHECKPOINT_KEY_FILE", str(key))
+    args = [
+        "client",
+        "--manifest",
+        str(REPO / "examples" / "digits-lppa.yaml"),
+        "--tls-dir",
+        str(tmp_path / "client-0"),
+        "--workdir",
+        str(tmp_path),
+        "--index",
+        "0",
+        "--server",
+        "127.0.0.1:1",
+        "--peer-listen",
+        "127.0.0.1:0",
+        "--peer-template",
+        "127.0.0.1:1",
+    ]
+    # Execute
+    result = cli.invoke(main, args)
+    # Assert: before it dials anyone, not at its first checkpoint.
+    assert result.exit_code == 1, result.output
+    assert "CheckpointKeyError" in result.stderr
+    assert "checkpoint key of client 0 (FEDCORE_CHECKPOINT_KEY_FILE)" in result.stderr
+    assert "holds 63 hex digits, not 64" in result.stderr
