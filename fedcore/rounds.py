@@ -230,12 +230,22 @@ def _clients(indexes: Sequence[int]) -> str:
     return f"client{'s' if len(indexes) > 1 else ''} {', '.join(map(str, indexes))}"
 
 
+SAID_PREFIX = "failed: "
+"""Begins the failure of a client that said why it left (``said_failure``)."""
+
+
+def said_failure(reason: str, text: str) -> str:
+    """An attempt's failure for a client that said why it left: ``failed: <reason>: <text>``
+    (``reason`` the kind of its error, ``PeerLost`` when it lost a peer)."""
+    return f"{SAID_PREFIX}{reason}: {text}"
+
+
 def _rank(why: str) -> int:
     """How near a failure is to its cause: 0 for a client that reported its own failure
-    (``failed: ...``), 1 for one that reported losing a peer, 2 for any other."""
-    if not why.startswith("failed:"):
+    (``said_failure``), 1 for one that reported losing a peer, 2 for any other."""
+    if not why.startswith(SAID_PREFIX):
         return 2
-    return 1 if why.startswith("failed: PeerLost:") else 0
+    return 1 if why.startswith(said_failure("PeerLost", "")) else 0
 
 
 RunStage = Callable[[int, int, int, Mapping[int, Payload]], AttemptReport]

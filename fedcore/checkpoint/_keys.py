@@ -44,6 +44,8 @@ CHECKPOINT_KEY_ENV = "FEDCORE_CHECKPOINT_KEY_FILE"
 ``<run>-server-keys``) or a decentralized protocol's client's own (``<run>-client-<i>-keys``)."""
 KDC_STATE_KEY_ENV = "FEDCORE_KDC_STATE_KEY_FILE"
 """The KDC's state key file (on Kubernetes: Secret ``<run>-kdc-keys``)."""
+ROLE_KEY_ENVS = (CHECKPOINT_KEY_ENV, KDC_STATE_KEY_ENV)
+"""Every variable that names a role's key file: a process hands each role its own alone."""
 KEYS_FOLDER = "keys"
 """The folder under a role's workdir that holds its key when no variable names one."""
 CHECKPOINT_KEY_NAME = "checkpoint.key"

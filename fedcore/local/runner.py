@@ -44,6 +44,7 @@ from fedcore.checkpoint import (
     KDC_STATE_KEY_ENV,
     KDC_STATE_KEY_NAME,
     KEYS_FOLDER,
+    ROLE_KEY_ENVS,
     client_checkpoint_key_name,
     ensure_key,
 )
@@ -389,7 +390,7 @@ class LocalRun:
         env = dict(os.environ)
         env.setdefault("OMP_NUM_THREADS", str(self.threads))
         env["PYTHONUNBUFFERED"] = "1"
-        for variable in (CHECKPOINT_KEY_ENV, KDC_STATE_KEY_ENV):
+        for variable in ROLE_KEY_ENVS:
             env.pop(variable, None)
         if name in self._role_keys():
             key_name, variable = self._role_keys()[name]

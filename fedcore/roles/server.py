@@ -72,7 +72,7 @@ from fedcore.roles._common import (
 from fedcore.roles._history import StoreHistory
 from fedcore.roles._hold import HoldPoint
 from fedcore.roles.client import RpcKeyChannel
-from fedcore.rounds import AttemptReport, RoundPolicy, play_round, play_stages
+from fedcore.rounds import AttemptReport, RoundPolicy, play_round, play_stages, said_failure
 from fedcore.spec import FederatedRun, protocol_facts, spec_digest
 from fedcore.transport import (
     Identity,
@@ -217,7 +217,7 @@ class RoundBoard(SessionHandler):
             self.server.site_refused(index, message)
             self._left(index, session, "refused")
         elif kind == "failed":
-            self._left(index, session, f"failed: {self.server.client_failed(index, message)}")
+            self._left(index, session, self.server.client_failed(index, message))
         else:
             raise MessageRejected(f"A client sent a message of unknown kind {kind!r}.")
 
@@ -561,12 +561,12 @@ class Server:
     def client_failed(self, index: int, message: Payload) -> str:
         """Records a client that cannot answer its task and leaves (a checkpoint it cannot
         restore, a lost peer): event ``client_failed`` and the log, with its reason and message
-        (bounded, one line). Returns the message, for the attempt's failure."""
+        (bounded, one line). Returns the attempt's failure for it (``said_failure``)."""
         reason, text = _client_words(message, default="Failed")
         round_ = _round_of(message)
         log.error("Client %d failed round %s and leaves: %s (%s)", index, round_, text, reason)
         self.events.emit("client_failed", client=index, round=round_, reason=reason)
-        return f"{reason}: {text}"
+        return said_failure(reason, text)
 
     def without_revoked(self, attempt: Attempt) -> Attempt:
         """Moves the uploads of clients whose site was revoked meanwhile to ``failed``

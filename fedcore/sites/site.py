@@ -30,7 +30,7 @@ from pathlib import Path
 from typing import Any
 
 from fedcore._files import write_atomically
-from fedcore.checkpoint import CHECKPOINT_KEY_ENV, KDC_STATE_KEY_ENV
+from fedcore.checkpoint import ROLE_KEY_ENVS
 from fedcore.errors import FedcoreError, TransportError
 from fedcore.local.launch import (
     FEDCORE_ROLES,
@@ -423,7 +423,7 @@ class SiteAgent:
             env["PYTHONUNBUFFERED"] = "1"
             # A client's own checkpoint key is its file in the site's run folder
             # (keys/client-<i>-checkpoint.key), never a key file this process was given.
-            for variable in (CHECKPOINT_KEY_ENV, KDC_STATE_KEY_ENV):
+            for variable in ROLE_KEY_ENVS:
                 env.pop(variable, None)
             self.children[index] = start_role(
                 self.spawn, self.entry, args, workdir / "logs" / f"client-{index}.log", env
