@@ -235,6 +235,24 @@ def test_kdc_protocol_without_kdc_exits_1_with_message(cli: CliRunner, tmp_path:
     assert "Protocol 'fedavg' has no KDC" in result.stderr
 
 
+def client_args(manifest: Path, tls_dir: Path, workdir: Path, *, index: int) -> list[str]:
+    """``fedcore client`` as client ``index`` of ``manifest``, its server an address nobody
+    serves (the tests stop it before it would dial)."""
+    return [
+        "client",
+        "--manifest",
+        str(manifest),
+        "--tls-dir",
+        str(tls_dir),
+        "--workdir",
+        str(workdir),
+        "--index",
+        str(index),
+        "--server",
+        "127.0.0.1:1",
+    ]
+
+
 @pytest.mark.usefixtures("root_logging")
 def test_client_with_another_clients_certificate_exits_1_naming_both(
     cli: CliRunner, tmp_path: Path
@@ -242,19 +260,7 @@ def test_client_with_another_clients_certificate_exits_1_naming_both(
     # Prepare
     _, bundles = issue_run_bundles("x", num_clients=2)
     bundles["client-1"].write(tmp_path / "client-1")
-    args = [
-        "client",
-        "--manifest",
-        str(EXAMPLE),
-        "--tls-dir",
-        str(tmp_path / "client-1"),
-        "--workdir",
-        str(tmp_path),
-        "--index",
-        "0",
-        "--server",
-        "127.0.0.1:1",
-    ]
+    args = client_args(EXAMPLE, tmp_path / "client-1", tmp_path, index=0)
     # Execute
     result = cli.invoke(main, args)
     # Assert
@@ -1246,23 +1252,9 @@ def test_an_lppa_client_with_a_malformed_key_file_stops_at_start_naming_it(
     key = tmp_path / "checkpoint.key"
     key.write_text("ab" * 31 + "a\n", encoding="ascii")
     monkeypatch.setenv("FEDCORE_CHECKPOINT_KEY_FILE", str(key))
-    args = [
-        "client",
-        "--manifest",
-        str(REPO / "examples" / "digits-lppa.yaml"),
-        "--tls-dir",
-        str(tmp_path / "client-0"),
-        "--workdir",
-        str(tmp_path),
-        "--index",
-        "0",
-        "--server",
-        "127.0.0.1:1",
-        "--peer-listen",
-        "127.0.0.1:0",
-        "--peer-template",
-        "127.0.0.1:1",
-    ]
+    manifest = REPO / "examples" / "digits-lppa.yaml"
+    args = client_args(manifest, tmp_path / "client-0", tmp_path, index=0)
+    args += ["--peer-listen", "127.0.0.1:0", "--peer-template", "127.0.0.1:1"]
     # Execute
     result = cli.invoke(main, args)
     # Assert: before it dials anyone, not at its first checkpoint.
