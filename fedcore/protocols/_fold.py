@@ -103,7 +103,13 @@ class OrderedFold:
         """Whether every upload goes to a file as it is added (see the module)."""
         self._acc: dict[str, np.ndarray] = {}
         if not on_disk:
-            self._acc = {name: np.zeros(size) for name, size in self._sizes.items()}
+            # Not zeroed: the first fold writes it (``overwrite``), once instead of zeroed
+            # (a pass, where the memory is reused), read and written.
+            self._acc = {name: np.empty(size) for name, size in self._sizes.items()}
+        self._closed = False
+        self._written = on_disk
+        """Whether ``_acc`` holds sums (until the first fold, or ``sums`` with none, it is
+        uninitialised memory)."""
         self._term = np.empty(scratch_for_sizes(self._sizes.values()), dtype=np.float64)
         # on_disk: each stored upload's weight and its tensors' dtypes (their bytes follow one
         # another in its file, in the layout's order)
@@ -235,6 +241,7 @@ class OrderedFold:
         Raises:
             ProtocolError: some planned client was never resolved.
         """
+        self._check_not_closed()
         if not self.complete():
             missing = [k for k in self._order if not self.taken(k) and k not in self._skipped]
             raise ProtocolError(f"The sum is not complete: clients {missing} were never resolved.")
@@ -245,6 +252,10 @@ class OrderedFold:
                 self._acc[name][start : start + sums.size] = sums
 
             self._sum_stored(keep)
+        if not self._written:  # every client skipped: the sums are zero
+            for acc in self._acc.values():
+                acc.fill(0.0)
+            self._written = True
         return {name: self._acc[name].reshape(shape) for name, (shape, _) in self._layout.items()}
 
     def mean(self) -> dict[str, np.ndarray]:
@@ -254,6 +265,7 @@ class OrderedFold:
         Raises:
             ProtocolError: the sum is not complete, or the weights sum to 0 (nothing to average).
         """
+        self._check_not_closed()
         if self.on_disk and not self._acc:
             return self._mean_stored()
         sums = self.sums()
@@ -268,8 +280,11 @@ class OrderedFold:
         return means
 
     def close(self) -> None:
-        """Removes the files of early (or, ``on_disk``, all) uploads, if any (idempotent)."""
+        """Removes the files of early (or, ``on_disk``, all) uploads, if any, and lets go of
+        the sums (idempotent)."""
         self._spill.close()
+        self._closed = True
+        self._acc = {}
 
     def __enter__(self) -> OrderedFold:
         return self
@@ -282,7 +297,12 @@ class OrderedFold:
 
     # --------------------------------------------------------------------------- inside
 
+    def _check_not_closed(self) -> None:
+        if self._closed:
+            raise ProtocolError("This sum was closed: its uploads and sums are gone.")
+
     def _check_open(self, client: int) -> None:
+        self._check_not_closed()
         if client not in self._position:
             raise ProtocolError(f"Client {client} was not planned in this attempt.")
         if self.taken(client) or client in self._skipped:
@@ -308,7 +328,8 @@ class OrderedFold:
         """acc += weight * widen(flat) per tensor (``_kernels.fold_into``: the same operations
         per element as a whole-tensor float64 temporary, so the same result)."""
         for name, acc in self._acc.items():
-            fold_into(acc, flats[name], weight, scratch=self._term)
+            fold_into(acc, flats[name], weight, scratch=self._term, overwrite=not self._written)
+        self._written = True
         self.weight_total += weight
 
     def _fold_group(self, group: list[tuple[dict[str, np.ndarray], float]]) -> None:
@@ -321,7 +342,8 @@ class OrderedFold:
             weights = [weight for _, weight in group]
             for name, acc in self._acc.items():
                 flats = [flats[name] for flats, _ in group]
-                fold_many_into(acc, flats, weights, scratch=self._term)
+                fold_many_into(acc, flats, weights, scratch=self._term, overwrite=not self._written)
+            self._written = True
             for weight in weights:
                 self.weight_total += weight
         group.clear()
@@ -423,7 +445,8 @@ class OrderedFold:
                 for start in range(0, size, block):
                     count = min(block, size - start)
                     acc = sums[:count]
-                    acc[...] = 0.0
+                    if not clients:
+                        acc[...] = 0.0
                     for first in range(0, len(clients), FUSED_UPLOADS):
                         group = range(first, min(first + FUSED_UPLOADS, len(clients)))
                         flats = [
@@ -435,7 +458,11 @@ class OrderedFold:
                             for j, k in enumerate(group)
                         ]
                         fold_many_into(
-                            acc, flats, weights[first : first + len(flats)], scratch=self._term
+                            acc,
+                            flats,
+                            weights[first : first + len(flats)],
+                            scratch=self._term,
+                            overwrite=first == 0,
                         )
                     finish(name, start, acc)
                 for k, dtype in enumerate(dtypes):

@@ -102,9 +102,19 @@ _F64 = np.dtype(np.float64)
 
 
 def fold_into(
-    acc: np.ndarray, flat: np.ndarray, weight: float, *, scratch: np.ndarray | None = None
+    acc: np.ndarray,
+    flat: np.ndarray,
+    weight: float,
+    *,
+    scratch: np.ndarray | None = None,
+    overwrite: bool = False,
 ) -> None:
     """``acc += weight * flat.astype(np.float64)``, in place, bit for bit.
+
+    With ``overwrite``, ``acc``'s values are never read: the sum starts from 0.0, as a zeroed
+    ``acc``'s would (``0.0 + weight * x``, the same bits, a negative zero included), so ``acc``
+    may be uninitialised (``np.empty``). A fresh accumulator is then written once instead of
+    zeroed, read and written.
 
     Args:
         acc: the accumulator: 1-D, float64, C-contiguous, writeable.
@@ -125,11 +135,12 @@ def fold_into(
     if np.may_share_memory(acc, flat):
         raise ValueError("flat overlaps acc in memory.")
     weight = float(weight)
+    name = "start" if overwrite else "fold"
     if acc.size >= KERNEL_ELEMENTS and flat.dtype in _FOLD_DTYPES and _kernel_ready(flat):
         kernels = _loader.get()
-        if kernels is not None and kernels.run("fold", acc, flat, weight):
+        if kernels is not None and kernels.run(name, acc, flat, weight):
             return
-    _fold_numpy(acc, flat, weight, _scratch(scratch, acc.size))
+    _fold_numpy(acc, flat, weight, _scratch(scratch, acc.size), overwrite=overwrite)
 
 
 FUSED_UPLOADS = 8
@@ -144,12 +155,14 @@ def fold_many_into(
     weights: list[float],
     *,
     scratch: np.ndarray | None = None,
+    overwrite: bool = False,
 ) -> None:
     """``fold_into(acc, flat, weight)`` for each pair in order, bit for bit, in one pass over
     ``acc`` per ``FUSED_UPLOADS`` uploads: per element the float64 sum stays in a register
     through the same rounded multiplications and additions, in the same order, instead of
     crossing memory once per upload (16 bytes read and written per element and upload, against
-    the upload's own 4 in float32).
+    the upload's own 4 in float32). ``overwrite``: as ``fold_into``'s (the first pass starts
+    from 0.0 and never reads ``acc``); with no arrays, ``acc`` is then zeroed.
 
     Raises:
         ValueError: as ``fold_into``, or as many weights as arrays were not given.
@@ -178,11 +191,15 @@ def fold_many_into(
             # One tuple type for the kernel: read-only views of them all.
             group = tuple(_read_only(flat) for flat in flats[start : start + count])
             factors = tuple(float(w) for w in weights[start : start + count])
-            if not kernels.run(f"fold{count}", acc, group, factors):
+            name = "start" if overwrite and start == 0 else "fold"
+            if not kernels.run(f"{name}{count}", acc, group, factors):
                 break
             start += count
     for flat, weight in zip(flats[start:], weights[start:], strict=True):
-        fold_into(acc, flat, weight, scratch=scratch)
+        fold_into(acc, flat, weight, scratch=scratch, overwrite=overwrite and start == 0)
+        start += 1
+    if overwrite and not flats:
+        acc.fill(0.0)
 
 
 def divide_into(
@@ -305,16 +322,18 @@ def kernel_info() -> dict[str, Any]:
 # --------------------------------------------------------------------------- numpy path
 
 
-def _fold_numpy(acc: np.ndarray, flat: np.ndarray, weight: float, scratch: np.ndarray) -> None:
+def _fold_numpy(
+    acc: np.ndarray, flat: np.ndarray, weight: float, scratch: np.ndarray, *, overwrite: bool
+) -> None:
     """acc += weight * widen(flat), block by block (the same operations per element as a
-    whole-array float64 temporary, so the same result)."""
+    whole-array float64 temporary, so the same result); ``overwrite``: acc = 0.0 + ..."""
     block = scratch.size
     for start in range(0, flat.size, block):
         stop = min(start + block, flat.size)
         term = scratch[: stop - start]
         np.copyto(term, flat[start:stop], casting="unsafe")
         np.multiply(term, weight, out=term)
-        np.add(acc[start:stop], term, out=acc[start:stop])
+        np.add(0.0 if overwrite else acc[start:stop], term, out=acc[start:stop])
 
 
 def _divide_numpy(out: np.ndarray, acc: np.ndarray, total: float, scratch: np.ndarray) -> None:
@@ -413,6 +432,21 @@ def _compile(numba: Any) -> dict[str, Callable[..., None]]:
             acc[i] = a
 
     @numba.njit(**options)
+    def start(acc: np.ndarray, x: np.ndarray, weight: float) -> None:  # pragma: no cover
+        # 0.0 + term, not term: a zeroed accumulator's bits (-0.0 becomes 0.0). Without
+        # fastmath's nsz LLVM keeps the addition.
+        for i in numba.prange(acc.size):
+            acc[i] = 0.0 + weight * np.float64(x[i])
+
+    @numba.njit(**options)
+    def start_many(acc: np.ndarray, xs: tuple, weights: tuple) -> None:  # pragma: no cover
+        for i in numba.prange(acc.size):
+            a = 0.0
+            for k in range(len(xs)):
+                a += weights[k] * np.float64(xs[k][i])
+            acc[i] = a
+
+    @numba.njit(**options)
     def divide(out: np.ndarray, acc: np.ndarray, total: float) -> None:  # pragma: no cover
         for i in numba.prange(acc.size):
             out[i] = acc[i] / total
@@ -453,6 +487,8 @@ def _compile(numba: Any) -> dict[str, Callable[..., None]]:
     return {
         "fold": fold,
         **{f"fold{count}": fold_many for count in FUSED_SIZES},
+        "start": start,
+        **{f"start{count}": start_many for count in FUSED_SIZES},
         "divide": divide,
         "squares": squares,
     }

@@ -296,6 +296,8 @@ def test_a_held_upload_is_copied_so_its_buffer_may_be_reused() -> None:
         (lambda f: f.add(0, {"w": np.zeros(3)}, float("nan")), "finite number >= 0"),
         (lambda f: (f.add(0, {"w": np.zeros(3)}, 1.0), f.sums()), r"clients \[1, 2\]"),
         (lambda f: (f.add(0, {"w": np.zeros(3)}, 1.0), f.reweigh(0, 2.0)), "weighed later"),
+        (lambda f: (f.close(), f.add(0, {"w": np.zeros(3)}, 1.0)), "closed"),
+        (lambda f: (f.skip(0), f.skip(1), f.skip(2), f.close(), f.mean()), "closed"),
     ],
 )
 def test_misuse_is_refused_with_a_reason(action, message: str) -> None:

@@ -91,9 +91,9 @@ def kernel(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
             and array.flags.c_contiguous
         )
 
-    def fold_numpy(acc: np.ndarray, flat: np.ndarray, *args: Any) -> None:
+    def fold_numpy(acc: np.ndarray, flat: np.ndarray, *args: Any, **options: Any) -> None:
         assert not kernel_should_take(flat), "numpy folded what the kernel should have"
-        _REAL_FOLD_NUMPY(acc, flat, *args)
+        _REAL_FOLD_NUMPY(acc, flat, *args, **options)
 
     def divide_numpy(out: np.ndarray, *args: Any) -> None:
         assert not kernel_should_take(out), "numpy divided what the kernel should have"
@@ -169,6 +169,50 @@ def test_several_uploads_fold_in_one_pass_bit_for_bit(
     assert_same_bits(acc, expected)
 
 
+@pytest.mark.parametrize("count", [1, 2, 3, 9])
+@pytest.mark.parametrize("fused", [True, False])
+def test_a_fold_that_overwrites_never_reads_the_accumulator_and_gives_a_zeroed_one_s_bits(
+    request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch, count: int, fused: bool
+) -> None:
+    """``overwrite`` starts from 0.0, not from what the accumulator holds (garbage here):
+    0.0 + w * x, so a negative zero term gives +0.0 as a zeroed accumulator does (the
+    weights include 0.0, whose products with negative values are -0.0)."""
+    # Prepare: an accumulator of NaN, uploads over float32's whole range
+    if fused:
+        request.getfixturevalue("kernel")
+    else:
+        monkeypatch.setenv(_kernels.THREADS_ENV, "0")
+    rng = np.random.default_rng(40 + count)
+    size = 3 * SMALL + 5
+    flats = [_values(rng, size, "float32") for _ in range(count)]
+    weights = [WEIGHTS[k % len(WEIGHTS)] + k for k in range(count)]
+    single = np.full(size, np.nan)
+    many = np.full(size, np.nan)
+    expected = np.zeros(size)
+
+    # Execute
+    with np.errstate(all="ignore"):
+        _kernels.fold_into(single, flats[0], weights[0], overwrite=True)
+        _kernels.fold_many_into(many, flats, weights, overwrite=True)
+        first = np.zeros(size)
+        _reference_fold(first, flats[0], weights[0])
+        for flat, weight in zip(flats, weights, strict=True):
+            _reference_fold(expected, flat, weight)
+
+    # Assert
+    negative_terms = np.signbit(flats[0]) & (flats[0] != 0)  # times weight 0.0: -0.0 terms
+    assert weights[0] == 0.0 and negative_terms.any()
+    assert not np.signbit(first[first == 0]).any()  # 0.0 + -0.0 is +0.0
+    assert_same_bits(single, first)
+    assert_same_bits(many, expected)
+
+
+def test_a_fold_of_no_uploads_that_overwrites_leaves_zeros() -> None:
+    acc = np.full(5, np.nan)
+    _kernels.fold_many_into(acc, [], [], overwrite=True)
+    assert_same_bits(acc, np.zeros(5))
+
+
 def test_uploads_held_for_their_turn_are_summed_together_to_the_same_bits(kernel: None) -> None:
     # Prepare: five uploads (a float32 tensor taking the kernel, a small float64 one that
     # does not); clients 1-4 arrive before client 0, so they wait, and client 0's arrival
@@ -195,7 +239,7 @@ def test_uploads_held_for_their_turn_are_summed_together_to_the_same_bits(kernel
         assert_same_bits(streamed.sums()[name], one_by_one[name])
     assert streamed.weight_total == sum(weights[k] for k in range(5))
     compiled = _kernels.kernel_info()["compile_seconds"]
-    assert any(label.startswith("fold4(") for label in compiled), compiled
+    assert any(label.startswith("start4(") for label in compiled), compiled
     streamed.close()
 
 
@@ -282,9 +326,9 @@ def test_an_array_above_the_real_threshold_takes_the_kernel(
     monkeypatch.delenv(_kernels.THREADS_ENV, raising=False)
     taken: list[int] = []
 
-    def counted(acc: np.ndarray, *args: Any) -> None:
+    def counted(acc: np.ndarray, *args: Any, **options: Any) -> None:
         taken.append(acc.size)
-        _REAL_FOLD_NUMPY(acc, *args)
+        _REAL_FOLD_NUMPY(acc, *args, **options)
 
     monkeypatch.setattr(_kernels, "_fold_numpy", counted)
     rng = np.random.default_rng(3)
