@@ -15,6 +15,7 @@
     │   ├── NotReady             the peer cannot answer yet (e.g. keys not all registered)
     │   └── PeerLost             a decentralized protocol's neighbour went away mid-run
     ├── CheckpointError          a checkpoint could not be written or read
+    │   └── CheckpointInvalid    a role cannot restore the checkpoint it must resume from
     ├── RoleFailed               a role process (kdc, server, client) exited with an error
     └── RunAborted               a run stopped before its last round (quorum lost, budget, ...)
 
@@ -128,6 +129,16 @@ class PeerLost(TransportError):
 
 class CheckpointError(FedcoreError):
     """A checkpoint could not be written or read."""
+
+
+class CheckpointInvalid(CheckpointError):
+    """A role cannot restore the checkpoint it must resume from (changed, unsigned, written
+    with another key, missing or unreadable): starting the role again reads the same
+    checkpoint, so the run stops (reason ``CheckpointInvalid``) rather than retries."""
+
+    EXIT_CODE = 65
+    """A role process's exit code for it (``EX_DATAERR``): the operator ends the run instead
+    of recreating the pod (``fedcore.cli.crash.EXIT_CHECKPOINT_INVALID``)."""
 
 
 class RoleFailed(FedcoreError):

@@ -71,7 +71,7 @@ class Settlement:
         action: ``combine`` its uploads, ``redo`` the round, or ``abort`` the run.
         clients: with ``redo``, whom the next attempt asks.
         reason: with ``abort``, the run's failure reason (``ClientLost``, ``PeerLost``,
-            ``QuorumLost``).
+            ``CheckpointInvalid`` for a peer that cannot restore its checkpoint, ``QuorumLost``).
         message: with ``abort``, what went wrong and what to do, for the user.
     """
 
@@ -207,9 +207,19 @@ class RoundPolicy:
                 if said
                 else "`fedcore run --resume`"
             )
+            # A client that cannot restore its checkpoint would fail the same way after any
+            # restart: the run says so (a reason the operator does not retry).
+            unreadable = any(
+                report.failed[k].startswith(said_failure("CheckpointInvalid", "")) for k in said
+            )
+            if unreadable:
+                then = (
+                    f"Restarting would read the same checkpoint (`fedcore checkpoint list "
+                    f"--verify` checks every client's with its own key). {then}"
+                )
             return Settlement(
                 "abort",
-                reason="PeerLost",
+                reason="CheckpointInvalid" if unreadable else "PeerLost",
                 message=(
                     f"Round {round_} lost {lost}. Protocol {name!r} runs on a fixed peer graph: "
                     f"every neighbour's state holds noise and mixing weights that assume the "

@@ -23,6 +23,7 @@ from rich.console import Console
 from rich.markup import escape
 
 from fedcore.cli.crash import (
+    EXIT_CHECKPOINT_INVALID,
     EXIT_FAILURE,
     EXIT_INTERRUPTED,
     EXIT_TERMINATED,
@@ -152,7 +153,9 @@ def role_config(options: dict[str, Any]) -> Any:
 
 @contextlib.contextmanager
 def role_errors(role: str) -> Iterator[None]:
-    """Turns any error of a role process into one logged line (traceback at DEBUG) and exit 1.
+    """Turns any error of a role process into one logged line (traceback at DEBUG) and exit 1;
+    a checkpoint the role cannot resume from (``CheckpointInvalid``) exits 65
+    (`EXIT_CHECKPOINT_INVALID`), which the operator does not retry.
 
     SIGTERM or SIGINT stops the role with exit code 143 (`EXIT_TERMINATED`), logged.
     A role that finished exits 0 at once, without the interpreter's finalization: the role has
@@ -177,7 +180,7 @@ def role_errors(role: str) -> Iterator[None]:
         logger = logging.getLogger(f"fedcore.{role}")
         logger.debug("Traceback of the failure:", exc_info=True)
         logger.error("%s: %s", error_name(exc), exc)
-        sys.exit(1)
+        sys.exit(EXIT_CHECKPOINT_INVALID if error_name(exc) == "CheckpointInvalid" else 1)
     exit_now(0)
 
 

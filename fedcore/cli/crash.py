@@ -22,10 +22,17 @@ from pathlib import Path
 
 import click
 
+from fedcore.errors import CheckpointInvalid
+
 EXIT_FAILURE = 1
 """A refusal or a failed run: a FedcoreError (bad manifest, a role failed, a run aborted)."""
 EXIT_USAGE = 2
 """click's own usage errors (a missing argument, an unknown option, a file that does not exist)."""
+EXIT_CHECKPOINT_INVALID = CheckpointInvalid.EXIT_CODE
+"""A role cannot restore the checkpoint it must resume from (``CheckpointInvalid``;
+``EX_DATAERR``): starting it again would read the same checkpoint, so the operator ends the run
+instead of recreating the pod."""
+
 EXIT_INTERNAL = 70
 """An unexpected exception: a bug in fedcore (``EX_SOFTWARE``)."""
 EXIT_INTERRUPTED = 130

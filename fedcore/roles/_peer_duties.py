@@ -24,7 +24,7 @@ from fedcore.checkpoint import (
     client_checkpointer,
     open_store,
 )
-from fedcore.errors import CheckpointError, FedcoreError
+from fedcore.errors import CheckpointError, CheckpointInvalid, FedcoreError
 from fedcore.learning.data import client_test_dataset, test_dataset
 from fedcore.learning.models import build_model
 from fedcore.learning.training import Evaluator
@@ -161,7 +161,7 @@ class PeerDuties:
         """Brings the protocol's state to the round the task starts from.
 
         Raises:
-            CheckpointError: this client has no usable checkpoint of that round.
+            CheckpointInvalid: this client has no usable checkpoint of that round.
         """
         base = int(instruction.meta.get("base_round", round - 1))
         if self.protocol.completed_round() == base:
@@ -183,7 +183,7 @@ class PeerDuties:
                 if isinstance(exc, CheckpointRefused) and "unsigned" in exc.reason
                 else ""
             )
-            raise CheckpointError(
+            raise CheckpointInvalid(
                 f"Client {self.index} must resume from its checkpoint of round {base}, which "
                 f"it cannot read: {exc}{adopt}"
             ) from exc

@@ -44,7 +44,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from fedcore.errors import SpecError
+from fedcore.errors import CheckpointInvalid, SpecError
 from fedcore.spec import FederatedRun, parse_manifest, resolve_share
 from fedcore.spec._sites import SiteSpec
 from fedcore.spec._status import MAX_FAILURES
@@ -507,11 +507,7 @@ class _Planner:
     # --------------------------------------------------------------------------- pods
 
     def _role_pods(self, role: str) -> list[Object]:
-        return [
-            pod
-            for pod in self.pods.values()
-            if pod["metadata"].get("labels", {}).get(objects.ROLE_LABEL) == role
-        ]
+        return [pod for pod in self.pods.values() if _role(pod) == role]
 
     def _delete_pod(self, pod: Object, grace: int | None = None) -> None:
         if terminating(pod):
@@ -592,9 +588,11 @@ class _Planner:
         """
         limit = self.ctx.run.spec.backoff_limit
         outcome = self.old.get("outcome") or {}
+        if self._checkpoint_invalid(outcome):
+            return False
         for pod in list(self.pods.values()):
             phase = pod_phase(pod)
-            role = pod["metadata"].get("labels", {}).get(objects.ROLE_LABEL)
+            role = _role(pod)
             if terminating(pod) or phase not in TERMINAL:
                 continue
             if role == "server" and phase == "Succeeded":
@@ -643,6 +641,41 @@ class _Planner:
             del self.pods[pod["metadata"]["name"]]
         return True
 
+    def _checkpoint_invalid(self, outcome: Mapping[str, Any]) -> bool:
+        """Ends the run when a pod's role could not restore the checkpoint it must resume from
+        (exit code ``CheckpointInvalid.EXIT_CODE``; not once the server succeeded): a new pod
+        would read the same checkpoint, so the run fails (reason ``CheckpointInvalid``; the
+        server's message when it said more) instead of spending ``spec.backoffLimit``. Looked
+        for before any other failed pod: a decentralized run's peers fail with it (their links
+        to it end), and a restart for them would be spent in vain.
+
+        Returns whether it ended the run (a terminal phase)."""
+        live = [pod for pod in self.pods.values() if not terminating(pod)]
+        if any(pod_phase(pod) == "Succeeded" and _role(pod) == "server" for pod in live):
+            return False
+        failed = [pod for pod in live if pod_phase(pod) == "Failed"]
+        unreadable = [pod for pod in failed if pod_exit(pod)[0] == CheckpointInvalid.EXIT_CODE]
+        if not unreadable:
+            return False
+        for pod in failed:
+            self._record_failure(pod, _role(pod), pod_exit(pod)[0], "RunFailed")
+        name = unreadable[0]["metadata"]["name"]
+        why = pod_exit(unreadable[0])[1]
+        message = (
+            str(outcome["message"])
+            if outcome.get("reason") == "CheckpointInvalid" and outcome.get("message")
+            else (
+                f"Pod {name} cannot restore the checkpoint it must resume from (exit code "
+                f"{CheckpointInvalid.EXIT_CODE}: {why}); a new pod would read the same checkpoint, "
+                f"so the run stops. Its log says which checkpoint and why (`kubectl logs "
+                f"{name}`)."
+            )
+        )
+        self._finish("Failed", "CheckpointInvalid", message)
+        self._remove_pods(keep_finished=True)
+        self._count_roles()
+        return True
+
     def _restart_peer_graph(self, pod: Object, code: int | None, why: str) -> bool:
         """A pod of a decentralized run failed: every client's state assumes every other
         (noise, mixing weights), so no pod can be replaced alone. Every pod of the run is
@@ -689,7 +722,7 @@ class _Planner:
         action = "RunFailed" if restarts > self.ctx.run.spec.backoff_limit else "Recreated"
         counts = self.status.setdefault("failedPods", {})
         for pod in failed:
-            role = pod["metadata"].get("labels", {}).get(objects.ROLE_LABEL)
+            role = _role(pod)
             counts[role] = counts.get(role, 0) + 1
             self._record_failure(pod, role, pod_exit(pod)[0], action)
         return restarts
@@ -801,3 +834,9 @@ class _Planner:
         self._set_condition("Complete", phase == "Succeeded", reason, message)
         self._set_condition("Failed", phase == "Failed", reason, message)
         self.steps.append(Note(f"{phase}: {reason}"))
+
+
+def _role(pod: Object) -> str | None:
+    """The role a pod of a run plays (its ``objects.ROLE_LABEL``), None without the label."""
+    role = pod["metadata"].get("labels", {}).get(objects.ROLE_LABEL)
+    return None if role is None else str(role)

@@ -475,9 +475,10 @@ def test_each_client_signs_its_own_checkpoints_and_a_changed_one_stops_the_resum
     assert window not in stored and b"theta" not in stored
     assert SealKey(read_key(work / "keys" / "checkpoint.key")).key_id not in key_ids.values()
     message = str(caught.value)
-    assert caught.value.reason == "PeerLost"
-    assert message.startswith("Round 4 lost client 2 (failed: CheckpointError: Client 2 must ")
+    assert caught.value.reason == "CheckpointInvalid"  # no restart would get past it
+    assert message.startswith("Round 4 lost client 2 (failed: CheckpointInvalid: Client 2 must ")
     assert "resume from its checkpoint of round 3" in message and "fails its checksum" in message
+    assert "Restarting would read the same checkpoint" in message
     assert "Once what client 2 reported is fixed, `fedcore run --resume`" in message
     assert resumed.phase == "Succeeded"
     whole = simulate_decentralized(run, evaluate=False)

@@ -217,7 +217,7 @@ def test_killed_server_pod_is_recreated_and_resumes_from_its_checkpoint(
     )
     status = run["status"]
     assert status["phase"] == "Succeeded", (status, show())
-    assert status["restarts"] == 1
+    assert status["restarts"] == 1, status
     assert status["roles"]["server"]["failed"] == 1
     (failure,) = status["failures"]  # the attempt's history outlives the pod
     assert (failure["pod"], failure["role"], failure["action"]) == (
@@ -362,7 +362,7 @@ def test_failed_client_pod_is_recreated_and_a_suspended_run_resumes(
     status = run["status"]
     assert status["phase"] == "Succeeded", (status, show())
     assert status["round"] == 40
-    assert status["restarts"] == 1
+    assert status["restarts"] == 1, status
     assert status["activeSeconds"] > 0
     log = kubelet.log_of(namespace, "pause-server")
     assert "Resumed from the checkpoint of round" in log, log[-2000:]
@@ -437,16 +437,9 @@ def test_lppa_clients_train_over_their_peer_links_through_the_headless_service_n
                 assert f"Peer link from client {j} is up." in log, log[-3000:]
 
 
-def test_a_killed_lppa_client_restarts_every_pod_which_resume_from_their_own_checkpoints(
-    control_plane: ControlPlane,
-    kubelet: FakeKubelet,
-    operator: OperatorProcess,
-    namespace: str,
-    s3: S3Server,
-) -> None:
-    """A decentralized run cannot replace one client alone (its neighbours' states assume it):
-    the operator restarts every pod, once; each client restores its own checkpoint (in S3,
-    encrypted with its own key Secret) of the round the coordinator resumes from."""
+def peer_ring(s3: S3Server, *, backoff_limit: int) -> dict[str, Any]:
+    """The lppa example as run ``ring``: 3 clients on the complete graph, 300 rounds, a
+    checkpoint every 10 in the bucket ``runs`` of ``s3``."""
     body = yaml.safe_load((ROOT / "examples/digits-lppa.yaml").read_text())
     body["metadata"]["name"] = "ring"
     spec = body["spec"]
@@ -463,7 +456,21 @@ def test_a_killed_lppa_client_restarts_every_pod_which_resume_from_their_own_che
             "retrySeconds": 30,
         },
     }
-    spec["backoffLimit"] = 2
+    spec["backoffLimit"] = backoff_limit
+    return body
+
+
+def test_a_killed_lppa_client_restarts_every_pod_which_resume_from_their_own_checkpoints(
+    control_plane: ControlPlane,
+    kubelet: FakeKubelet,
+    operator: OperatorProcess,
+    namespace: str,
+    s3: S3Server,
+) -> None:
+    """A decentralized run cannot replace one client alone (its neighbours' states assume it):
+    the operator restarts every pod, once; each client restores its own checkpoint (in S3,
+    encrypted with its own key Secret) of the round the coordinator resumes from."""
+    body = peer_ring(s3, backoff_limit=2)
     show = apply_until_checkpoint(control_plane, kubelet, operator, namespace, s3, body, 20)
     kubelet.kill(namespace, "ring-client-1", signal.SIGKILL)
     run = wait_for_run(
@@ -486,6 +493,33 @@ def test_a_killed_lppa_client_restarts_every_pod_which_resume_from_their_own_che
     for key in manifests:
         manifest = json.loads(s3.client().get_object(Bucket="runs", Key=key)["Body"].read())  # type: ignore[attr-defined]
         assert manifest["encryption"] == "AES-256-GCM-CHUNKS", key
+
+
+def test_an_lppa_client_whose_key_secret_was_lost_ends_the_run_at_once_checkpoint_invalid(
+    control_plane: ControlPlane,
+    kubelet: FakeKubelet,
+    operator: OperatorProcess,
+    namespace: str,
+    s3: S3Server,
+) -> None:
+    """A client that cannot restore its checkpoint (here its key Secret was deleted, so the
+    operator drew a new key, which cannot open the old checkpoints) would fail the same way in
+    every new pod: the run ends Failed with reason CheckpointInvalid after the one restart
+    that found it, instead of restarting until spec.backoffLimit."""
+    body = peer_ring(s3, backoff_limit=4)
+    show = apply_until_checkpoint(control_plane, kubelet, operator, namespace, s3, body, 20)
+    control_plane.kubectl("delete", "secret", "-n", namespace, "ring-client-1-keys")
+    kubelet.kill(namespace, "ring-client-1", signal.SIGKILL)
+    run = wait_for_run(
+        control_plane, namespace, "ring", phase_is("Succeeded", "Failed"), timeout=300,
+        what="end", debug=show,
+    )  # fmt: skip
+    status = run["status"]
+    assert (status["phase"], status["reason"]) == ("Failed", "CheckpointInvalid"), (status, show())
+    assert status["restarts"] == 1, status
+    assert "client 1" in status["message"] and "another key" in status["message"], status
+    log = kubelet.log_of(namespace, "ring-client-1")
+    assert "CheckpointInvalid: Client 1 must resume from its checkpoint" in log, log[-3000:]
 
 
 def test_secagg_with_distributed_dp_runs_from_the_pods_own_tls_identities(

@@ -1122,6 +1122,34 @@ def test_a_role_stops_on_sigterm_with_exit_143_even_as_a_containers_first_proces
     assert "Stopped by SIGTERM or SIGINT." in result.stderr
 
 
+@pytest.mark.parametrize(
+    ("raised", "code"),
+    [
+        ("CheckpointInvalid('round 6 is signed with another key')", 65),
+        ("RunAborted('Cannot resume: changed', reason='CheckpointInvalid', round=0)", 65),
+        ("CheckpointError('the store is unreachable')", 1),
+        ("RunAborted('lost', reason='PeerLost', round=3)", 1),
+    ],
+)
+def test_a_role_that_cannot_restore_its_checkpoint_exits_65_which_the_operator_does_not_retry(
+    raised: str, code: int
+) -> None:
+    # Prepare
+    script = (
+        "from fedcore.cli.commands import role_errors\n"
+        "from fedcore.errors import CheckpointError, CheckpointInvalid, RunAborted\n"
+        "with role_errors('client'):\n"
+        f"    raise {raised}\n"
+    )
+    # Execute
+    result = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, timeout=60, check=False
+    )
+    # Assert
+    assert result.returncode == code, result.stderr
+    assert "Traceback" not in result.stderr
+
+
 def test_a_client_says_which_device_it_trains_on(caplog: pytest.LogCaptureFixture) -> None:
     from fedcore.roles._common import choose_device
     from fedcore.spec._roles import RoleSpec

@@ -14,6 +14,7 @@ from typing import Any
 
 import pytest
 
+from fedcore.errors import CheckpointInvalid
 from fedcore.spec import parse_manifest
 from fedcore_operator import objects
 from fedcore_operator.plan import (
@@ -588,6 +589,62 @@ def server_failed_for_good() -> Situation:
     )
 
 
+def peer_cannot_restore(*, server_said: bool) -> Callable[[], Situation]:
+    """A client pod of a decentralized run exited with ``CheckpointInvalid.EXIT_CODE``: it
+    cannot restore its checkpoint, and a restart would read the same one, so the run ends at
+    once (no restart counted), with the server's words when it already said them. A peer
+    that failed with it (its link ended), listed first, restarts nothing either."""
+
+    def situation() -> Situation:
+        status: Object = {"phase": "Running", "restarts": 0}
+        server_words = "Round 21 lost client 1 (failed: CheckpointInvalid: ...)."
+        if server_said:
+            status["outcome"] = {
+                "phase": "Failed",
+                "reason": "CheckpointInvalid",
+                "message": server_words,
+                "retriable": False,
+            }
+        code = CheckpointInvalid.EXIT_CODE
+        pods = [
+            pod("client-0", "Failed", exit_code=1),
+            *running("server", "client-2"),
+            pod("client-1", "Failed", exit_code=code),
+        ]
+        message = (
+            server_words
+            if server_said
+            else (
+                f"Pod demo-client-1 cannot restore the checkpoint it must resume from (exit code "
+                f"{code}: Error); a new pod would read the same checkpoint, so the run stops. Its "
+                f"log says which checkpoint and why (`kubectl logs demo-client-1`)."
+            )
+        )
+        return Situation(
+            observe(run_body("lppa", status=status), pods),
+            steps=[
+                ("note", "Failed: CheckpointInvalid"),
+                ("delete", "Pod/demo-server", None),
+                ("delete", "Pod/demo-client-2", None),
+            ],
+            phase="Failed",
+            reason="CheckpointInvalid",
+            conditions=finished("CheckpointInvalid", succeeded=False),
+            status={
+                "message": message,
+                "completionTime": stamp(),
+                "restarts": 0,
+                "failures": [
+                    failure("demo-client-0", "client", 1, "RunFailed"),
+                    failure("demo-client-1", "client", code, "RunFailed"),
+                ],
+                "roles": roles(),
+            },
+        )
+
+    return situation
+
+
 def backoff_limit_exhausted() -> Situation:
     pods = [*running("server", "client-1"), pod("client-0", "Failed", exit_code=2)]
     pods.append(pod("client-2", "Pending"))
@@ -887,6 +944,12 @@ SITUATIONS: dict[str, Callable[[], Situation]] = {
     "failed server, no report (killed)": failed_server(None),
     "failed server whose key Secret is missing": failed_server_whose_keys_are_missing,
     "failed server, not retriable (CheckpointInvalid)": server_failed_for_good,
+    "lppa client cannot restore its checkpoint: the run ends": peer_cannot_restore(
+        server_said=False
+    ),
+    "lppa client cannot restore its checkpoint, the server said why": peer_cannot_restore(
+        server_said=True
+    ),
     "backoffLimit exhausted": backoff_limit_exhausted,
     "suspend": suspend,
     "unsuspend resumes": unsuspend,

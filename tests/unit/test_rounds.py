@@ -275,12 +275,34 @@ def test_peer_lost_names_the_client_that_reported_its_own_failure_first() -> Non
         f"peer link after it). "
     )
     assert "Once what client 5 reported is fixed, `fedcore run --resume` restarts" in text
+    assert caught.value.reason == "PeerLost"
     # Without a cause, each loss is said in full.
     alone = {4: failed[4], 6: failed[6]}
     with pytest.raises(RunAborted) as caught:
         play_round(7, policy, RecordingServer(), scripted(alone), ledger_of(spec))
     assert str(caught.value).startswith(f"Round 7 lost client 4 ({failed[4]}), client 6 (")
     assert "`fedcore run --resume` restarts" in str(caught.value)
+
+
+def test_a_peer_that_cannot_restore_its_checkpoint_stops_the_run_as_checkpoint_invalid() -> None:
+    """A restart would read the same checkpoint: the reason is CheckpointInvalid (which the
+    operator does not retry), not PeerLost (which it does); the message still names it."""
+    # Prepare
+    spec = spec_of(per_round='"100%"')
+    policy = policy_of(spec, "Fail", decentralized=True)
+    failed = {
+        2: "failed: CheckpointInvalid: Client 2 must resume from its checkpoint of round 6",
+        3: "failed: PeerLost: Client 3 lost its neighbour client 2",
+    }
+    # Execute
+    with pytest.raises(RunAborted) as caught:
+        play_round(7, policy, RecordingServer(), scripted(failed), ledger_of(spec))
+    # Assert
+    text = str(caught.value)
+    assert caught.value.reason == "CheckpointInvalid" and caught.value.round == 7
+    assert text.startswith(f"Round 7 lost client 2 ({failed[2]}), client 3 (lost a peer link")
+    assert "Restarting would read the same checkpoint (`fedcore checkpoint list --verify`" in text
+    assert "Once what client 2 reported is fixed, `fedcore run --resume` restarts" in text
 
 
 def test_only_fail_stops_an_attempt_at_its_first_failure_and_retries_bound_the_attempts() -> None:
