@@ -32,6 +32,7 @@ from fedcore.cli.crash import (
     output_closed,
     raise_interrupt,
     report_internal_error,
+    write_termination_message,
 )
 from fedcore.errors import FedcoreError, RunAborted, SpecError, SpecIssue
 from fedcore.local.threads import ROLE_THREADS
@@ -155,7 +156,8 @@ def role_config(options: dict[str, Any]) -> Any:
 def role_errors(role: str) -> Iterator[None]:
     """Turns any error of a role process into one logged line (traceback at DEBUG) and exit 1;
     a checkpoint the role cannot resume from (``CheckpointInvalid``) exits 65
-    (`EXIT_CHECKPOINT_INVALID`), which the operator does not retry.
+    (`EXIT_CHECKPOINT_INVALID`), which the operator does not retry. In a pod the line also goes
+    to its termination message (``write_termination_message``).
 
     SIGTERM or SIGINT stops the role with exit code 143 (`EXIT_TERMINATED`), logged.
     A role that finished exits 0 at once, without the interpreter's finalization: the role has
@@ -180,6 +182,7 @@ def role_errors(role: str) -> Iterator[None]:
         logger = logging.getLogger(f"fedcore.{role}")
         logger.debug("Traceback of the failure:", exc_info=True)
         logger.error("%s: %s", error_name(exc), exc)
+        write_termination_message(f"{error_name(exc)}: {exc}")
         sys.exit(EXIT_CHECKPOINT_INVALID if error_name(exc) == "CheckpointInvalid" else 1)
     exit_now(0)
 

@@ -43,6 +43,13 @@ EXIT_BROKEN_PIPE = 141
 """Whoever read the output went away (``fedcore checkpoint list | head``): 128 + SIGPIPE, as
 a Unix tool killed by the signal would end."""
 
+TERMINATION_LOG_ENV = "FEDCORE_TERMINATION_LOG"
+"""Names the file a failed role writes its one-line error to: the pod's termination message
+path, which the operator sets (Kubernetes then shows the line in the pod's status)."""
+
+TERMINATION_MESSAGE_BYTES = 2048
+"""The most bytes of that line (Kubernetes keeps 4096 per container)."""
+
 LOG_DIR_KEY = "fedcore.log_dir"
 """The ``click.Context.meta`` key under which a command names its run's log folder."""
 
@@ -134,3 +141,14 @@ def output_closed() -> None:
 def raise_interrupt(*_: object) -> None:
     """A SIGTERM handler that stops the command as Ctrl-C does (``KeyboardInterrupt``)."""
     raise KeyboardInterrupt
+
+
+def write_termination_message(text: str) -> None:
+    """Writes ``text``, on one line and bounded, to the file ``$FEDCORE_TERMINATION_LOG``
+    names (nothing without it); a file that cannot be written is no further error."""
+    path = os.environ.get(TERMINATION_LOG_ENV)
+    if not path:
+        return
+    line = one_line(text, TERMINATION_MESSAGE_BYTES).encode()[:TERMINATION_MESSAGE_BYTES]
+    with contextlib.suppress(OSError), open(path, "wb") as file:
+        file.write(line)

@@ -37,6 +37,12 @@ CA_UID_LABEL = "fedcore.dev/run-uid"
 
 TLS_DIR = "/etc/fedcore/tls"
 KEYS_DIR = "/etc/fedcore/keys"
+TERMINATION_LOG = "/dev/termination-log"
+"""The container's termination message path (Kubernetes' default, set explicitly): a failed
+role writes its one-line error there, which the pod's status then shows
+(``terminated.message``) and the operator quotes."""
+TERMINATION_LOG_ENV = "FEDCORE_TERMINATION_LOG"
+"""Names ``TERMINATION_LOG`` to the role (``fedcore.cli.crash.TERMINATION_LOG_ENV``)."""
 KEY_BYTES = 32
 """A checkpoint key is 32 random bytes, kept as 64 lowercase hex digits (fedcore.checkpoint)."""
 ROLE_KEYS = {
@@ -881,6 +887,7 @@ def _pod(
         {"name": "HOME", "value": "/tmp"},
         {"name": "TMPDIR", "value": "/tmp"},
         {"name": "PYTHONDONTWRITEBYTECODE", "value": "1"},
+        {"name": TERMINATION_LOG_ENV, "value": TERMINATION_LOG},
         *({"name": key, "value": value} for key, value in sorted(settings.extra_env.items())),
     ]
     keys = ROLE_KEYS[role] if role_has_key(ctx, role) else None
@@ -891,6 +898,8 @@ def _pod(
         "image": placement.image or settings.image,
         "imagePullPolicy": settings.image_pull_policy,
         "command": [settings.python, "-m", "fedcore", role],
+        "terminationMessagePath": TERMINATION_LOG,
+        "terminationMessagePolicy": "File",
         "env": common_env + env,
         "ports": [
             {"name": port_name, "containerPort": port, "protocol": "TCP"}

@@ -404,6 +404,10 @@ class _PodWorker(threading.Thread):
         terminated = {k: v for k, v in terminated.items() if v is not None}
         if sig is not None:
             terminated["signal"] = sig
+        # What the container wrote to its termination message path (the kubelet's 4096 bytes).
+        written = self._termination_log(container).read_bytes()[:4096].decode(errors="replace")
+        if written.strip():
+            terminated["message"] = written
         container.state = {"terminated": terminated}
         LOG.info(
             "%s/%s container %s exited with %s",
@@ -723,7 +727,21 @@ class _PodWorker(threading.Thread):
             mounts[mount["mountPath"].rstrip("/") or "/"] = path
         if self.sa_dir is not None:
             mounts.setdefault(SA_MOUNT, self.sa_dir)
+        mounts[self._termination_path(container)] = self._termination_log(container)
         return mounts
+
+    @staticmethod
+    def _termination_path(container: _Container) -> str:
+        """Where the container may write its termination message (Kubernetes' default)."""
+        return str(container.spec.get("terminationMessagePath") or "/dev/termination-log")
+
+    def _termination_log(self, container: _Container) -> Path:
+        """The host file behind the container's termination message path (made empty)."""
+        path = self.folder / f"{container.spec['name']}.termination-log"
+        if not path.exists():
+            path.parent.mkdir(parents=True, exist_ok=True)
+            path.touch()
+        return path
 
     def _rewriter(self, mounts: Mapping[str, Path]) -> Callable[[str], tuple[str, bool]]:
         """A function that rewrites one string for the host; also says if DNS was rewritten."""
@@ -814,6 +832,7 @@ class _PodWorker(threading.Thread):
         self._check()
         container.argv = argv
         container.exit_code = None
+        self._termination_log(container).write_bytes(b"")  # each start's own message
         container.started_at = now_rfc3339()
         with container.log.open("ab") as log:
             log.write(f"--- fake kubelet: {shlex.join(argv)}\n".encode())

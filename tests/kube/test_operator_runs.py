@@ -520,6 +520,15 @@ def test_an_lppa_client_whose_key_secret_was_lost_ends_the_run_at_once_checkpoin
     assert "client 1" in status["message"] and "another key" in status["message"], status
     log = kubelet.log_of(namespace, "ring-client-1")
     assert "CheckpointInvalid: Client 1 must resume from its checkpoint" in log, log[-3000:]
+    # The failed pod (kept) says why in its status: the role's termination message.
+    (failed,) = [
+        p
+        for p in listed(control_plane, namespace, "pods")
+        if p["metadata"]["name"] == "ring-client-1"
+    ]
+    (state,) = [c["state"]["terminated"] for c in failed["status"]["containerStatuses"]]
+    assert state["exitCode"] == 65, state
+    assert state["message"].startswith("CheckpointInvalid: Client 1 must resume"), state
 
 
 def test_secagg_with_distributed_dp_runs_from_the_pods_own_tls_identities(

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -1123,17 +1124,31 @@ def test_a_role_stops_on_sigterm_with_exit_143_even_as_a_containers_first_proces
 
 
 @pytest.mark.parametrize(
-    ("raised", "code"),
+    ("raised", "code", "line"),
     [
-        ("CheckpointInvalid('round 6 is signed with another key')", 65),
-        ("RunAborted('Cannot resume: changed', reason='CheckpointInvalid', round=0)", 65),
-        ("CheckpointError('the store is unreachable')", 1),
-        ("RunAborted('lost', reason='PeerLost', round=3)", 1),
+        (
+            "CheckpointInvalid('round 6 is signed with another key')",
+            65,
+            "CheckpointInvalid: round 6 is signed with another key",
+        ),
+        (
+            "RunAborted('Cannot resume: changed', reason='CheckpointInvalid', round=0)",
+            65,
+            "CheckpointInvalid: Cannot resume: changed",
+        ),
+        (
+            "CheckpointError('the store\\nis unreachable')",
+            1,
+            "CheckpointError: the store is unreachable",
+        ),
+        ("RunAborted('lost', reason='PeerLost', round=3)", 1, "PeerLost: lost"),
     ],
 )
 def test_a_role_that_cannot_restore_its_checkpoint_exits_65_which_the_operator_does_not_retry(
-    raised: str, code: int
+    raised: str, code: int, line: str, tmp_path: Path
 ) -> None:
+    """... and, in a pod (``FEDCORE_TERMINATION_LOG`` set), writes its error line to its
+    termination message, which the pod's status shows."""
     # Prepare
     script = (
         "from fedcore.cli.commands import role_errors\n"
@@ -1141,13 +1156,21 @@ def test_a_role_that_cannot_restore_its_checkpoint_exits_65_which_the_operator_d
         "with role_errors('client'):\n"
         f"    raise {raised}\n"
     )
+    termination = tmp_path / "termination-log"
+    env = {**os.environ, "FEDCORE_TERMINATION_LOG": str(termination)}
     # Execute
     result = subprocess.run(
-        [sys.executable, "-c", script], capture_output=True, text=True, timeout=60, check=False
+        [sys.executable, "-c", script],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+        env=env,
     )
     # Assert
     assert result.returncode == code, result.stderr
     assert "Traceback" not in result.stderr
+    assert termination.read_text() == line  # one line: a multi-line message is joined
 
 
 def test_a_client_says_which_device_it_trains_on(caplog: pytest.LogCaptureFixture) -> None:
