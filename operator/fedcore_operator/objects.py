@@ -43,6 +43,8 @@ role writes its one-line error there, which the pod's status then shows
 (``terminated.message``) and the operator quotes."""
 TERMINATION_LOG_ENV = "FEDCORE_TERMINATION_LOG"
 """Names ``TERMINATION_LOG`` to the role (``fedcore.cli.crash.TERMINATION_LOG_ENV``)."""
+TERMINATION_FIELDS = ("terminationMessagePath", "terminationMessagePolicy")
+"""The fedcore container's fields a pod template cannot change (``_lock_container``)."""
 KEY_BYTES = 32
 """A checkpoint key is 32 random bytes, kept as 64 lowercase hex digits (fedcore.checkpoint)."""
 ROLE_KEYS = {
@@ -55,6 +57,8 @@ names it in that pod alone (fedcore/checkpoint/_keys.py; docs/operations.md, "On
 (the operator's contract)"). A client has one only in a decentralized protocol, whose clients
 keep their own checkpoints (``role_has_key``): each its own Secret ``<run>-client-<i>-keys``."""
 KEY_FILE_ENVS = frozenset(env for _, env in ROLE_KEYS.values())
+OWNED_ENVS = KEY_FILE_ENVS | {TERMINATION_LOG_ENV}
+"""The fedcore container's variables a pod template cannot change (``_lock_container``)."""
 MANIFEST_DIR = "/etc/fedcore/run"
 MANIFEST_FILE = "run.yaml"
 WORK_DIR = "/var/lib/fedcore"
@@ -1207,8 +1211,9 @@ def _lock_container(
     Its securityContext is ``_container_security``'s; host ports go; environment from a
     Secret the pod does not own goes (the operator hands each pod its own Secrets only: a
     client never gets ``<run>-server-keys``); mounts of volumes the pod does not have go; the
-    operator's own container (``built``) keeps its mounts and its key file variable
-    (``KEY_FILE_ENVS``), and the template's extra mounts may not take their paths.
+    operator's own container (``built``) keeps its mounts, its key file and termination
+    message variables (``OWNED_ENVS``) and its termination message fields, and the template's
+    extra mounts may not take their paths.
     """
     locked = dict(container)
     locked["securityContext"] = _container_security(container.get("securityContext"))
@@ -1232,7 +1237,9 @@ def _lock_container(
             if isinstance(item, dict) and _ref_name(item.get("secretRef"), secrets)
         ]
     if built is not None:
-        _keep_key_env(locked, built)
+        _keep_owned_env(locked, built)
+        for key in TERMINATION_FIELDS:
+            locked[key] = built[key]
     mounts = [
         mount
         for mount in locked.get("volumeMounts") or []
@@ -1253,12 +1260,13 @@ def _lock_container(
     return locked
 
 
-def _keep_key_env(container: Object, built: Object) -> None:
-    """Puts the built container's key file variable back (in place, or appended), so that a
-    template's ``env`` cannot point the role at a key in its work ``emptyDir`` instead: a new
-    key per pod, which would leave a recreated pod unable to read the run's checkpoints."""
+def _keep_owned_env(container: Object, built: Object) -> None:
+    """Puts the built container's ``OWNED_ENVS`` back (in place, or appended), so that a
+    template's ``env`` cannot point the role at a key in its work ``emptyDir`` instead (a new
+    key per pod, which would leave a recreated pod unable to read the run's checkpoints), nor
+    have it write its termination message over one of its files."""
     own = {
-        item["name"]: item for item in built.get("env") or [] if item.get("name") in KEY_FILE_ENVS
+        item["name"]: item for item in built.get("env") or [] if item.get("name") in OWNED_ENVS
     }
     if not own:
         return

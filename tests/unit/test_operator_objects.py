@@ -951,6 +951,32 @@ def test_a_template_gives_no_decentralized_client_another_clients_key() -> None:
     assert restricted_violations(pod) == []
 
 
+def test_a_template_cannot_move_where_a_role_writes_its_termination_message() -> None:
+    # Prepare: a template that points the message at the work volume (a checkpoint there)
+    ctx = context(manifest("lppa"))
+    built = objects.client_pod(ctx, 0)
+    template = {
+        "spec": {
+            "containers": [
+                {
+                    "name": "fedcore",
+                    "terminationMessagePath": "/var/lib/fedcore/checkpoints/latest",
+                    "terminationMessagePolicy": "FallbackToLogsOnError",
+                    "env": [{"name": "FEDCORE_TERMINATION_LOG", "value": "/var/lib/fedcore/x"}],
+                }
+            ]
+        }
+    }
+    # Execute
+    pod = objects.apply_pod_template(built, template)
+    # Assert
+    fedcore = pod["spec"]["containers"][0]
+    assert fedcore["terminationMessagePath"] == "/dev/termination-log"
+    assert fedcore["terminationMessagePolicy"] == "File"
+    written = [item for item in fedcore["env"] if item["name"] == "FEDCORE_TERMINATION_LOG"]
+    assert written == [{"name": "FEDCORE_TERMINATION_LOG", "value": "/dev/termination-log"}]
+
+
 @pytest.mark.parametrize("role", ["client", "kdc", "server"])
 def test_a_template_gives_no_pod_another_roles_key(role: str) -> None:
     # Prepare: a template (past validation) that asks for both keys and redirects the key
