@@ -1265,9 +1265,7 @@ def _keep_owned_env(container: Object, built: Object) -> None:
     template's ``env`` cannot point the role at a key in its work ``emptyDir`` instead (a new
     key per pod, which would leave a recreated pod unable to read the run's checkpoints), nor
     have it write its termination message over one of its files."""
-    own = {
-        item["name"]: item for item in built.get("env") or [] if item.get("name") in OWNED_ENVS
-    }
+    own = {item["name"]: item for item in built.get("env") or [] if item.get("name") in OWNED_ENVS}
     if not own:
         return
     env = [

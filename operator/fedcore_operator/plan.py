@@ -588,7 +588,7 @@ class _Planner:
         """
         limit = self.ctx.run.spec.backoff_limit
         outcome = self.old.get("outcome") or {}
-        if self._checkpoint_invalid(outcome):
+        if self._ended_by_unreadable_checkpoint(outcome):
             return False
         for pod in list(self.pods.values()):
             phase = pod_phase(pod)
@@ -641,7 +641,7 @@ class _Planner:
             del self.pods[pod["metadata"]["name"]]
         return True
 
-    def _checkpoint_invalid(self, outcome: Mapping[str, Any]) -> bool:
+    def _ended_by_unreadable_checkpoint(self, outcome: Mapping[str, Any]) -> bool:
         """Ends the run when a pod's role could not restore the checkpoint it must resume from
         (exit code ``CheckpointInvalid.EXIT_CODE``; not once the server succeeded): a new pod
         would read the same checkpoint, so the run fails (reason ``CheckpointInvalid``; the
