@@ -42,9 +42,13 @@ from fedcore.protocols._kernels import (
     fold_into,
     fold_many_into,
 )
+from fedcore.protocols._runs import runs_of, stretches
 from fedcore.protocols._spill import HOLD_BYTES, SPILL_PREFIXES, SpillFolder
+from fedcore.transport._payload import PackedTensors, Run
 
 Tensors = Mapping[str, np.ndarray]
+_Upload = tuple[list[Run], float]
+"""An upload to sum: its tensors' runs (in the layout's order) and its weight."""
 
 DISK_BLOCK_ELEMENTS = KERNEL_ELEMENTS
 """Coordinates summed at a time when the uploads are on disk: one float64 block of sums (8 MiB)
@@ -96,16 +100,20 @@ class OrderedFold:
         self._sizes = {
             name: int(np.prod(shape, dtype=np.int64)) for name, (shape, _) in self._layout.items()
         }
+        self._names = list(self._layout)
+        self._size_list = list(self._sizes.values())
         self._order = sorted(set(clients))
         self._position = {client: i for i, client in enumerate(self._order)}
         self._next = 0  # index into _order of the first client not yet added or skipped
         self.on_disk = on_disk
         """Whether every upload goes to a file as it is added (see the module)."""
         self._acc: dict[str, np.ndarray] = {}
+        self._acc_runs: list[Run] = []
         if not on_disk:
             # Not zeroed: the first fold writes it (``overwrite``), once instead of zeroed
-            # (a pass, where the memory is reused), read and written.
-            self._acc = {name: np.empty(size) for name, size in self._sizes.items()}
+            # (a pass, where the memory is reused), read and written. One buffer for every
+            # tensor: an upload that is one run is summed in one call (``_runs``).
+            self._acc, self._acc_runs = self._new_sums()
         self._closed = False
         self._written = on_disk
         """Whether ``_acc`` holds sums (until the first fold, or ``sums`` with none, it is
@@ -114,7 +122,7 @@ class OrderedFold:
         # on_disk: each stored upload's weight and its tensors' dtypes (their bytes follow one
         # another in its file, in the layout's order)
         self._stored: dict[int, tuple[float, list[np.dtype]]] = {}
-        self._held: dict[int, tuple[dict[str, np.ndarray], float]] = {}
+        self._held: dict[int, _Upload] = {}
         self._spilled: dict[int, float] = {}
         self._skipped: set[int] = set()
         self._added: set[int] = set()
@@ -142,7 +150,7 @@ class OrderedFold:
             ProtocolError: the client was not planned, was already resolved, the weight is not
                 a finite number >= 0, or the tensors do not have the reference's layout.
         """
-        group: list[tuple[dict[str, np.ndarray], float]] = []
+        group: list[_Upload] = []
         self._take(client, tensors, weight, group)
         self._advance(group)
 
@@ -154,7 +162,7 @@ class OrderedFold:
         Raises:
             ProtocolError: as ``add``.
         """
-        group: list[tuple[dict[str, np.ndarray], float]] = []
+        group: list[_Upload] = []
         for client in sorted(uploads):
             self._take(client, uploads[client], weights[client], group)
             self._advance(group, fold=False)
@@ -165,7 +173,7 @@ class OrderedFold:
         client: int,
         tensors: Tensors,
         weight: float,
-        group: list[tuple[dict[str, np.ndarray], float]],
+        group: list[_Upload],
     ) -> None:
         """Checks an upload; puts it in ``group`` (to be summed) if its turn has come, else
         holds it (in memory, or on disk) until it does."""
@@ -176,15 +184,17 @@ class OrderedFold:
             self._store(client, flats, float(weight))
             self._added.add(client)
             return
+        runs = self._runs(tensors, flats)
         if self._position[client] == self._next:
-            group.append((flats, float(weight)))
+            group.append((runs, float(weight)))
             self._added.add(client)
             self._next += 1
             return
         size = sum(flat.nbytes for flat in flats.values())
         if self.held_bytes + size <= self._hold_bytes:
             # Copied: the caller's buffers (a decoder's) may be reused once this returns.
-            self._held[client] = ({n: f.copy() for n, f in flats.items()}, float(weight))
+            copied = [(start, stop, view.copy()) for start, stop, view in runs]
+            self._held[client] = (copied, float(weight))
             self.held_bytes += size
             self.peak_held_bytes = max(self.peak_held_bytes, self.held_bytes)
         else:
@@ -246,7 +256,7 @@ class OrderedFold:
             missing = [k for k in self._order if not self.taken(k) and k not in self._skipped]
             raise ProtocolError(f"The sum is not complete: clients {missing} were never resolved.")
         if self.on_disk and not self._acc:  # whole float64 sums asked for: read once, kept
-            self._acc = {name: np.empty(size) for name, size in self._sizes.items()}
+            self._acc, self._acc_runs = self._new_sums()
 
             def keep(name: str, start: int, sums: np.ndarray) -> None:
                 self._acc[name][start : start + sums.size] = sums
@@ -268,15 +278,15 @@ class OrderedFold:
         self._check_not_closed()
         if self.on_disk and not self._acc:
             return self._mean_stored()
-        sums = self.sums()
+        self.sums()
         self._check_total()
-        means = {}
-        for name, (shape, dtype) in self._layout.items():
-            # (sums / total).astype(dtype), bit for bit, written straight into the result.
-            mean = np.empty(shape, dtype=dtype)
-            flat = sums[name].reshape(-1)
-            divide_into(mean.reshape(-1), flat, self.weight_total, scratch=self._term)
-            means[name] = mean
+        # (sums / total).astype(dtype), bit for bit, written straight into the result: one
+        # buffer per stretch of tensors of one dtype, one call per stretch.
+        means = PackedTensors.empty_like(self._layout)
+        packed = means.runs()
+        assert packed is not None
+        for out, sums in stretches(self._size_list, packed, self._acc_runs):
+            divide_into(out, sums, self.weight_total, scratch=self._term)
         return means
 
     def close(self) -> None:
@@ -285,6 +295,7 @@ class OrderedFold:
         self._spill.close()
         self._closed = True
         self._acc = {}
+        self._acc_runs = []
 
     def __enter__(self) -> OrderedFold:
         return self
@@ -324,33 +335,54 @@ class OrderedFold:
             flats[name] = np.ascontiguousarray(value).reshape(-1)
         return flats
 
-    def _fold(self, flats: Mapping[str, np.ndarray], weight: float) -> None:
-        """acc += weight * widen(flat) per tensor (``_kernels.fold_into``: the same operations
-        per element as a whole-tensor float64 temporary, so the same result)."""
-        for name, acc in self._acc.items():
-            fold_into(acc, flats[name], weight, scratch=self._term, overwrite=not self._written)
+    def _new_sums(self) -> tuple[dict[str, np.ndarray], list[Run]]:
+        """Uninitialised float64 sums for the layout, one buffer: 1-D views by name, runs."""
+        flat = np.empty(sum(self._size_list))
+        views, offset = {}, 0
+        for name, size in self._sizes.items():
+            views[name] = flat[offset : offset + size]
+            offset += size
+        return views, ([(0, len(views), flat)] if views else [])
+
+    def _runs(self, tensors: Tensors, flats: dict[str, np.ndarray]) -> list[Run]:
+        """An upload's runs in the layout's order: those its tensors were packed in (a decoded
+        message's), where they are in that order, else a tensor each."""
+        if isinstance(tensors, PackedTensors) and list(tensors) == self._names:
+            return runs_of(tensors)
+        return [(index, index + 1, flats[name]) for index, name in enumerate(self._names)]
+
+    def _fold(self, runs: list[Run], weight: float) -> None:
+        """acc += weight * widen(upload), per stretch of the upload's runs
+        (``_kernels.fold_into``: the same operations per element as a whole-tensor float64
+        temporary, so the same result)."""
+        for flat, acc in stretches(self._size_list, runs, self._acc_runs):
+            fold_into(acc, flat, weight, scratch=self._term, overwrite=not self._written)
         self._written = True
         self.weight_total += weight
 
-    def _fold_group(self, group: list[tuple[dict[str, np.ndarray], float]]) -> None:
+    def _fold_group(self, group: list[_Upload]) -> None:
         """``_fold`` of each upload of ``group`` in order, several per pass over the sums
-        (each tensor's sum is its own: per element the operations and their order are those
+        (each element's sum is its own: per element the operations and their order are those
         of one upload at a time)."""
         if len(group) == 1:
             self._fold(*group[0])
         elif group:
             weights = [weight for _, weight in group]
-            for name, acc in self._acc.items():
-                flats = [flats[name] for flats, _ in group]
-                fold_many_into(acc, flats, weights, scratch=self._term, overwrite=not self._written)
+            operands = [runs for runs, _ in group]
+            for views in stretches(self._size_list, *operands, self._acc_runs):
+                fold_many_into(
+                    views[-1],
+                    list(views[:-1]),
+                    weights,
+                    scratch=self._term,
+                    overwrite=not self._written,
+                )
             self._written = True
             for weight in weights:
                 self.weight_total += weight
         group.clear()
 
-    def _advance(
-        self, group: list[tuple[dict[str, np.ndarray], float]] | None = None, *, fold: bool = True
-    ) -> None:
+    def _advance(self, group: list[_Upload] | None = None, *, fold: bool = True) -> None:
         """Sums the uploads of ``group`` and the waiting ones whose turn has come after them,
         in order (those in memory together); ``fold`` False leaves ``group`` to be summed with
         what may follow."""
@@ -360,18 +392,17 @@ class OrderedFold:
             if client in self._skipped:
                 pass
             elif client in self._held:
-                flats, weight = self._held.pop(client)
-                self.held_bytes -= sum(flat.nbytes for flat in flats.values())
-                group.append((flats, weight))
+                runs, weight = self._held.pop(client)
+                self.held_bytes -= sum(view.nbytes for _, _, view in runs)
+                group.append((runs, weight))
                 self._added.add(client)
             elif client in self._spilled:
                 self._fold_group(group)  # in order: what comes before it first
                 weight = self._spilled.pop(client)
                 path = self._spill_file(client)
                 with np.load(path, allow_pickle=False) as stored:
-                    self._fold(
-                        {name: stored[f"arr_{i}"] for i, name in enumerate(self._layout)}, weight
-                    )
+                    loaded = [stored[f"arr_{i}"] for i in range(len(self._names))]
+                    self._fold([(i, i + 1, flat) for i, flat in enumerate(loaded)], weight)
                 path.unlink()
                 self._added.add(client)
             else:

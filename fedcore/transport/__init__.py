@@ -3,7 +3,7 @@ hub's one endpoint (routing by TLS server name, relays for parties that only dia
 
 from fedcore.transport._aio import AsyncClientSession, AsyncRpcClient, Turn
 from fedcore.transport._codec import PayloadDecoder, decode_chunks, encode_chunks
-from fedcore.transport._payload import Payload
+from fedcore.transport._payload import PackedTensors, Payload
 from fedcore.transport._revocations import RevokedSites
 from fedcore.transport._router import (
     ConnectionHandler,
@@ -39,6 +39,7 @@ __all__ = [
     "ConnectionHandler",
     "Identity",
     "Limits",
+    "PackedTensors",
     "Payload",
     "PayloadDecoder",
     "RemoteError",

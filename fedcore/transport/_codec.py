@@ -11,7 +11,7 @@ from typing import Any
 import numpy as np
 
 from fedcore.errors import MessageRejected, TransportError
-from fedcore.transport._payload import Payload
+from fedcore.transport._payload import PackedTensors, Payload, Run
 
 __all__ = ["MAGIC", "MAX_HEADER_BYTES", "PayloadDecoder", "decode_chunks", "encode_chunks"]
 
@@ -343,12 +343,24 @@ class PayloadDecoder:
             )
         body = self.body
         tensors: dict[str, np.ndarray] = {}
-        for entry in header["tensors"]:
-            dtype = _WIRE_DTYPES[entry["dtype"]]
-            count = entry["nbytes"] // dtype.itemsize
-            array = np.frombuffer(body, dtype=dtype, count=count, offset=entry["offset"])
-            tensors[entry["name"]] = array.reshape(entry["shape"])
-        return Payload(meta=header["meta"], tensors=tensors)
+        runs: list[Run] = []
+        entries = header["tensors"]
+        start = 0
+        while start < len(entries):  # one view per stretch of one dtype (back to back)
+            dtype = _WIRE_DTYPES[entries[start]["dtype"]]
+            stop = start + 1
+            while stop < len(entries) and entries[stop]["dtype"] == entries[start]["dtype"]:
+                stop += 1
+            offset = entries[start]["offset"]
+            nbytes = sum(entry["nbytes"] for entry in entries[start:stop])
+            flat = np.frombuffer(body, dtype=dtype, count=nbytes // dtype.itemsize, offset=offset)
+            for entry in entries[start:stop]:
+                low = (entry["offset"] - offset) // dtype.itemsize
+                array = flat[low : low + entry["nbytes"] // dtype.itemsize]
+                tensors[entry["name"]] = array.reshape(entry["shape"])
+            runs.append((start, stop, flat))
+            start = stop
+        return Payload(meta=header["meta"], tensors=PackedTensors(tensors, runs))
 
     def _check_open(self) -> None:
         if self._closed:

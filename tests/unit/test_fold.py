@@ -24,7 +24,7 @@ from fedcore.protocols._bounds import UploadBounds
 from fedcore.protocols._fold import OrderedFold, weighted_sum
 from fedcore.protocols.dp_fedavg import DpFedAvgServer
 from fedcore.protocols.fedavg.protocol import ModelAveragingServer
-from fedcore.transport import Payload
+from fedcore.transport import PackedTensors, Payload, decode_chunks, encode_chunks
 
 SHAPES = {"w": (3, 5), "b": (5,), "big": (2, 40_000)}
 """A tensor larger than one block (2**15 elements), so blocks are exercised too."""
@@ -61,14 +61,16 @@ def _reference(uploads: dict[int, dict[str, np.ndarray]], weights: dict[int, flo
     clients=st.integers(1, 9),
     dtype=st.sampled_from(["float32", "float64"]),
     hold=st.sampled_from([0, 400_000, 1 << 30, ON_DISK]),
+    wire=st.booleans(),
 )
 def test_any_arrival_order_gives_the_batch_sum_bit_for_bit(
-    seed: int, clients: int, dtype: str, hold: int
+    seed: int, clients: int, dtype: str, hold: int, wire: bool
 ) -> None:
     """Also with every upload on disk (``ON_DISK``), summed back in blocks of 7,000
-    coordinates (so the big tensor's last block is a short one)."""
+    coordinates (so the big tensor's last block is a short one), and with the uploads as a
+    server decodes them (``wire``: packed back to back, summed a stretch per call)."""
     with tempfile.TemporaryDirectory() as folder:
-        _check_arrival_order(seed, clients, dtype, hold, Path(folder))
+        _check_arrival_order(seed, clients, dtype, hold, Path(folder), wire=wire)
 
 
 @pytest.mark.parametrize("hold", [400_000, ON_DISK])
@@ -78,16 +80,21 @@ def test_the_compiled_kernel_gives_the_same_sums(
     seed: int, dtype: str, hold: int, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """With the kernel's threshold lowered, the big tensor (80,000 elements) is folded by
-    the compiled kernel: the sums still equal the independent whole-tensor expression."""
+    the compiled kernel: the sums still equal the independent whole-tensor expression (odd
+    seeds: decoded uploads, whose three tensors are one stretch of 80,020 elements)."""
     monkeypatch.setattr(_kernels, "KERNEL_ELEMENTS", 1 << 12)
     monkeypatch.delenv(_kernels.THREADS_ENV, raising=False)
-    _check_arrival_order(seed, 11, dtype, hold, tmp_path)  # 11 on disk: a group of 8, then 3
+    # 11 on disk: a group of 8, then 3
+    _check_arrival_order(seed, 11, dtype, hold, tmp_path, wire=seed % 2 == 1)
     assert _kernels.kernel_info()["state"] == "loaded"
 
 
-def _check_arrival_order(seed: int, clients: int, dtype: str, hold: int, tmp_path: Path) -> None:
+def _check_arrival_order(
+    seed: int, clients: int, dtype: str, hold: int, tmp_path: Path, *, wire: bool = False
+) -> None:
     rng = np.random.default_rng(seed)
     everyone = _uploads(rng, clients, dtype)
+    sent = {k: _decoded(tensors) for k, tensors in everyone.items()} if wire else everyone
     weights = {k: float(rng.integers(1, 5000)) for k in everyone}
     dropped = {k for k in everyone if rng.random() < 0.3}
     arriving = [k for k in rng.permutation(clients).tolist() if k not in dropped]
@@ -101,7 +108,7 @@ def _check_arrival_order(seed: int, clients: int, dtype: str, hold: int, tmp_pat
     with fold, _disk_blocks(7_000):
         for what, k in events:
             if what == "add":
-                fold.add(k, everyone[k], weights[k])
+                fold.add(k, sent[k], weights[k])
             else:
                 fold.skip(k)
         if on_disk and arriving:
@@ -125,6 +132,15 @@ def _check_arrival_order(seed: int, clients: int, dtype: str, hold: int, tmp_pat
     for name in SHAPES:
         assert np.array_equal(streamed[name], expected[name])
     assert not any(tmp_path.iterdir()), "spill files are removed"
+
+
+def _decoded(tensors: dict[str, np.ndarray], runs: int = 1) -> dict[str, np.ndarray]:
+    """``tensors`` as a server decodes them: packed back to back in one body, ``runs``
+    stretches of one dtype."""
+    chunks = encode_chunks(Payload(meta={}, tensors=tensors), chunk_bytes=1 << 20)
+    decoded = decode_chunks(chunks, max_message_bytes=1 << 30).tensors
+    assert isinstance(decoded, PackedTensors) and len(decoded.runs() or []) == runs
+    return decoded
 
 
 @contextlib.contextmanager
@@ -278,6 +294,47 @@ def test_a_held_upload_is_copied_so_its_buffer_may_be_reused() -> None:
     buffer[:] = 100.0  # a decoder reusing its buffer
     fold.add(0, {"w": np.zeros(4)}, 1.0)
     assert np.array_equal(fold.sums()["w"], np.ones(4))
+
+
+MIXED_LAYOUT = {
+    "w": ((3, 4), np.float32),
+    "n": ((), np.int64),
+    "b": ((5,), np.float32),
+    "s": ((2,), np.float64),
+}
+"""A layout whose dtypes alternate: a decoded upload of it is four stretches."""
+
+
+def test_decoded_uploads_of_mixed_dtypes_give_the_bits_of_plain_ones() -> None:
+    """Decoded uploads are summed a stretch per call, held ones too (copied a stretch at a
+    time); one in another order than the layout is summed a tensor at a time. Sums and mean
+    are the plain dicts' bit for bit, and the mean is packed a stretch per dtype."""
+    rng = np.random.default_rng(5)
+    uploads = {
+        k: {
+            name: np.asarray(rng.standard_normal(shape) * 100).astype(dtype)
+            for name, (shape, dtype) in MIXED_LAYOUT.items()
+        }
+        for k in range(5)
+    }
+    weights = {k: float(k + 1) for k in uploads}
+    decoded = {k: _decoded(tensors, runs=4) for k, tensors in uploads.items()}
+    decoded[3] = _decoded(dict(reversed(list(uploads[3].items()))), runs=4)
+    results = []
+    for uploads_of in (decoded, uploads):
+        with OrderedFold(uploads[0], uploads, hold_bytes=1 << 20) as fold:
+            for k in (4, 2, 3, 1, 0):  # 4, 2, 3 and 1 are held; 0 makes all five come
+                fold.add(k, uploads_of[k], weights[k])
+            assert fold.peak_held_bytes > 0
+            results.append(({n: v.copy() for n, v in fold.sums().items()}, fold.mean()))
+    (packed_sums, packed_mean), (plain_sums, plain_mean) = results
+    for name in MIXED_LAYOUT:
+        assert np.array_equal(packed_sums[name], plain_sums[name])
+        assert packed_mean[name].dtype == plain_mean[name].dtype
+        assert np.array_equal(packed_mean[name], plain_mean[name])
+    expected = sum(uploads[k]["w"].astype(np.float64) * weights[k] for k in range(5))
+    assert np.array_equal(packed_sums["w"], expected)
+    assert isinstance(packed_mean, PackedTensors) and len(packed_mean.runs() or []) == 4
 
 
 @pytest.mark.parametrize(

@@ -1,0 +1,71 @@
+"""Tensors that lie back to back in one buffer, worked on as one array.
+
+A model is many tensors, and an upload's checks and the server's fold went through them one at
+a time: on a small model (the digits MLP is four tensors, 36 KB in all) the calls, not the bytes,
+cost most of an upload's check and fold, and a deep network has hundreds of tensors. Yet a
+decoded message's tensors view one body, back to back in the header's order, and a fold's sums
+and the mean it makes are one buffer each (``PackedTensors``). So elementwise work runs once per
+stretch of positions over which every operand is one run, on a 1-D view of each: the same
+operations per element, so the same bits.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from itertools import accumulate, pairwise
+
+import numpy as np
+
+from fedcore.transport._payload import PackedTensors, Run
+
+
+def runs_of(tensors: Mapping[str, np.ndarray]) -> list[Run]:
+    """``tensors``' runs: a ``PackedTensors``' own, else one per tensor (its 1-D view, a copy
+    only where a tensor is not C-contiguous)."""
+    if isinstance(tensors, PackedTensors):
+        found = tensors.runs()
+        if found is not None:
+            return found
+    return [
+        (index, index + 1, np.ascontiguousarray(value).reshape(-1))
+        for index, value in enumerate(tensors.values())
+    ]
+
+
+def stretches(sizes: Sequence[int], *operands: list[Run]) -> list[tuple[np.ndarray, ...]]:
+    """For operands whose tensors have ``sizes`` elements position by position (an upload, the
+    sums, the model): the stretches of positions over which every operand is one run, each as
+    one 1-D view per operand, in order. Over the stretches the views hold every element once,
+    in the tensors' order.
+
+    Raises:
+        ValueError: an operand's runs do not cover the positions of ``sizes`` in order, or a
+            run's view does not hold its tensors' elements.
+    """
+    count = len(sizes)
+    if count and all(len(runs) == 1 for runs in operands):  # each operand one buffer
+        total = sum(sizes)
+        if all(runs[0][:2] == (0, count) and runs[0][2].size == total for runs in operands):
+            return [tuple(runs[0][2] for runs in operands)]
+    offsets = [0, *accumulate(sizes)]
+    for runs in operands:
+        expected = 0
+        for start, stop, view in runs:
+            if start != expected or stop <= start or view.size != offsets[stop] - offsets[start]:
+                raise ValueError("An operand's runs do not match the tensors' sizes.")
+            expected = stop
+        if expected != count:
+            raise ValueError("An operand's runs do not cover every tensor.")
+    bounds = sorted({start for runs in operands for start, _, _ in runs} | {count})
+    found: list[tuple[np.ndarray, ...]] = []
+    cursors = [0] * len(operands)
+    for start, stop in pairwise(bounds):
+        views = []
+        for which, runs in enumerate(operands):
+            while runs[cursors[which]][1] <= start:
+                cursors[which] += 1
+            run_start, _, view = runs[cursors[which]]
+            low = offsets[start] - offsets[run_start]
+            views.append(view[low : low + offsets[stop] - offsets[start]])
+        found.append(tuple(views))
+    return found
