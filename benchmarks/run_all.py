@@ -377,8 +377,9 @@ def render_intro(all_steps: list[Step], started: str, total: float, images: list
         "`scale`; `python benchmarks/spine.py --write`, `protocols.py`, `checkpoint.py`, "
         "`python -m benchmarks.operator_scale --write`). Outside run_all: `python "
         "benchmarks/data_sources.py --write`, `sites.py`, `compression.py`, `secagg.py`, "
-        "`bigmodel.py` (its 1-billion-parameter round needs about 22 GB with the clients in "
-        "one process: `--sizes 100m` on a smaller machine, `--merge` to add another machine's "
+        "`upload_checks.py`, `bigmodel.py` (its 1-billion-parameter round needs about 22 GB "
+        "with the clients in one process: `--sizes 100m` on a smaller machine, `--merge` to "
+        "add another machine's "
         "`--json-out`). Flower is installed by the benchmark into its own virtual environment "
         "under ~/.cache/fedcore-bench, never into fedcore's.",
         "",

@@ -41,7 +41,7 @@ from fedcore.protocols._kernels import squared_distance
 from fedcore.protocols._runs import runs_of, stretches
 from fedcore.spec import FederatedRunSpec
 from fedcore.spec._uploads import DEFAULT_EXAMPLES_OVER_MEDIAN, DEFAULT_UPDATE_RMS
-from fedcore.transport import Payload
+from fedcore.transport import PackedTensors, Payload
 
 
 def parameter_count(weights: Weights) -> int:
@@ -70,10 +70,17 @@ def step_norm(tensors: Weights, reference: Weights | None = None, *, scale: floa
     total = 0.0
     block = scratch_elements(tensors.values())
     scratch = (np.empty(block, dtype=np.float64), np.empty(block, dtype=np.float64))
-    if reference is not None and list(reference) != list(tensors):
-        reference = {name: reference[name] for name in tensors}  # a tensor each, in order
+    runs = tensors.runs() if isinstance(tensors, PackedTensors) else None
+    if runs is None or (reference is not None and list(reference) != list(tensors)):
+        for name, value in tensors.items():  # a tensor at a time
+            if value.dtype.kind != "f":
+                continue
+            flat = np.ascontiguousarray(value).reshape(-1)
+            ref = None if reference is None else np.ascontiguousarray(reference[name]).reshape(-1)
+            total += squared_distance(flat, ref, scratch=scratch)
+        return abs(scale) * math.sqrt(total)
     sizes = [int(value.size) for value in tensors.values()]
-    operands = [runs_of(tensors)] if reference is None else [runs_of(tensors), runs_of(reference)]
+    operands = [runs] if reference is None else [runs, runs_of(reference)]
     for views in stretches(sizes, *operands):
         if views[0].dtype.kind != "f":
             continue

@@ -355,10 +355,18 @@ class OrderedFold:
         """acc += weight * widen(upload), per stretch of the upload's runs
         (``_kernels.fold_into``: the same operations per element as a whole-tensor float64
         temporary, so the same result)."""
-        for flat, acc in stretches(self._size_list, runs, self._acc_runs):
+        for flat, acc in self._pairs(runs):
             fold_into(acc, flat, weight, scratch=self._term, overwrite=not self._written)
         self._written = True
         self.weight_total += weight
+
+    def _pairs(self, *uploads: list[Run]) -> list[tuple[np.ndarray, ...]]:
+        """Views of ``uploads`` and of the sums over the stretches they share; a tensor each
+        where every upload comes a tensor at a time (a plain dict's: no cutting needed)."""
+        if all(len(runs) == len(self._names) for runs in uploads):
+            views = [[view for _, _, view in runs] for runs in uploads]
+            return list(zip(*views, self._acc.values(), strict=True))
+        return stretches(self._size_list, *uploads, self._acc_runs)
 
     def _fold_group(self, group: list[_Upload]) -> None:
         """``_fold`` of each upload of ``group`` in order, several per pass over the sums
@@ -369,7 +377,7 @@ class OrderedFold:
         elif group:
             weights = [weight for _, weight in group]
             operands = [runs for runs, _ in group]
-            for views in stretches(self._size_list, *operands, self._acc_runs):
+            for views in self._pairs(*operands):
                 fold_many_into(
                     views[-1],
                     list(views[:-1]),

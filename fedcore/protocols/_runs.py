@@ -43,11 +43,7 @@ def stretches(sizes: Sequence[int], *operands: list[Run]) -> list[tuple[np.ndarr
             run's view does not hold its tensors' elements.
     """
     count = len(sizes)
-    if count and all(len(runs) == 1 for runs in operands):  # each operand one buffer
-        total = sum(sizes)
-        if all(runs[0][:2] == (0, count) and runs[0][2].size == total for runs in operands):
-            return [tuple(runs[0][2] for runs in operands)]
-    offsets = [0, *accumulate(sizes)]
+    offsets = list(accumulate(sizes, initial=0))
     for runs in operands:
         expected = 0
         for start, stop, view in runs:
@@ -56,6 +52,20 @@ def stretches(sizes: Sequence[int], *operands: list[Run]) -> list[tuple[np.ndarr
             expected = stop
         if expected != count:
             raise ValueError("An operand's runs do not cover every tensor.")
+    if not count:
+        return []
+    split = [runs for runs in operands if len(runs) > 1]
+    if all(runs is split[0] or _same_bounds(runs, split[0]) for runs in split):
+        # The usual cases: every operand one buffer, or those that are not cut alike (an
+        # upload a tensor at a time, or in stretches, against one buffer of sums)
+        cuts = split[0] if split else [(0, count, operands[0][0][2])]
+        return [
+            tuple(
+                runs[index][2] if len(runs) > 1 else runs[0][2][offsets[start] : offsets[stop]]
+                for runs in operands
+            )
+            for index, (start, stop, _) in enumerate(cuts)
+        ]
     bounds = sorted({start for runs in operands for start, _, _ in runs} | {count})
     found: list[tuple[np.ndarray, ...]] = []
     cursors = [0] * len(operands)
@@ -69,3 +79,7 @@ def stretches(sizes: Sequence[int], *operands: list[Run]) -> list[tuple[np.ndarr
             views.append(view[low : low + offsets[stop] - offsets[start]])
         found.append(tuple(views))
     return found
+
+
+def _same_bounds(runs: list[Run], other: list[Run]) -> bool:
+    return len(runs) == len(other) and all(a[0] == b[0] for a, b in zip(runs, other, strict=True))

@@ -22,6 +22,7 @@ import pyarrow.parquet as pq
 import pytest
 import yaml
 
+from fedcore.local.ports import free_ports
 from fedcore_operator.settings import OperatorSettings
 from tests.integration._prometheus import log_tail, poll, query, running_prometheus
 from tests.integration._s3 import start_s3
@@ -185,6 +186,46 @@ def test_a_client_over_its_memory_limit_is_oom_killed_and_status_says_so(
     assert failure["exitCode"] == 137  # SIGKILL from the kernel's OOM killer
     assert failure["action"] in ("Recreated", "RunFailed")
     plane.kubectl("delete", "-n", release.runs, "federatedrun", "too-small", "--wait=false")
+
+
+def test_a_server_that_cannot_use_its_store_says_why_in_its_pods_termination_message(
+    node: RealNode, release: Release
+) -> None:
+    """A failed role writes its one-line error to /dev/termination-log, which a real kubelet
+    mounts into the read-only, non-root container and copies into the pod's status: the
+    failed server pod, and the run's message, name the cause, not only ``Error``."""
+    plane = node.control_plane
+    create_credentials(plane, release.runs)
+    (port,) = free_ports(1)  # nothing listens there: the store is unreachable
+    body = yaml.safe_load(QUICKSTART.read_text())
+    body["metadata"]["name"] = "no-store"
+    body["spec"]["checkpoint"] = {
+        "everyRounds": 1,
+        "s3": {
+            "bucket": "runs",
+            "endpoint": f"http://{node.network.gateway}:{port}",
+            "credentialsSecret": "s3-credentials",
+            "retrySeconds": 1,
+        },
+    }
+    body["spec"]["backoffLimit"] = 0
+    plane.kubectl("apply", "-n", release.runs, "-f", "-", input=yaml.safe_dump(body))
+    try:
+        run = wait_for_run(
+            plane, release.runs, "no-store", _phase_is("Succeeded", "Failed"),
+            timeout=300, what="the end", debug=release.debug,
+        )  # fmt: skip
+        status = run["status"]
+        assert status["phase"] == "Failed", f"{status}\n{release.debug()}"
+        assert "checkpoint store cannot be used" in status["message"], status
+        server = read_json(plane.core().read_namespaced_pod, "no-store-server", release.runs)
+        (state,) = [c["state"]["terminated"] for c in server["status"]["containerStatuses"]]
+        assert state["exitCode"] == 1, state
+        assert state["message"].startswith("CheckpointFailed: The checkpoint store cannot"), state
+        assert "\n" not in state["message"].strip() and len(state["message"]) <= 2048, state
+    finally:
+        plane.kubectl("delete", "-n", release.runs, "federatedrun", "no-store", "--wait=false",
+                      check=False)  # fmt: skip
 
 
 HOLD_FILE = "/hold/until-deleted"
