@@ -367,7 +367,8 @@ def bounds(data: dict[str, Any]) -> list[str]:
         "Xeon on others (the machine line above says which ran this table). On the AMD "
         "(2026-11-26 and 27) the floor trained a client in about 0.3 ms and fedcore's median "
         "round was 2.49x the floor's at K=50 and 2.28x at K=200; on the Intel (2026-11-28) the "
-        "floor takes about 0.6 ms per client and the same code measured 1.84x and 1.62x. "
+        "floor takes about 0.6 ms per client, and two runs of this benchmark that day "
+        "measured 1.84x and 1.80x at K=50, 1.62x and 1.78x at K=200. "
         f"{grouping(data)}.",
         "",
         "On the AMD, sampled with py-spy on K=50 and K=200 runs (2026-11-26): a client "
