@@ -317,7 +317,10 @@ def render(medians: dict[str, dict[str, Any]], repeats: int, date: str | None = 
             "protocols' cost, not a useful privacy level: mpdp runs with clientNoiseStd 0.001 "
             "(its noise path on, the accuracy unharmed, so its epsilon is astronomically large) "
             "and dp-fedavg (local epochs like fedavg, learning rate 0.5) with clippingNorm 1 and "
-            "noiseMultiplier 0.1. See the protocol pages for accuracy at meaningful budgets.",
+            "noiseMultiplier 0.1. See the protocol pages for accuracy at meaningful budgets. "
+            "Their noise is drawn from the operating system's randomness, not from the run's "
+            "seed (as DP noise must be), so mpdp's and dp-fedavg's accuracies differ from run "
+            "to run in the second or third decimal; the other protocols' are fixed by the seed.",
             "",
             "| protocol | median round (ms) | vs fedsgd | vs fedsgd, each repeat | CPU per "
             "round, all roles (ms) | vs fedsgd | MiB per round | vs fedsgd | peak memory, PSS "
