@@ -42,7 +42,7 @@ from fedcore.protocols._kernels import (
     fold_into,
     fold_many_into,
 )
-from fedcore.protocols._runs import runs_of, stretches
+from fedcore.protocols._runs import stretches
 from fedcore.protocols._spill import HOLD_BYTES, SPILL_PREFIXES, SpillFolder
 from fedcore.transport._payload import PackedTensors, Run
 
@@ -179,18 +179,20 @@ class OrderedFold:
         holds it (in memory, or on disk) until it does."""
         self._check_open(client)
         _check_weight(client, weight)
-        flats = self._flats(client, tensors)
-        if self.on_disk:
-            self._store(client, flats, float(weight))
-            self._added.add(client)
-            return
-        runs = self._runs(tensors, flats)
+        runs = None if self.on_disk else self._packed_runs(client, tensors)
+        if runs is None:
+            flats = self._flats(client, tensors)
+            if self.on_disk:
+                self._store(client, flats, float(weight))
+                self._added.add(client)
+                return
+            runs = [(index, index + 1, flats[name]) for index, name in enumerate(self._names)]
         if self._position[client] == self._next:
             group.append((runs, float(weight)))
             self._added.add(client)
             self._next += 1
             return
-        size = sum(flat.nbytes for flat in flats.values())
+        size = sum(view.nbytes for _, _, view in runs)
         if self.held_bytes + size <= self._hold_bytes:
             # Copied: the caller's buffers (a decoder's) may be reused once this returns.
             copied = [(start, stop, view.copy()) for start, stop, view in runs]
@@ -198,6 +200,7 @@ class OrderedFold:
             self.held_bytes += size
             self.peak_held_bytes = max(self.peak_held_bytes, self.held_bytes)
         else:
+            flats = self._flats(client, tensors)
             np.savez(self._spill_file(client), *(flats[name] for name in self._layout))
             self._spilled[client] = float(weight)
             self.spilled_count += 1
@@ -344,12 +347,22 @@ class OrderedFold:
             offset += size
         return views, ([(0, len(views), flat)] if views else [])
 
-    def _runs(self, tensors: Tensors, flats: dict[str, np.ndarray]) -> list[Run]:
-        """An upload's runs in the layout's order: those its tensors were packed in (a decoded
-        message's), where they are in that order, else a tensor each."""
-        if isinstance(tensors, PackedTensors) and list(tensors) == self._names:
-            return runs_of(tensors)
-        return [(index, index + 1, flats[name]) for index, name in enumerate(self._names)]
+    def _packed_runs(self, client: int, tensors: Tensors) -> list[Run] | None:
+        """The runs an upload's tensors were packed in (a decoded message's), checked against
+        the layout, where they are in its order; None where they are not packed so (then
+        ``_flats`` checks them and takes them a tensor at a time).
+
+        Raises:
+            ProtocolError: a tensor's shape is not the layout's.
+        """
+        if not isinstance(tensors, PackedTensors) or list(tensors) != self._names:
+            return None
+        for (name, (shape, _)), value in zip(self._layout.items(), tensors.values(), strict=True):
+            if value.shape != shape:
+                raise ProtocolError(
+                    f"Client {client}'s tensor {name!r} has shape {value.shape}, not {shape}."
+                )
+        return tensors.runs()
 
     def _fold(self, runs: list[Run], weight: float) -> None:
         """acc += weight * widen(upload), per stretch of the upload's runs

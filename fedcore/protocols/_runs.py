@@ -55,17 +55,19 @@ def stretches(sizes: Sequence[int], *operands: list[Run]) -> list[tuple[np.ndarr
     if not count:
         return []
     split = [runs for runs in operands if len(runs) > 1]
-    if all(runs is split[0] or _same_bounds(runs, split[0]) for runs in split):
-        # The usual cases: every operand one buffer, or those that are not cut alike (an
-        # upload a tensor at a time, or in stretches, against one buffer of sums)
-        cuts = split[0] if split else [(0, count, operands[0][0][2])]
-        return [
-            tuple(
-                runs[index][2] if len(runs) > 1 else runs[0][2][offsets[start] : offsets[stop]]
-                for runs in operands
-            )
-            for index, (start, stop, _) in enumerate(cuts)
+    if not split:  # every operand one buffer
+        return [tuple(runs[0][2] for runs in operands)]
+    cuts = split[0]
+    if all(_same_bounds(runs, cuts) for runs in split[1:]):
+        # The usual case: the operands that are cut are cut alike (an upload against the
+        # model), the others are one buffer each (the sums), sliced the same way.
+        columns = [
+            [view for _, _, view in runs]
+            if len(runs) > 1
+            else [runs[0][2][offsets[start] : offsets[stop]] for start, stop, _ in cuts]
+            for runs in operands
         ]
+        return list(zip(*columns, strict=True))
     bounds = sorted({start for runs in operands for start, _, _ in runs} | {count})
     found: list[tuple[np.ndarray, ...]] = []
     cursors = [0] * len(operands)

@@ -337,6 +337,13 @@ def test_decoded_uploads_of_mixed_dtypes_give_the_bits_of_plain_ones() -> None:
     assert isinstance(packed_mean, PackedTensors) and len(packed_mean.runs() or []) == 4
 
 
+def test_a_decoded_upload_of_another_shape_is_refused_naming_the_tensor() -> None:
+    reference = {"w": np.zeros((2, 3), dtype=np.float32), "b": np.zeros(3, dtype=np.float32)}
+    wrong = _decoded({"w": np.zeros((3, 2), dtype=np.float32), "b": np.zeros(3, np.float32)})
+    with OrderedFold(reference, [0]) as fold, pytest.raises(ProtocolError, match="'w' has shape"):
+        fold.add(0, wrong, 1.0)
+
+
 @pytest.mark.parametrize(
     ("action", "message"),
     [
