@@ -225,6 +225,18 @@ def load() -> str:
     return f"{one:.1f} / {five:.1f} / {fifteen:.1f}"
 
 
+def cpu_model() -> str:
+    """The CPU's model name (/proc/cpuinfo), or "unknown CPU": the shared VM is not always the
+    same machine, and its ratios move with it (docs/benchmarks.md)."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return "unknown CPU"
+
+
 def machine() -> str:
     """One line naming the machine, the versions and the date."""
     import numpy
@@ -232,17 +244,10 @@ def machine() -> str:
 
     import fedcore
 
-    cpu = "unknown CPU"
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
     memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30
     return (
-        f"{dt.date.today().isoformat()}, {platform.machine()} {cpu}, {os.cpu_count()} cores, "
+        f"{dt.date.today().isoformat()}, {platform.machine()} {cpu_model()}, "
+        f"{os.cpu_count()} cores, "
         f"{memory:.0f} GiB, Linux {platform.release()}, Python {platform.python_version()}, "
         f"torch {torch.__version__}, numpy {numpy.__version__}, fedcore {fedcore.__version__}"
     )

@@ -34,6 +34,7 @@ import yaml
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from benchmarks.measure import cpu_model
 from benchmarks.spine import ROOT, tree_pss_bytes, write_section
 
 BEGIN = "<!-- protocols:begin -->"
@@ -262,8 +263,14 @@ def maths_round(protocol: str, folder: Path) -> float:
     return statistics.median(entry["seconds"] for entry in history[1:])
 
 
-def render(medians: dict[str, dict[str, Any]], repeats: int, date: str | None = None) -> str:
-    """The markdown section (measured on ``date``, ISO; None: today)."""
+def render(
+    medians: dict[str, dict[str, Any]],
+    repeats: int,
+    date: str | None = None,
+    cpu: str | None = None,
+) -> str:
+    """The markdown section (measured on ``date``, ISO, on the ``cpu`` named; None: today,
+    this machine)."""
     import torch
 
     import fedcore
@@ -304,7 +311,8 @@ def render(medians: dict[str, dict[str, Any]], repeats: int, date: str | None = 
             "",
             f"Measured {date or dt.date.today().isoformat()} by `python benchmarks/protocols.py "
             "--write` "
-            f"on {platform.machine()}, {os.cpu_count()} cores, Python {platform.python_version()}, "
+            f"on {platform.machine()} {cpu or cpu_model()}, {os.cpu_count()} cores, Python "
+            f"{platform.python_version()}, "
             f"torch {torch.__version__}, fedcore {fedcore.__version__}; {repeats} repeats per "
             "protocol, alternating; medians shown.",
             "",
@@ -542,7 +550,7 @@ def main() -> None:
     args = parser.parse_args()
     if args.rerender:
         record = json.loads(RESULTS.read_text(encoding="utf-8"))
-        section = render(record["rows"], record["repeats"], record["date"])
+        section = render(record["rows"], record["repeats"], record["date"], record.get("cpu"))
         print(section)
         if args.write:
             write_section(section, begin=BEGIN, end=END)
@@ -574,7 +582,12 @@ def main() -> None:
     if args.write:
         write_section(section, begin=BEGIN, end=END)
         RESULTS.parent.mkdir(parents=True, exist_ok=True)
-        record = {"date": dt.date.today().isoformat(), "repeats": args.repeats, "rows": medians}
+        record = {
+            "date": dt.date.today().isoformat(),
+            "cpu": cpu_model(),
+            "repeats": args.repeats,
+            "rows": medians,
+        }
         RESULTS.write_text(json.dumps(record, indent=1) + "\n", encoding="utf-8")
 
 
