@@ -328,15 +328,24 @@ class OrderedFold:
                 f"Client {client}'s upload has tensors {sorted(tensors)}, not "
                 f"{sorted(self._layout)}."
             )
-        flats = {}
-        for name, (shape, _) in self._layout.items():
-            value = np.asarray(tensors[name])
+        values = [np.asarray(tensors[name]) for name in self._names]
+        self._check_shapes(client, values)
+        return {
+            name: np.ascontiguousarray(value).reshape(-1)
+            for name, value in zip(self._names, values, strict=True)
+        }
+
+    def _check_shapes(self, client: int, values: Iterable[np.ndarray]) -> None:
+        """Refuses an upload whose tensors (in the layout's order) are not the layout's shapes.
+
+        Raises:
+            ProtocolError: naming the first tensor of another shape.
+        """
+        for (name, (shape, _)), value in zip(self._layout.items(), values, strict=True):
             if value.shape != shape:
                 raise ProtocolError(
                     f"Client {client}'s tensor {name!r} has shape {value.shape}, not {shape}."
                 )
-            flats[name] = np.ascontiguousarray(value).reshape(-1)
-        return flats
 
     def _new_sums(self) -> tuple[dict[str, np.ndarray], list[Run]]:
         """Uninitialised float64 sums for the layout, one buffer: 1-D views by name, runs."""
@@ -357,11 +366,7 @@ class OrderedFold:
         """
         if not isinstance(tensors, PackedTensors) or list(tensors) != self._names:
             return None
-        for (name, (shape, _)), value in zip(self._layout.items(), tensors.values(), strict=True):
-            if value.shape != shape:
-                raise ProtocolError(
-                    f"Client {client}'s tensor {name!r} has shape {value.shape}, not {shape}."
-                )
+        self._check_shapes(client, tensors.values())
         return tensors.runs()
 
     def _fold(self, runs: list[Run], weight: float) -> None:
