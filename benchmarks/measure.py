@@ -46,7 +46,7 @@ def _pss(pid: int) -> int:
 _TICKS = os.sysconf("SC_CLK_TCK")
 
 
-def _cpu_seconds(pid: int) -> float | None:
+def process_cpu_seconds(pid: int) -> float | None:
     """User + system CPU seconds ``pid`` has used, or None when it is gone."""
     try:
         with open(f"/proc/{pid}/stat", "rb") as handle:
@@ -167,7 +167,7 @@ class TreeSampler:
                 with contextlib.suppress(OSError):  # the latest: a fork redirects it later
                     self.outputs[pid] = os.readlink(f"/proc/{pid}/fd/1")
             for pid in members:
-                used = _cpu_seconds(pid)
+                used = process_cpu_seconds(pid)
                 if used is not None:
                     self._cpu[pid] = max(used, self._cpu.get(pid, 0.0))
             if self._count is not None:

@@ -11,6 +11,8 @@ from pathlib import Path
 from typing import Any
 
 from fedcore.checkpoint import Checkpointer, open_store
+from fedcore.local.allocator import tune_allocator
+from fedcore.local.threads import limit_threads
 from fedcore.spec import (
     RESUME_INSENSITIVE_FIELDS,
     FederatedRun,
@@ -20,6 +22,14 @@ from fedcore.spec import (
 )
 from fedcore.spec._runtime import message_limit
 from fedcore.transport import Identity, Limits, RetryPolicy, RevokedSites, TlsBundle
+
+
+def settle_role_process(threads: int) -> None:
+    """What a role process sets before it works: its maths' thread count (``limit_threads``)
+    and the C allocator's thresholds (``tune_allocator``: message-sized buffers reused)."""
+    limit_threads(threads)
+    tune_allocator()
+
 
 SERVER_SERVICE = "Server"
 KDC_SERVICE = "Kdc"

@@ -24,7 +24,6 @@ from fedcore.learning.evaluation import (
 from fedcore.learning.models import build_model
 from fedcore.learning.poisoning import attack_of, misreport_evaluation, overflow_upload
 from fedcore.learning.training import Evaluator, LocalLearner
-from fedcore.local.threads import limit_threads
 from fedcore.observe.metrics import RoleMetrics
 from fedcore.protocols import ClientProtocol, KeyChannel, create_protocol
 from fedcore.protocols._compressed import META_KEY as COMPRESSION_KEY
@@ -37,6 +36,7 @@ from fedcore.roles._common import (
     limits_of,
     parameters_of,
     retry_of,
+    settle_role_process,
 )
 from fedcore.roles._peer_duties import PeerDuties, PeerSettings
 from fedcore.sites.binding import SiteBinding
@@ -514,7 +514,7 @@ def run_client(
     With ``site_binding`` (a site's client), the client reads its data source from the
     site's binding and checks every task against the site's approval before it computes."""
     run, tls = config.load()
-    limit_threads(config.threads)
+    settle_role_process(config.threads)
     guard = None
     if site_binding is not None:
         binding = SiteBinding.load(site_binding)

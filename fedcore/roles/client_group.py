@@ -32,8 +32,7 @@ from pathlib import Path
 from typing import Any
 
 from fedcore.errors import FedcoreError
-from fedcore.local.threads import limit_threads
-from fedcore.roles._common import RoleConfig
+from fedcore.roles._common import RoleConfig, settle_role_process
 from fedcore.roles.client import Client
 from fedcore.spec import load_manifest, protocol_facts
 from fedcore.transport import TlsBundle, Turn
@@ -119,7 +118,7 @@ def run_client_group(
             f"Protocol {run.spec.protocol.name!r} is decentralized: its clients serve peer "
             f"links, so each runs in a process of its own (fedcore client)."
         )
-    limit_threads(config.threads)
+    settle_role_process(config.threads)
     name_members_in_logs()
     lock = threading.Lock()
     clients: list[Client] = []

@@ -49,7 +49,6 @@ from fedcore.learning.models import build_model, get_weights
 from fedcore.learning.training import Evaluator
 from fedcore.local.groups import uploads_on_disk
 from fedcore.local.probe import available_memory_bytes
-from fedcore.local.threads import limit_threads
 from fedcore.observe.events import EventLog
 from fedcore.observe.kube_status import status_listeners
 from fedcore.observe.metrics import RoleMetrics
@@ -67,6 +66,7 @@ from fedcore.roles._common import (
     parameters_of,
     retry_of,
     role_checkpointer,
+    settle_role_process,
     site_gate,
 )
 from fedcore.roles._history import StoreHistory
@@ -1049,7 +1049,7 @@ def run_server(
 ) -> dict[str, Any]:
     """The ``fedcore server`` entry point: serves one run to its end."""
     run, tls = config.load()
-    limit_threads(config.threads)
+    settle_role_process(config.threads)
     server = Server(
         run,
         config,
