@@ -166,7 +166,10 @@ async def _serve_streams(tls: bool, bundles: dict[str, Any], folder: Path, run: 
                 answers.put_nowait(size)
         except (asyncio.IncompleteReadError, ConnectionError):
             pass
+        finally:
+            ended.release()
 
+    ended = asyncio.Semaphore(0)
     context = _server_context(folder, bundles["server"]) if tls else None
     server = await asyncio.start_server(handle, "127.0.0.1", 0, ssl=context)
     run.conn.send(server.sockets[0].getsockname()[1])
@@ -183,6 +186,8 @@ async def _serve_streams(tls: bool, bundles: dict[str, Any], folder: Path, run: 
     await _rounds(run, one_round)
     for writer in writers:
         writer.close()
+    for _ in writers:  # every client saw the end and closed its side: no reader is cut off
+        await asyncio.wait_for(ended.acquire(), 30)
     server.close()
 
 

@@ -406,7 +406,12 @@ def bounds(data: dict[str, Any]) -> list[str]:
         "processes' priority (nice 5 and 10) did not shorten the tail; gRPC without its event "
         "engine (`GRPC_EXPERIMENTS`) cut the context switches to about 410 per round but not "
         "the round (51.8 against 53.2 ms). The K=50 target would need the CPU per client and "
-        "round cut by about a fifth on this machine, and by a third on the AMD.",
+        "round cut by about a fifth on this machine, and by a third on the AMD. What the "
+        "transport alone costs per client and round is measured apart, by layer, in 'One "
+        "model exchange per client and round, by transport stack' (`benchmarks/exchange.py`): "
+        "with 50 clients on 2026-11-28, 0.58 ms of CPU per exchange over fedcore's sessions "
+        "against gRPC's own 0.30 ms and raw mutual TLS's 0.18 ms, so even a transport that "
+        "cost what gRPC itself costs would spend half the floor's training per client.",
         "",
         "**Start-up** is bounded by the forkserver's imports on one core (torch, torch._dynamo "
         "for the optimizer, fedcore's roles and its spec's pydantic models: about 1.4 s here, "

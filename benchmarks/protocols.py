@@ -396,7 +396,12 @@ def runtime_sentence(medians: dict[str, dict[str, Any]]) -> str:
         f"{RUNTIME_TARGET}x fedsgd's {(base['cpu_round'] - base['maths_round']) * 1000:.1f} ms): "
         + "; ".join(parts)
         + ". That is the runtime moving mpdp's 5.7x bytes through gRPC and TLS, and the maths "
-        "running slower among twelve processes than alone. The maths itself: since "
+        "running slower among twelve processes than alone. The bytes alone are measured apart "
+        "in 'One model exchange per client and round, by transport stack' "
+        "(`benchmarks/exchange.py`): on 2026-11-28 mpdp's upload cost an exchange over gRPC "
+        "with mutual TLS, without fedcore, 557 us of CPU more than a model-sized one, 107% of "
+        "what this target allows mpdp's runtime per client and round, and over fedcore's "
+        "sessions 631 us more. The maths itself: since "
         "2026-11-27 the reverse passes take each layer's weight gradients as inputs^T @ deltas, "
         "the orientation BLAS runs about 1.5x faster on a shard's shapes (0.27 ms against "
         "0.39 ms for 144 examples x 12 terms x 64 x 64 in float64); mpdp's maths in one "
