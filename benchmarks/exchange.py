@@ -30,7 +30,6 @@ import asyncio
 import json
 import multiprocessing
 import os
-import ssl
 import statistics
 import sys
 import tempfile
@@ -47,6 +46,7 @@ import numpy as np
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from benchmarks.limits import client_tls_context, server_tls_context  # noqa: E402
 from benchmarks.measure import load, machine, process_cpu_seconds  # noqa: E402
 from benchmarks.spine import publish  # noqa: E402
 
@@ -104,31 +104,6 @@ def _answer(upload_bytes: int | None) -> bytes:
     return _encoded(_upload(1, digits_model(), upload_bytes))
 
 
-def _pems(folder: Path, bundle: Any, name: str) -> tuple[str, str, str]:
-    paths = []
-    for suffix, pem in (("crt", bundle.cert_pem), ("key", bundle.key_pem), ("ca", bundle.ca_pem)):
-        path = folder / f"{name}.{suffix}"
-        path.write_bytes(pem)
-        paths.append(str(path))
-    return paths[0], paths[1], paths[2]
-
-
-def _server_context(folder: Path, bundle: Any) -> ssl.SSLContext:
-    cert, key, ca = _pems(folder, bundle, "server")
-    context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
-    context.load_cert_chain(cert, key)
-    context.load_verify_locations(ca)
-    context.verify_mode = ssl.CERT_REQUIRED
-    return context
-
-
-def _client_context(folder: Path, bundle: Any, index: int) -> ssl.SSLContext:
-    cert, key, ca = _pems(folder, bundle, f"client-{index}")
-    context = ssl.create_default_context(cafile=ca)
-    context.load_cert_chain(cert, key)
-    return context
-
-
 # ---------------------------------------------------------------------------- the server
 
 
@@ -170,7 +145,7 @@ async def _serve_streams(tls: bool, bundles: dict[str, Any], folder: Path, run: 
             ended.release()
 
     ended = asyncio.Semaphore(0)
-    context = _server_context(folder, bundles["server"]) if tls else None
+    context = server_tls_context(folder, bundles["server"]) if tls else None
     server = await asyncio.start_server(handle, "127.0.0.1", 0, ssl=context)
     run.conn.send(server.sockets[0].getsockname()[1])
     await connected.wait()
@@ -335,7 +310,11 @@ async def _client_streams(
     frame = len(message).to_bytes(4, "little") + message
 
     async def one(index: int) -> None:
-        context = _client_context(folder, bundles[f"client-{index}"], index) if tls else None
+        context = (
+            client_tls_context(folder, bundles[f"client-{index}"], f"client-{index}")
+            if tls
+            else None
+        )
         reader, writer = await asyncio.open_connection(
             "127.0.0.1", port, ssl=context, server_hostname=SERVER_NAME if tls else None
         )

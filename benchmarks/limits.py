@@ -333,6 +333,26 @@ def _write_pems(folder: Path, bundle: Any, name: str) -> tuple[str, str, str]:
     return paths[0], paths[1], paths[2]
 
 
+def server_tls_context(folder: Path, bundle: Any) -> ssl.SSLContext:
+    """A raw socket server's mutual-TLS context: the run's server bundle, client certificates
+    required and checked against the run's CA (PEMs written under ``folder``)."""
+    cert, key, ca = _write_pems(folder, bundle, "server")
+    context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+    context.load_cert_chain(cert, key)
+    context.load_verify_locations(ca)
+    context.verify_mode = ssl.CERT_REQUIRED
+    return context
+
+
+def client_tls_context(folder: Path, bundle: Any, name: str = "client") -> ssl.SSLContext:
+    """A raw socket client's mutual-TLS context: ``bundle``'s certificate, the server checked
+    against the run's CA (PEMs written under ``folder`` as ``name``.*)."""
+    cert, key, ca = _write_pems(folder, bundle, name)
+    context = ssl.create_default_context(cafile=ca)
+    context.load_cert_chain(cert, key)
+    return context
+
+
 def _serve(kind: str, bundle: Any, folder: str, nbytes: int, conn: Connection) -> None:
     """The receiving process: serves ``kind`` on loopback, reports its port, runs until told."""
     os.environ["OMP_NUM_THREADS"] = "1"
@@ -341,11 +361,7 @@ def _serve(kind: str, bundle: Any, folder: str, nbytes: int, conn: Connection) -
         conn.send(listener.getsockname()[1])
         context = None
         if kind == "raw TLS socket":
-            cert, key, ca = _write_pems(Path(folder), bundle, "server")
-            context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
-            context.load_cert_chain(cert, key)
-            context.load_verify_locations(ca)
-            context.verify_mode = ssl.CERT_REQUIRED
+            context = server_tls_context(Path(folder), bundle)
         buffer = bytearray(nbytes)
         while True:
             raw, _ = listener.accept()
@@ -456,9 +472,7 @@ def transport_once(
         view = memoryview(_shared_encoding(payload, "flat"))
         context = None
         if kind == "raw TLS socket":
-            cert, key, ca = _write_pems(folder, client_bundle, "client")
-            context = ssl.create_default_context(cafile=ca)
-            context.load_cert_chain(cert, key)
+            context = client_tls_context(folder, client_bundle)
         return lambda: _send_raw(port, view, context)
     if kind in ("raw gRPC + mTLS", "raw gRPC, no TLS"):
         chunks = _shared_encoding(payload, "chunks")
