@@ -9,8 +9,8 @@ threshold). Where two such buffers are alive at once (a client holds its decoded
 encodes its upload), the heap top is trimmed at every free and every new buffer faults in fresh
 pages: a loop of two 400 KB buffers took 32,535 page faults in 200 turns with the defaults and
 98 with the thresholds below (tests/unit/test_allocator.py counts them). In a round's transport
-(``benchmarks/exchange.py``, mpdp's 400 KB uploads) the thresholds took a client's CPU per
-exchange from about 730 us to about 550 us.
+(``benchmarks/exchange.py``, mpdp's 400 KB uploads, 2026-11-28) they took a client process's
+CPU per exchange from 836 us to 657 us, and both ends' from 1,657 us to 1,466 us.
 
 ``tune_allocator`` sets the mmap threshold to ``MMAP_THRESHOLD_BYTES`` (larger buffers, a big
 model's tensors, still get pages of their own and give them back when freed) and the trim
