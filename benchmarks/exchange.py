@@ -228,7 +228,7 @@ async def _serve_grpc(bundles: dict[str, Any], run: _Rounds) -> None:
 
 
 def _serve_fedcore(bundles: dict[str, Any], run: _Rounds) -> None:
-    from fedcore.transport import Limits, RpcServer, SessionHandler
+    from fedcore.transport import Limits, RpcServer, ServerSession, SessionHandler
 
     answers = threading.Semaphore(0)
     sessions: list[Any] = []
@@ -264,8 +264,7 @@ def _serve_fedcore(bundles: dict[str, Any], run: _Rounds) -> None:
             run.checkpoint("start")
         started = time.perf_counter()
         task = _payload(index)  # one task per round, sent to every session (encoded once)
-        for session in sessions:
-            session.send(task)
+        ServerSession.send_all([(session, task) for session in sessions])  # as a server does
         for _ in range(run.clients):
             answers.acquire()
         if index >= WARM_ROUNDS:

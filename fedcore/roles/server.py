@@ -118,12 +118,24 @@ class Attempt:
 
     def deliver(self, client: int, session: ServerSession) -> bool:
         """Sends ``client`` its task on ``session`` unless it already went there."""
-        if self.delivered.get(client) is session:
-            return True
-        if session.send(self.task_for(client)):
-            self.delivered[client] = session
-            return True
-        return False
+        return client in self.deliver_all({client: session})
+
+    def deliver_all(self, sessions: Mapping[int, ServerSession]) -> set[int]:
+        """``deliver`` for each client and its session, the tasks queued together
+        (``ServerSession.send_all``: their loop woken once); returns the clients whose task
+        is on its session now."""
+        done = {
+            client for client, session in sessions.items() if self.delivered.get(client) is session
+        }
+        todo = [(client, session) for client, session in sessions.items() if client not in done]
+        queued = ServerSession.send_all(
+            [(session, self.task_for(client)) for client, session in todo]
+        )
+        for (client, session), sent in zip(todo, queued, strict=True):
+            if sent:
+                self.delivered[client] = session
+                done.add(client)
+        return done
 
     def release(self) -> None:
         """Lets go of the attempt's tensors once its round is combined (the plans', the tasks'
@@ -256,10 +268,12 @@ class RoundBoard(SessionHandler):
         """
         with self.cond:
             self.current = attempt
+            connected = {
+                client: self.sessions[client] for client in attempt.plans if client in self.sessions
+            }
+            delivered = attempt.deliver_all(connected)
             for client in attempt.plans:
-                session = self.sessions.get(client)
-                delivered = session is not None and attempt.deliver(client, session)
-                if not delivered and not wait_for_absent:
+                if client not in delivered and not wait_for_absent:
                     attempt.failed[client] = "absent"
             self.cond.notify_all()
 

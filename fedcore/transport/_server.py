@@ -19,7 +19,15 @@ import logging
 import threading
 import time
 from abc import ABC, abstractmethod
-from collections.abc import AsyncIterator, Callable, Collection, Coroutine, Iterable, Mapping
+from collections.abc import (
+    AsyncIterator,
+    Callable,
+    Collection,
+    Coroutine,
+    Iterable,
+    Mapping,
+    Sequence,
+)
 from concurrent import futures
 from dataclasses import dataclass
 from typing import Any, NoReturn, TypeVar
@@ -415,6 +423,34 @@ class ServerSession:
             return False
         return self._put(payload)
 
+    @staticmethod
+    def send_all(messages: Sequence[tuple[ServerSession, Payload]]) -> list[bool]:
+        """``session.send(payload)`` for each pair, in order, waking each session's event loop
+        once for them all instead of once per message (a round's tasks go out together).
+
+        Returns:
+            For each pair, whether its payload was queued (False: its session was closed or
+            its server stopped).
+        """
+        queued = [not session._closed for session, _ in messages]
+        by_loop: dict[asyncio.AbstractEventLoop, list[int]] = {}
+        for index, (session, _) in enumerate(messages):
+            if queued[index]:
+                by_loop.setdefault(session._loop, []).append(index)
+        for loop, indices in by_loop.items():
+            items = [(messages[i][0]._queue, messages[i][1]) for i in indices]
+            if _running_loop() is loop:
+                _put_all(items)
+                continue
+            try:
+                if not loop.is_running():
+                    raise RuntimeError("stopped")
+                loop.call_soon_threadsafe(_put_all, items)
+            except RuntimeError:  # the server stopped, its loop closed
+                for index in indices:
+                    queued[index] = False
+        return queued
+
     def abort(
         self, reason: str, *, code: grpc.StatusCode = grpc.StatusCode.INVALID_ARGUMENT
     ) -> None:
@@ -445,6 +481,12 @@ class ServerSession:
             chunk = b""
             if self._on_bytes is not None:
                 self._on_bytes(sent, 0)
+
+
+def _put_all(items: list[tuple[asyncio.Queue[Any], Any]]) -> None:
+    """Queues each item on its queue, in order (on the queues' loop)."""
+    for queue, item in items:
+        queue.put_nowait(item)
 
 
 class _Encoded:

@@ -53,6 +53,8 @@ class EchoSessions(SessionHandler):
     def __init__(self) -> None:
         self.opened_peers: list[Identity] = []
         self.closed_peers: list[Identity] = []
+        self.live: list[ServerSession] = []
+        """Every session opened, in order (the server's ends)."""
         self.sent: list[weakref.ref[np.ndarray]] = []
         """A weak reference to each tensor sent back (tensors views: weakly referenceable)."""
         self._lock = threading.Lock()
@@ -61,6 +63,7 @@ class EchoSessions(SessionHandler):
     def opened(self, session: ServerSession) -> None:
         with self._changed:
             self.opened_peers.append(session.peer)
+            self.live.append(session)
             self._changed.notify_all()
 
     def received(self, session: ServerSession, message: Payload) -> None:
@@ -482,6 +485,47 @@ def test_rpc_session_echoes_messages_in_order_and_closes(
         _assert_same_payload(reply, message)
     assert running.sessions.opened_peers == [Identity("client", 1)]
     assert closed == [Identity("client", 1)]
+
+
+def test_rpc_send_all_queues_each_message_on_its_own_session_in_order(
+    running: Running, pki: Pki
+) -> None:
+    # Prepare: two clients' sessions, each opened by a hello (echoed back)
+    clients = [_client(running.target, pki.bundles[f"client-{k}"]) for k in (0, 1)]
+    sessions = [client.open_session("Session") for client in clients]
+    try:
+        for k, session in enumerate(sessions):
+            session.send(Payload(meta={"hello": k}))
+            hello = session.receive()
+            assert hello is not None and hello.meta == {"hello": k}
+        ends = {end.peer: end for end in running.sessions.live}
+        first, second = ends[Identity("client", 0)], ends[Identity("client", 1)]
+        numbered = [Payload(meta={"n": n}, tensors={"x": np.full(3, n)}) for n in range(5)]
+
+        # Execute: from this thread (not the server's loop), as a round's tasks go out
+        sent = ServerSession.send_all(
+            [(first, numbered[0]), (second, numbered[1]), (first, numbered[2])]
+        )
+        got_first = [sessions[0].receive(), sessions[0].receive()]
+        got_second = sessions[1].receive()
+        second.close()
+        after_close = ServerSession.send_all([(second, numbered[3]), (first, numbered[4])])
+        got_last = sessions[0].receive()
+        ended = sessions[1].receive()
+    finally:
+        for session in sessions:
+            session.close()
+        for client in clients:
+            client.close()
+
+    # Assert
+    assert sent == [True, True, True]
+    assert [m.meta if m else None for m in got_first] == [{"n": 0}, {"n": 2}]
+    assert got_second is not None and got_second.meta == {"n": 1}
+    _assert_same_payload(got_second, numbered[1])
+    assert after_close == [False, True]
+    assert got_last is not None and got_last.meta == {"n": 4}
+    assert ended is None
 
 
 def test_rpc_session_lets_go_of_a_large_message_once_written(
