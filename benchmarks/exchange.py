@@ -434,10 +434,10 @@ class Case:
 def mpdp_upload_bytes() -> int:
     """mpdp's upload per client and round on the protocols benchmark's job: its bytes per
     round (sent and received by the server) per client, less the task (the model it sends)."""
+    rows = _protocols_record() or {}
     try:
-        rows = json.loads(PROTOCOLS_RECORD.read_text(encoding="utf-8"))["rows"]
         fedsgd, mpdp = rows["fedsgd"]["bytes_per_round"], rows["mpdp"]["bytes_per_round"]
-    except (OSError, KeyError, ValueError):
+    except (KeyError, TypeError):
         return MPDP_UPLOAD_BYTES
     clients = 10
     return int(mpdp / clients - fedsgd / clients / 2)
